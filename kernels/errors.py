@@ -1,0 +1,20 @@
+"""Exceptions raised by wanswarm.kernels::
+
+    KernelError
+    ├── UnsupportedInput     wrong dtype, shape, device or non-contiguous tensor
+    └── NonFiniteInput       NaN or Inf where a codec cannot represent it
+"""
+
+from __future__ import annotations
+
+
+class KernelError(Exception):
+    """Base class of every error raised by wanswarm.kernels."""
+
+
+class UnsupportedInput(KernelError, ValueError):
+    """A tensor the kernel cannot take: wrong dtype, shape, device or layout."""
+
+
+class NonFiniteInput(KernelError, ValueError):
+    """NaN or Inf in a tensor that a quantizing codec cannot represent."""
