@@ -7,7 +7,6 @@ import math
 import random
 
 import pytest
-
 from wanswarm.node.routing import Candidate, Router, RouterConfig
 
 
