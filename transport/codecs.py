@@ -1,0 +1,493 @@
+"""Tensor codecs: a tensor of any shape <-> a payload (bytes) plus a small spec.
+
+Codecs (wire identifiers are strings, see :meth:`CodecSpec.to_wire`):
+
+- ``none``  raw little-endian bytes of the tensor (any dtype in ``WIRE_DTYPES``);
+- ``bf16``  the tensor cast to bfloat16 (float tensors only);
+- ``int8``  blockwise absmax int8, one scale per ``block_size`` elements;
+- ``fp8``   e4m3fn codes with a per-block scale;
+- ``int4``  two codes per byte, blockwise absmax scale;
+- ``int8``/``int4`` with ``/sr``: stochastic rounding (unbiased; for gradients).
+
+Every payload starts with an 8-byte header (layout version, codec, block size, flags,
+dtype) followed by the scales (quantizing codecs) and the codes; ``docs/codecs.md`` is
+the normative description and :meth:`CodecSpec.payload_nbytes` gives its exact length.
+The arithmetic lives in ``wanswarm.kernels`` (Triton on CUDA, pure torch elsewhere).
+
+Everything that comes from a peer (codec strings, dtype names, payload bytes) is
+untrusted: malformed input raises :class:`CodecError` or :class:`PayloadError`, never
+anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import torch
+
+from ..kernels import ops
+from ..kernels import reference as kref
+from ..kernels.errors import KernelError, NonFiniteInput
+from .errors import CodecError, PayloadError
+
+logger = logging.getLogger(__name__)
+
+CodecName = Literal["none", "bf16", "int8", "fp8", "int4"]
+ScaleDtype = Literal["fp16", "fp32"]
+CODEC_NAMES: Final[tuple[str, ...]] = get_args(CodecName)
+QUANTIZING: Final[frozenset[str]] = frozenset({"int8", "fp8", "int4"})
+STOCHASTIC_CAPABLE: Final[frozenset[str]] = frozenset({"int8", "int4"})
+
+LAYOUT_VERSION: Final[int] = 1
+HEADER_NBYTES: Final[int] = 8
+MAX_WIRE_LEN: Final[int] = 32
+
+_CODEC_IDS: Final[dict[str, int]] = {"none": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
+_FLAG_FP16_SCALES: Final[int] = 0x01
+_FLAG_STOCHASTIC: Final[int] = 0x02
+_SCALE_DTYPES: Final[dict[str, torch.dtype]] = {"fp32": torch.float32, "fp16": torch.float16}
+
+# Dtypes a payload may carry: wire name -> (torch dtype, header code). Codes are part of
+# the payload layout (docs/codecs.md) and never change meaning.
+_DTYPE_TABLE: Final[dict[str, tuple[torch.dtype, int]]] = {
+    "float32": (torch.float32, 1),
+    "float16": (torch.float16, 2),
+    "bfloat16": (torch.bfloat16, 3),
+    "float64": (torch.float64, 4),
+    "int64": (torch.int64, 5),
+    "int32": (torch.int32, 6),
+    "int16": (torch.int16, 7),
+    "int8": (torch.int8, 8),
+    "uint8": (torch.uint8, 9),
+    "bool": (torch.bool, 10),
+}
+WIRE_DTYPES: Final[dict[str, torch.dtype]] = {k: v[0] for k, v in _DTYPE_TABLE.items()}
+_DTYPE_NAMES: Final[dict[torch.dtype, str]] = {v[0]: k for k, v in _DTYPE_TABLE.items()}
+_DTYPE_CODES: Final[dict[torch.dtype, int]] = {v[0]: v[1] for v in _DTYPE_TABLE.values()}
+FLOAT_DTYPES: Final[tuple[torch.dtype, ...]] = kref.FLOAT_DTYPES
+
+_WIRE_RE: Final[re.Pattern[str]] = re.compile(
+    r"(?P<name>int8|fp8|int4)/b(?P<bs>[1-9][0-9]{0,4})/(?P<sd>f16|f32)(?P<sr>/sr)?"
+)
+
+
+def dtype_to_wire(dtype: torch.dtype) -> str:
+    """Wire name of a payload dtype (``"float32"``, ``"int64"``, ...)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CodecError(f"dtype {dtype} cannot travel in a payload") from None
+
+
+def dtype_from_wire(name: str) -> torch.dtype:
+    """Torch dtype for a wire dtype name; CodecError on anything else (peer input)."""
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise CodecError(f"unknown payload dtype {str(name)[:40]!r}")
+    return WIRE_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A codec and its parameters; equal specs have equal wire strings and vice versa.
+
+    ``block_size``, ``scale_dtype`` only matter for the quantizing codecs and are reset to
+    their defaults for ``none``/``bf16`` so that the spec stays canonical.
+    """
+
+    name: CodecName
+    block_size: int = 64
+    scale_dtype: ScaleDtype = "fp32"
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_NAMES:
+            raise CodecError(
+                f"unknown codec {str(self.name)[:40]!r}; expected one of {CODEC_NAMES}"
+            )
+        if self.stochastic not in (True, False):
+            raise CodecError("stochastic must be a bool")
+        if self.stochastic and self.name not in STOCHASTIC_CAPABLE:
+            raise CodecError(f"stochastic rounding exists for int8 and int4 only, not {self.name}")
+        if self.name not in QUANTIZING:
+            object.__setattr__(self, "block_size", 64)
+            object.__setattr__(self, "scale_dtype", "fp32")
+            return
+        bs = self.block_size
+        if (
+            not isinstance(bs, int)
+            or isinstance(bs, bool)
+            or not kref.MIN_BLOCK_SIZE <= bs <= kref.MAX_BLOCK_SIZE
+            or bs & (bs - 1)
+        ):
+            raise CodecError(
+                f"block_size must be a power of two in [{kref.MIN_BLOCK_SIZE}, "
+                f"{kref.MAX_BLOCK_SIZE}], got {str(bs)[:20]}"
+            )
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise CodecError(
+                f"scale_dtype must be 'fp16' or 'fp32', got {str(self.scale_dtype)[:20]!r}"
+            )
+
+    @property
+    def quantizing(self) -> bool:
+        """True for the blockwise codecs (int8, fp8, int4)."""
+        return self.name in QUANTIZING
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    def to_wire(self) -> str:
+        """Canonical string: ``none``, ``bf16``, ``int8/b64/f32``, ``int4/b32/f16/sr``."""
+        if not self.quantizing:
+            return self.name
+        sd = "f16" if self.scale_dtype == "fp16" else "f32"
+        return f"{self.name}/b{self.block_size}/{sd}" + ("/sr" if self.stochastic else "")
+
+    @classmethod
+    def from_wire(cls, s: str) -> CodecSpec:
+        """Parse a canonical wire string; CodecError on anything else (peer input)."""
+        if not isinstance(s, str) or len(s) > MAX_WIRE_LEN:
+            raise CodecError("codec identifier is not a short string")
+        if s in ("none", "bf16"):
+            return cls(name=s)  # type: ignore[arg-type]
+        m = _WIRE_RE.fullmatch(s)
+        if m is None:
+            raise CodecError(f"unknown codec identifier {s!r}")
+        spec = cls(
+            name=m["name"],  # type: ignore[arg-type]
+            block_size=int(m["bs"]),
+            scale_dtype="fp16" if m["sd"] == "f16" else "fp32",
+            stochastic=m["sr"] is not None,
+        )
+        if spec.to_wire() != s:  # e.g. leading zeros: one spelling per codec
+            raise CodecError(f"codec identifier {s!r} is not canonical")
+        return spec
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """CodecError unless this codec can carry tensors of ``dtype``."""
+        if dtype not in _DTYPE_CODES:
+            raise CodecError(f"dtype {dtype} cannot travel in a payload")
+        if self.name != "none" and dtype not in FLOAT_DTYPES:
+            raise CodecError(f"codec {self.name} carries float32/float16/bfloat16, not {dtype}")
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Exact payload length, header included, for ``numel`` elements of ``dtype``."""
+        self.check_dtype(dtype)
+        if not isinstance(numel, int) or numel < 0:
+            raise CodecError(f"numel must be a non-negative int, got {numel!r}")
+        if self.name == "none":
+            body = numel * dtype.itemsize
+        elif self.name == "bf16":
+            body = 2 * numel
+        else:
+            nb = kref.num_blocks(numel, self.block_size)
+            scale_bytes = 2 if self.scale_dtype == "fp16" else 4
+            body = nb * scale_bytes + kref.codes_nbytes(_format_of(self), numel)
+        return HEADER_NBYTES + body
+
+    def header(self, dtype: torch.dtype) -> bytes:
+        """The 8-byte payload header for a tensor of ``dtype`` (docs/codecs.md)."""
+        self.check_dtype(dtype)
+        flags = 0
+        if self.quantizing and self.scale_dtype == "fp16":
+            flags |= _FLAG_FP16_SCALES
+        if self.stochastic:
+            flags |= _FLAG_STOCHASTIC
+        log2_bs = self.block_size.bit_length() - 1 if self.quantizing else 0
+        return bytes(
+            (LAYOUT_VERSION, _CODEC_IDS[self.name], log2_bs, flags, _DTYPE_CODES[dtype], 0, 0, 0)
+        )
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A payload and what is needed to decode it (the header fields travel separately)."""
+
+    spec: CodecSpec
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the original (decoded) dtype
+    payload: bytes
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+_FRIENDLY_SCALE: Final[dict[str, ScaleDtype]] = {
+    "f16": "fp16",
+    "fp16": "fp16",
+    "f32": "fp32",
+    "fp32": "fp32",
+}
+
+
+def parse_codec(s: str) -> CodecSpec:
+    """Friendly codec names for configs and CLIs -> CodecSpec; CodecError on bad input.
+
+    Accepts the wire form and ``name[-sr][:option...]`` with options ``b<N>`` (block
+    size), ``f16``/``fp16``/``f32``/``fp32`` (scale dtype) and ``sr``; ``raw`` means
+    ``none``. Examples: ``int8``, ``int4-sr``, ``fp8``, ``int8:b128``, ``int4:b32:f16:sr``.
+    """
+    if not isinstance(s, str) or len(s) > 64:
+        raise CodecError("codec name is not a short string")
+    text = s.strip().lower()
+    tokens = re.split(r"[:/]", text)
+    head = tokens[0]
+    stochastic = False
+    if head.endswith("-sr"):
+        head, stochastic = head[:-3], True
+    if head == "raw":
+        head = "none"
+    if head not in CODEC_NAMES:
+        raise CodecError(f"unknown codec {s!r}; expected one of {CODEC_NAMES} (e.g. 'int8:b64')")
+    block_size: int | None = None
+    scale: ScaleDtype | None = None
+    for tok in tokens[1:]:
+        if tok == "sr":
+            if stochastic:
+                raise CodecError(f"codec {s!r}: stochastic rounding given twice")
+            stochastic = True
+        elif tok in _FRIENDLY_SCALE:
+            if scale is not None:
+                raise CodecError(f"codec {s!r}: scale dtype given twice")
+            scale = _FRIENDLY_SCALE[tok]
+        elif re.fullmatch(r"b[0-9]{1,5}", tok):
+            if block_size is not None:
+                raise CodecError(f"codec {s!r}: block size given twice")
+            block_size = int(tok[1:])
+        else:
+            raise CodecError(f"codec {s!r}: unknown option {tok!r} (use b<N>, f16, f32 or sr)")
+    if head not in QUANTIZING and (block_size is not None or scale is not None):
+        raise CodecError(f"codec {s!r}: {head} takes no block size or scale dtype")
+    return CodecSpec(
+        name=head,  # type: ignore[arg-type]
+        block_size=64 if block_size is None else block_size,
+        scale_dtype="fp32" if scale is None else scale,
+        stochastic=stochastic,
+    )
+
+
+def encode(
+    t: torch.Tensor, spec: CodecSpec, *, generator: torch.Generator | None = None
+) -> EncodedTensor:
+    """Encode ``t`` (any shape and device) with ``spec``.
+
+    ``generator`` drives the stochastic-rounding seed (default: torch's global RNG).
+    Raises CodecError if the codec cannot carry ``t``'s dtype and PayloadError if a
+    quantizing codec meets NaN/Inf.
+    """
+    buf = _encode_to_buffer(t, spec, generator)
+    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(buf))
+
+
+def encode_roundtrip(
+    t: torch.Tensor, spec: CodecSpec, *, generator: torch.Generator | None = None
+) -> tuple[EncodedTensor, torch.Tensor]:
+    """Encode ``t`` and also return what the receiver will decode, on ``t``'s device.
+
+    The second tensor equals ``decode(encoded, device=t.device)`` bit for bit, without
+    the round trip through host bytes (error feedback needs it for its residual).
+    """
+    buf = _encode_to_buffer(t, spec, generator)
+    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(buf))
+    return encoded, _decode_buffer(buf, spec, encoded.shape, t.dtype, t.device, untrusted=False)
+
+
+def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape)
+
+
+def _encode_to_buffer(
+    t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The whole payload as a uint8 tensor (on ``t``'s device for quantizing codecs)."""
+    dtype = t.dtype
+    spec.check_dtype(dtype)
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    header = torch.frombuffer(bytearray(spec.header(dtype)), dtype=torch.uint8)
+    if spec.name == "none":
+        buf = torch.empty(spec.payload_nbytes(n, dtype), dtype=torch.uint8)
+        buf[HEADER_NBYTES:].view(dtype).copy_(flat)
+    elif spec.name == "bf16":
+        buf = torch.empty(spec.payload_nbytes(n, dtype), dtype=torch.uint8)
+        buf[HEADER_NBYTES:].view(torch.bfloat16).copy_(flat.to(torch.bfloat16))
+    else:
+        buf = _encode_blockwise(flat, spec, generator)
+    buf[:HEADER_NBYTES].copy_(header)
+    return buf
+
+
+def _encode_blockwise(
+    flat: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
+) -> torch.Tensor:
+    fmt = _format_of(spec)
+    n = flat.numel()
+    sd = spec.torch_scale_dtype
+    buf = torch.empty(spec.payload_nbytes(n, flat.dtype), dtype=torch.uint8, device=flat.device)
+    scales_out, codes_out = _split_blockwise(buf, spec, n)
+    seed: int | None = None
+    if spec.stochastic:
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        seed = int(
+            torch.randint(0, kref.MAX_SEED + 1, (1,), generator=generator, device=gen_device)
+        )
+    try:
+        ops.quantize(
+            flat,
+            fmt,
+            spec.block_size,
+            sd,
+            seed=seed,
+            codes_out=codes_out.view(kref.codes_dtype(fmt)),
+            scales_out=scales_out,
+        )
+    except NonFiniteInput as exc:
+        raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
+    except KernelError as exc:
+        raise CodecError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
+    return buf
+
+
+def _split_blockwise(
+    buf: torch.Tensor, spec: CodecSpec, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a blockwise payload buffer: (scales in their dtype, codes as uint8)."""
+    nb = kref.num_blocks(n, spec.block_size)
+    sd = spec.torch_scale_dtype
+    end_scales = HEADER_NBYTES + nb * sd.itemsize
+    scales = buf[HEADER_NBYTES:end_scales].view(sd)
+    codes = buf[end_scales : end_scales + kref.codes_nbytes(_format_of(spec), n)]
+    return scales, codes
+
+
+def _format_of(spec: CodecSpec) -> kref.Format:
+    """The kernels' format name of a quantizing codec."""
+    if spec.name == "int8":
+        return "int8"
+    if spec.name == "fp8":
+        return "fp8"
+    if spec.name == "int4":
+        return "int4"
+    raise CodecError(f"codec {spec.name} is not blockwise")
+
+
+def _to_bytes(buf: torch.Tensor) -> bytes:
+    return buf.cpu().numpy().tobytes()
+
+
+_readonly_lock = threading.Lock()
+_readonly_seen = False
+
+
+def _view_payload(payload: bytes) -> torch.Tensor:
+    """Zero-copy uint8 view of the payload (never written to: results are fresh tensors).
+
+    torch warns once per process when it wraps a read-only buffer; that warning is about
+    writes, which we never do, so it is silenced on the first read-only wrap only.
+    """
+    global _readonly_seen
+    if _readonly_seen or not memoryview(payload).readonly:
+        return torch.frombuffer(payload, dtype=torch.uint8)
+    with _readonly_lock, warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning
+        )
+        view = torch.frombuffer(payload, dtype=torch.uint8)
+        _readonly_seen = True
+    return view
+
+
+def decode(e: EncodedTensor, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Decode a payload into a fresh tensor of ``e.dtype`` and ``e.shape`` on ``device``.
+
+    The payload is untrusted: a wrong length, header or layout raises CodecError; NaN or
+    out-of-range scales and fp8 NaN codes raise PayloadError. Nothing else escapes. The
+    result never aliases the payload.
+    """
+    spec, dtype = e.spec, e.dtype
+    if not isinstance(spec, CodecSpec):
+        raise CodecError("not a CodecSpec")
+    if not isinstance(dtype, torch.dtype):
+        raise CodecError("not a torch dtype")
+    spec.check_dtype(dtype)
+    shape = e.shape
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise CodecError(f"bad tensor shape {str(shape)[:80]}")
+    n = math.prod(shape)
+    payload = e.payload
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise CodecError("payload is not a bytes-like object")
+    expected = spec.payload_nbytes(n, dtype)
+    if len(payload) != expected:
+        raise CodecError(
+            f"{spec.to_wire()} payload for {n} {dtype_to_wire(dtype)} elements must be "
+            f"{expected} bytes, got {len(payload)}"
+        )
+    if bytes(payload[:HEADER_NBYTES]) != spec.header(dtype):
+        raise CodecError(_describe_header_mismatch(bytes(payload[:HEADER_NBYTES]), spec, dtype))
+    try:
+        target = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError) as exc:
+        raise CodecError(f"bad device {device!r}") from exc
+    return _decode_buffer(_view_payload(payload), spec, shape, dtype, target, untrusted=True)
+
+
+def _decode_buffer(
+    buf: torch.Tensor,
+    spec: CodecSpec,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    target: torch.device,
+    *,
+    untrusted: bool,
+) -> torch.Tensor:
+    """Decode a length- and header-checked payload buffer into a fresh tensor on ``target``.
+
+    ``untrusted`` payloads (from the network) get their scales range-checked first.
+    """
+    n = math.prod(shape)
+    if spec.name == "none":
+        body = buf[HEADER_NBYTES:]
+        if dtype == torch.bool:  # any byte other than 0/1 is not a valid torch bool
+            return (body != 0).to(target).view(shape)
+        return body.view(dtype).to(target, copy=True).view(shape)
+    if spec.name == "bf16":
+        bf = buf[HEADER_NBYTES:].view(torch.bfloat16).to(target)
+        return bf.to(dtype, copy=True).view(shape)
+    fmt = _format_of(spec)
+    scales, _ = _split_blockwise(buf, spec, n)
+    try:
+        if untrusted:  # on the host, before anything is moved to the device
+            ops.validate_scales(scales, fmt, dtype)
+        if buf.device != target:
+            buf = buf.to(target)
+        scales, codes = _split_blockwise(buf, spec, n)
+        out = ops.dequantize(
+            codes.view(kref.codes_dtype(fmt)), scales, fmt, spec.block_size, n, dtype
+        )
+    except KernelError as exc:
+        raise PayloadError(f"{spec.to_wire()} payload: {exc}") from exc
+    return out.view(shape)
+
+
+def _describe_header_mismatch(got: bytes, spec: CodecSpec, dtype: torch.dtype) -> str:
+    if got[0] != LAYOUT_VERSION:
+        return (
+            f"payload layout version {got[0]} is not supported (this build reads {LAYOUT_VERSION})"
+        )
+    return (
+        f"payload header {got.hex()} does not match codec {spec.to_wire()} for "
+        f"{dtype_to_wire(dtype)} (expected {spec.header(dtype).hex()})"
+    )
