@@ -1,0 +1,243 @@
+"""The WAN emulator relaying real UDP on 127.0.0.1: RTT, loss, rate and its counters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import pytest
+import uvloop
+from wanswarm.transport.wan import WanEmulator, WanProfile
+from wanswarm.transport.wan_link import BernoulliLoss, LinkProfile
+
+_PROBE = struct.Struct("!Id")  # sequence number, send time (time.monotonic)
+
+
+class _Echo(asyncio.DatagramProtocol):
+    """Sends every datagram back to where it came from; remembers the peers."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self.received = 0
+        self.sent = 0
+        self.peers: set[tuple[str, int]] = set()
+        self.transport: asyncio.DatagramTransport | None = None
+        self._on_change = on_change
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's UDP transport does not subclass asyncio.DatagramTransport
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        assert self.transport is not None
+        self.received += 1
+        self.peers.add((addr[0], addr[1]))
+        self.transport.sendto(data, addr)
+        self.sent += 1
+        self._on_change()
+
+
+class _Client(asyncio.DatagramProtocol):
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self.rtts: dict[int, float] = {}
+        self.payloads: list[bytes] = []
+        self._on_change = on_change
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        seq, sent_at = _PROBE.unpack_from(data)
+        self.rtts[seq] = time.monotonic() - sent_at
+        self.payloads.append(data)
+        self._on_change()
+
+
+def _resolved(stats: dict[str, Any], sent: int, echo: _Echo, received: int) -> bool:
+    """Every packet sent is accounted for: delivered end to end or dropped on a link,
+    and each layer agrees with the next one."""
+    up, down = stats["uplink"], stats["downlink"]
+    return (
+        up["offered_packets"] == sent
+        and up["pending_packets"] == 0
+        and up["delivered_packets"] == echo.received
+        and down["offered_packets"] == echo.sent
+        and down["pending_packets"] == 0
+        and down["delivered_packets"] == received
+    )
+
+
+async def _echo_through(
+    profile: WanProfile, n: int, gap_s: float, size: int = 200, clients: int = 1
+) -> tuple[dict[str, Any], _Echo, list[_Client], float]:
+    """Send ``n`` probes per client through the emulator, ``gap_s`` apart, and wait (on
+    an event, bounded) until every one is accounted for."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    wan: WanEmulator | None = None
+    probes: list[_Client] = []
+    echo = _Echo(lambda: check())
+    sent = 0
+
+    def check() -> None:
+        if wan is not None and sent == n * clients:
+            received = sum(len(c.rtts) for c in probes)
+            if _resolved(wan.stats(), sent, echo, received):
+                done.set()
+
+    server, _ = await loop.create_datagram_endpoint(lambda: echo, local_addr=("127.0.0.1", 0))
+    target = server.get_extra_info("sockname")[:2]
+    wan = WanEmulator(profile, target, seed=11, observer=check)
+    transports = []
+    async with wan:
+        for _ in range(clients):
+            t, c = await loop.create_datagram_endpoint(
+                lambda: _Client(check), remote_addr=wan.address
+            )
+            transports.append(t)
+            probes.append(c)
+
+        def send(seq: int) -> None:
+            nonlocal sent
+            for t in transports:
+                t.sendto(_PROBE.pack(seq, time.monotonic()).ljust(size, b"\0"))
+                sent += 1
+            check()
+
+        start = loop.time()
+        for seq in range(n):
+            loop.call_at(start + seq * gap_s, send, seq)
+        await asyncio.wait_for(done.wait(), timeout=10 + n * gap_s + 4 * profile.rtt_s)
+        elapsed = loop.time() - start
+        stats = wan.stats()
+    for t in transports:
+        t.close()
+    server.close()
+    return stats, echo, probes, elapsed
+
+
+def test_echo_rtt_loss_and_counters() -> None:
+    rtt, loss, n = 0.040, 0.02, 1000
+    profile = WanProfile.symmetric("test", rate_bps=50e6, rtt_s=rtt, loss=BernoulliLoss(rate=loss))
+    stats, echo, (client,), _ = uvloop.run(_echo_through(profile, n, gap_s=0.0005))
+
+    # RTT: the configured 40 ms plus two 200-byte serializations (32 us each). The
+    # relay delivers up to 0.5 ms early (uvloop's timers tick in whole milliseconds)
+    # and late by however long the event loop was busy elsewhere, which it measures
+    # and reports; the client and echo server share that loop and its delays.
+    up, down = stats["uplink"], stats["downlink"]
+    samples = sorted(client.rtts.values())
+    median = statistics.median(samples)
+    assert samples[0] >= rtt - 0.0011
+    assert rtt - 0.001 <= median <= rtt + 0.008
+    assert median <= rtt + up["mean_late_s"] + down["mean_late_s"] + 0.003
+
+    # loss: each direction drops 2%, so a round trip loses 1 - 0.98^2 = 3.96%
+    round_trip_loss = 1 - len(samples) / n
+    sigma = (0.0396 * (1 - 0.0396) / n) ** 0.5
+    assert round_trip_loss == pytest.approx(0.0396, abs=4 * sigma)
+
+    # counters, per direction: offered = delivered + lost + overflow, nothing pending
+    for d in (up, down):
+        assert d["offered_packets"] == d["delivered_packets"] + d["lost_packets"]
+        assert d["offered_bytes"] == d["delivered_bytes"] + d["lost_bytes"]
+        assert d["overflow_packets"] == 0
+        # propagation + serialization, plus queueing behind packets the loop read in one go
+        assert rtt / 2 + 200 * 8 / 50e6 - 1e-9 <= d["mean_delay_s"] < rtt / 2 + 0.001
+        assert -0.0005 <= d["mean_late_s"] < 0.004
+    assert up["offered_packets"] == n
+    assert up["delivered_packets"] == echo.received
+    assert down["offered_packets"] == echo.sent
+    assert down["delivered_packets"] == len(samples)
+    assert up["lost_packets"] + down["lost_packets"] == n - len(samples)
+    assert stats["io_errors"] == 0
+
+
+def test_each_client_gets_its_own_upstream_address() -> None:
+    profile = WanProfile.symmetric("lan-ish", rate_bps=None, rtt_s=0.004)
+    stats, echo, clients, _ = uvloop.run(_echo_through(profile, 50, 0.001, clients=3))
+    assert len(echo.peers) == 3
+    assert stats["clients"] == 3
+    for client in clients:
+        # each got back exactly its own 50 probes, nothing of the others'
+        assert sorted(client.rtts) == list(range(50))
+    assert stats["downlink"]["delivered_packets"] == 150
+
+
+def test_rate_limit_and_queue_overflow_on_the_wire() -> None:
+    # 1 Mb/s, 1250-byte packets: 10 ms each on the wire; a 10-packet queue; a burst
+    # of 30. Slow enough that reading the burst off the socket (well under 10 ms, even
+    # on a busy machine) does not let the link finish a packet meanwhile.
+    link = LinkProfile(rate_bps=1e6, delay_s=0.005, queue_packets=10)
+    profile = WanProfile(name="narrow", uplink=link, downlink=LinkProfile(delay_s=0.005))
+    stats, echo, (client,), elapsed = uvloop.run(_echo_through(profile, 30, 0.0, size=1250))
+    up = stats["uplink"]
+    assert up["queue_hwm_packets"] == 10
+    assert up["overflow_packets"] == 20
+    assert echo.received == len(client.rtts) == up["delivered_packets"] == 10
+    # they left one per 10 ms: probe k comes back after (k + 1) * 10 ms + 10 ms of RTT,
+    # never earlier (but for timer rounding); later by whatever the (shared, busy)
+    # machine delays the process, so the typical excess is checked by its median
+    assert sorted(client.rtts) == list(range(10))
+    excess = [rtt - 0.010 * (seq + 1) - 0.010 for seq, rtt in client.rtts.items()]
+    assert min(excess) >= -0.0011
+    assert statistics.median(excess) < 0.008
+    arrivals = [client.rtts[seq] for seq in range(10)]
+    spacing = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert statistics.median(spacing) == pytest.approx(0.010, abs=0.002)
+    assert elapsed < 1.0
+
+
+def test_command_line_relay_reports_address_and_stats() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.settimeout(5.0)
+        port = server.getsockname()[1]
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "wanswarm.transport.wan",
+                "--profile",
+                "lan",
+                "--target",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"PYTHONWARNINGS": "error"},
+        )
+        try:
+            assert proc.stdout is not None
+            hello = json.loads(proc.stdout.readline())
+            assert hello["event"] == "listening"
+            assert hello["profile"]["name"] == "lan"
+            host, _, relay_port = hello["address"].rpartition(":")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+                client.settimeout(5.0)
+                for i in range(20):
+                    client.sendto(b"ping %d" % i, (host, int(relay_port)))
+                    data, peer = server.recvfrom(2048)  # blocks until relayed
+                    assert data == b"ping %d" % i
+                    server.sendto(b"pong %d" % i, peer)
+                    assert client.recvfrom(2048)[0] == b"pong %d" % i
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["event"] == "stats"
+    for direction in ("uplink", "downlink"):
+        assert stats[direction]["offered_packets"] == 20
+        assert stats[direction]["delivered_packets"] == 20
+    assert stats["cpu_user_s"] >= 0.0

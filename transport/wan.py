@@ -1,0 +1,548 @@
+"""User-space WAN emulator: a UDP relay on loopback that gives each direction a link
+with delay, jitter, loss and a rate-limited drop-tail queue.
+
+The kernel of our test machines has neither netem nor fq_codel, so tests and
+benchmarks put this relay between a client and a server::
+
+    client(s) ──> [listen socket] ──uplink──> [one socket per client] ──> target
+    client(s) <── [listen socket] <─downlink─ [one socket per client] <── target
+
+Each client source address gets its own upstream socket, so the target sees one
+distinct peer per client (as behind a NAT). All clients share the two links: the
+uplink and downlink are each one bottleneck, as an access link would be.
+
+The packet scheduling lives in the sans-I/O ``wan_link.LinkEmulator``; this module only
+pumps it: one ``loop.call_later`` handle per direction, armed for the earliest due
+packet of the link's heap (never one task or timer per packet).
+
+Two ways to use it:
+
+- in process: ``async with WanEmulator("wan", target=("127.0.0.1", port)) as wan:``
+  then send to ``wan.address``; ``wan.stats()`` returns the counters;
+- as a process of its own (for benchmarks, so that it has its own core)::
+
+      python -m wanswarm.transport.wan --profile wan --target 127.0.0.1:4433
+
+  prints ``{"event": "listening", "address": "127.0.0.1:PORT", ...}`` as one JSON line
+  on stdout, and on SIGTERM or SIGINT ``{"event": "stats", ...}`` (the counters and
+  the process's CPU time) as one more JSON line before exiting 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+from .wan_link import (
+    BernoulliLoss,
+    GilbertElliottLoss,
+    LinkEmulator,
+    LinkProfile,
+)
+
+__all__ = ["PROFILES", "WanEmulator", "WanProfile", "main"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Address = tuple[str, int]
+
+# Deliver a packet at most this early: uvloop's timers have a granularity of 1 ms and
+# round to the nearest millisecond, so waiting for a sub-millisecond remainder would
+# only spin the loop. The error this leaves is measured (``lateness`` in the stats).
+_EARLY_TOLERANCE_S = 0.0005
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+_MAX_DATAGRAM = 65535
+
+
+class WanProfile(BaseModel):
+    """A path between clients and the target: one link per direction.
+
+    ``uplink`` carries client -> target packets, ``downlink`` target -> client.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(default="custom", description="Name shown in the stats.")
+    uplink: LinkProfile = Field(..., description="Client to target direction.")
+    downlink: LinkProfile = Field(..., description="Target to client direction.")
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip propagation delay (without queueing, serialization or jitter)."""
+        return self.uplink.delay_s + self.downlink.delay_s
+
+    @classmethod
+    def symmetric(
+        cls,
+        name: str,
+        *,
+        rate_bps: float | None,
+        rtt_s: float,
+        loss: BernoulliLoss | GilbertElliottLoss | None = None,
+        jitter_s: float = 0.0,
+        reorder: bool = False,
+        queue_ms: float | None = None,
+        queue_packets: int | None = None,
+    ) -> WanProfile:
+        """The same link both ways, the RTT split evenly between the directions.
+
+        The queue holds ``queue_ms`` of traffic at the link rate; with neither
+        ``queue_ms`` nor ``queue_packets`` it holds one bandwidth-delay product
+        (``rate * rtt``), the classic router buffer rule.
+        """
+        queue_bytes: int | None = None
+        if rate_bps is not None:
+            if queue_ms is None and queue_packets is None:
+                queue_ms = rtt_s * 1000.0
+            if queue_ms is not None:
+                queue_bytes = max(1500, int(rate_bps / 8.0 * queue_ms / 1000.0))
+        link = LinkProfile(
+            rate_bps=rate_bps,
+            delay_s=rtt_s / 2.0,
+            jitter_s=jitter_s,
+            reorder=reorder,
+            loss=loss if loss is not None else BernoulliLoss(),
+            queue_bytes=queue_bytes,
+            queue_packets=queue_packets,
+        )
+        return cls(name=name, uplink=link, downlink=link)
+
+    @classmethod
+    def parse(cls, spec: str) -> WanProfile:
+        """A named profile (``lan``, ``home``, ``wan``, ``bad``) or a profile as JSON."""
+        if spec in PROFILES:
+            return PROFILES[spec]
+        if spec.lstrip().startswith("{"):
+            try:
+                return cls.model_validate_json(spec)
+            except ValidationError as e:
+                raise ConfigError(f"invalid WAN profile JSON: {e}") from e
+        raise ConfigError(
+            f"unknown WAN profile {spec!r}: use one of {sorted(PROFILES)} or a JSON profile"
+        )
+
+
+# Loss rates are per direction. Queues hold one bandwidth-delay product.
+PROFILES: Mapping[str, WanProfile] = MappingProxyType(
+    {
+        "lan": WanProfile.symmetric("lan", rate_bps=1e9, rtt_s=0.001),
+        "home": WanProfile.symmetric(
+            "home", rate_bps=50e6, rtt_s=0.040, loss=BernoulliLoss(rate=0.001)
+        ),
+        "wan": WanProfile.symmetric(
+            "wan", rate_bps=100e6, rtt_s=0.100, loss=BernoulliLoss(rate=0.01)
+        ),
+        "bad": WanProfile.symmetric(
+            "bad",
+            rate_bps=20e6,
+            rtt_s=0.200,
+            loss=GilbertElliottLoss.from_mean(0.03, mean_burst=3.0),
+        ),
+    }
+)
+
+
+class _Lateness:
+    """How far actual delivery times strayed from the scheduled ones."""
+
+    __slots__ = ("count", "total", "worst")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.worst = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "mean_late_s": self.total / self.count if self.count else 0.0,
+            "max_late_s": self.worst,
+        }
+
+
+class _Pump(Generic[T]):
+    """Drives one ``LinkEmulator`` from the event loop with a single timer handle."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        link: LinkEmulator[T],
+        deliver: Callable[[T], None],
+        observer: Callable[[], None] | None,
+    ) -> None:
+        self.link = link
+        self._observer = observer
+        self.lateness = _Lateness()
+        self._loop = loop
+        self._deliver = deliver
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_for = float("inf")
+
+    def submit(self, payload: T, size: int) -> None:
+        self.link.submit(payload, size, time.monotonic())
+        self._arm()
+        if self._observer is not None:
+            self._observer()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._armed_for = float("inf")
+
+    def _arm(self) -> None:
+        deadline = self.link.next_deadline()
+        if deadline is None or deadline >= self._armed_for:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed_for = deadline
+        self._timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._armed_for = float("inf")
+        now = time.monotonic()
+        lateness = self.lateness
+        for due, payload in self.link.pop_due(now + _EARLY_TOLERANCE_S):
+            late = now - due
+            lateness.count += 1
+            lateness.total += late
+            lateness.worst = max(lateness.worst, late)
+            self._deliver(payload)
+        self._arm()
+        if self._observer is not None:
+            self._observer()
+
+
+class _Client:
+    """One client source address and its own upstream socket to the target."""
+
+    __slots__ = ("addr", "last_seen", "pending", "transport")
+
+    def __init__(self, addr: Address, now: float) -> None:
+        self.addr = addr
+        self.last_seen = now
+        self.transport: asyncio.DatagramTransport | None = None
+        # packets due before the upstream socket was ready
+        self.pending: list[bytes] = []
+
+
+class _ListenProtocol(asyncio.DatagramProtocol):
+    def __init__(self, emulator: WanEmulator) -> None:
+        self._emulator = emulator
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self._emulator._from_client(data, (addr[0], addr[1]))
+
+    def error_received(self, exc: Exception) -> None:
+        self._emulator._io_errors += 1
+        logger.debug("listen socket error: %s", exc)
+
+
+class _UpstreamProtocol(asyncio.DatagramProtocol):
+    def __init__(self, emulator: WanEmulator, client: _Client) -> None:
+        self._emulator = emulator
+        self._client = client
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self._emulator._from_target(data, self._client)
+
+    def error_received(self, exc: Exception) -> None:
+        # e.g. ECONNREFUSED from an ICMP port unreachable when the target is down
+        self._emulator._io_errors += 1
+        logger.debug("upstream socket error for %s: %s", self._client.addr, exc)
+
+
+def _udp_socket(bind: Address, connect: Address | None = None) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        # Bursts at 100 Mb/s and more overrun the default buffers (about 200 KiB); the
+        # kernel caps these at net.core.{r,w}mem_max.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
+        sock.setblocking(False)
+        sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class WanEmulator:
+    """The relay: ``address`` is where clients send; packets reach ``target`` after
+    crossing ``profile.uplink``, and replies come back across ``profile.downlink``.
+
+    ``seed`` seeds the loss and jitter draws (uplink and downlink each get their own
+    stream). Clients silent for ``idle_timeout_s`` lose their upstream socket; at most
+    ``max_clients`` are tracked at once, packets from further addresses are dropped
+    and counted as ``refused``.
+
+    ``observer``, when given, is called after every packet a link accepts, drops or
+    delivers, so that a test can check the counters the moment they change (and set
+    an event) instead of polling them.
+    """
+
+    def __init__(
+        self,
+        profile: WanProfile | str,
+        target: Address,
+        *,
+        listen: Address = ("127.0.0.1", 0),
+        seed: int = 0,
+        idle_timeout_s: float = 60.0,
+        max_clients: int = 1024,
+        observer: Callable[[], None] | None = None,
+    ) -> None:
+        self.profile = WanProfile.parse(profile) if isinstance(profile, str) else profile
+        self.target = target
+        self._listen_addr = listen
+        self._seed = seed
+        self._idle_timeout_s = idle_timeout_s
+        self._max_clients = max_clients
+        self._observer = observer
+        self._clients: dict[Address, _Client] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listen: asyncio.DatagramTransport | None = None
+        self._up: _Pump[tuple[_Client, bytes]] | None = None
+        self._down: _Pump[tuple[Address, bytes]] | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._rng = random.Random(seed)
+        self._io_errors = 0
+        self._refused = 0
+        self._address: Address | None = None
+
+    @property
+    def address(self) -> Address:
+        """The relay's bound address, where clients send."""
+        if self._address is None:
+            raise RuntimeError("WanEmulator not started")
+        return self._address
+
+    async def start(self) -> None:
+        """Bind the listen socket and start relaying."""
+        loop = asyncio.get_running_loop()
+        rngs = random.Random(self._seed)
+        self._up = _Pump(
+            loop,
+            LinkEmulator(self.profile.uplink, random.Random(rngs.getrandbits(64))),
+            self._to_target,
+            self._observer,
+        )
+        self._down = _Pump(
+            loop,
+            LinkEmulator(self.profile.downlink, random.Random(rngs.getrandbits(64))),
+            self._to_client,
+            self._observer,
+        )
+        sock = _udp_socket(self._listen_addr)
+        transport, _ = await loop.create_datagram_endpoint(lambda: _ListenProtocol(self), sock=sock)
+        self._listen = transport
+        host, port = transport.get_extra_info("sockname")[:2]
+        self._address = (host, port)
+        self._schedule_sweep()
+        logger.info(
+            "WAN emulator %s on %s:%d -> %s:%d", self.profile.name, host, port, *self.target
+        )
+
+    async def close(self) -> None:
+        """Stop relaying; packets still in flight stay counted as pending."""
+        for pump in (self._up, self._down):
+            if pump is not None:
+                pump.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            if client.transport is not None:
+                client.transport.close()
+        self._clients.clear()
+        if self._listen is not None:
+            self._listen.close()
+            self._listen = None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per direction (see ``LinkCounters``) plus how late the relay
+        actually delivered against the schedule, and relay-level counts."""
+        out: dict[str, Any] = {"profile": self.profile.name}
+        for name, pump in (("uplink", self._up), ("downlink", self._down)):
+            if pump is not None:
+                out[name] = pump.link.counters.as_dict() | pump.lateness.as_dict()
+        out["clients"] = len(self._clients)
+        out["refused_packets"] = self._refused
+        out["io_errors"] = self._io_errors
+        return out
+
+    # -- packet paths ------------------------------------------------------------------
+
+    def _from_client(self, data: bytes, addr: Address) -> None:
+        client = self._clients.get(addr)
+        now = time.monotonic()
+        if client is None:
+            if len(self._clients) >= self._max_clients:
+                self._refused += 1
+                return
+            client = self._clients[addr] = _Client(addr, now)
+            task = asyncio.get_running_loop().create_task(self._open_upstream(client))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        client.last_seen = now
+        assert self._up is not None
+        self._up.submit((client, data), len(data))
+
+    def _from_target(self, data: bytes, client: _Client) -> None:
+        client.last_seen = time.monotonic()
+        assert self._down is not None
+        self._down.submit((client.addr, data), len(data))
+
+    def _to_target(self, item: tuple[_Client, bytes]) -> None:
+        client, data = item
+        if client.transport is None:
+            client.pending.append(data)
+        else:
+            client.transport.sendto(data)
+
+    def _to_client(self, item: tuple[Address, bytes]) -> None:
+        if self._listen is not None:
+            self._listen.sendto(item[1], item[0])
+
+    async def _open_upstream(self, client: _Client) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            host = self._address[0] if self._address is not None else "127.0.0.1"
+            sock = _udp_socket((host, 0), self.target)
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _UpstreamProtocol(self, client), sock=sock
+            )
+        except OSError as e:
+            logger.warning("cannot open upstream socket for %s: %s", client.addr, e)
+            self._io_errors += 1
+            self._clients.pop(client.addr, None)
+            return
+        if self._clients.get(client.addr) is not client:  # swept while opening
+            transport.close()
+            return
+        client.transport = transport
+        for data in client.pending:
+            transport.sendto(data)
+        client.pending.clear()
+
+    def _schedule_sweep(self) -> None:
+        period = self._idle_timeout_s / 4.0
+        delay = period * self._rng.uniform(0.9, 1.1)
+        self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        cutoff = time.monotonic() - self._idle_timeout_s
+        for addr, client in list(self._clients.items()):
+            if client.last_seen < cutoff and client.transport is not None:
+                client.transport.close()
+                del self._clients[addr]
+        self._schedule_sweep()
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def _parse_address(text: str) -> Address:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        return host, int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in {text!r}") from None
+
+
+def _emit(record: Mapping[str, Any]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(args: argparse.Namespace) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    wan = WanEmulator(args.profile, args.target, listen=args.listen, seed=args.seed)
+    async with wan:
+        host, port = wan.address
+        _emit(
+            {
+                "event": "listening",
+                "address": f"{host}:{port}",
+                "profile": wan.profile.model_dump(mode="json"),
+                "pid": os.getpid(),
+            }
+        )
+        await stop.wait()
+        stats = wan.stats()
+    cpu = os.times()
+    stats["cpu_user_s"] = cpu.user
+    stats["cpu_system_s"] = cpu.system
+    return stats
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the relay until SIGTERM/SIGINT; JSON lines on stdout (see module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m wanswarm.transport.wan", description="User-space WAN emulator (UDP relay)."
+    )
+    parser.add_argument(
+        "--profile", default="wan", help=f"one of {sorted(PROFILES)} or a JSON WanProfile"
+    )
+    parser.add_argument("--target", type=_parse_address, required=True, help="HOST:PORT")
+    parser.add_argument("--listen", type=_parse_address, default=("127.0.0.1", 0), help="HOST:PORT")
+    parser.add_argument("--seed", type=int, default=0, help="seed of loss and jitter draws")
+    parser.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU")
+    args = parser.parse_args(argv)
+    try:
+        args.profile = WanProfile.parse(args.profile)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency, but the relay works without it
+        stats = asyncio.run(_serve(args))
+    else:
+        stats = uvloop.run(_serve(args))
+    _emit({"event": "stats", **stats})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
