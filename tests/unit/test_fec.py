@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from wanswarm.transport.errors import FecError, FramingError
 from wanswarm.transport.fec import (
     MAX_BLOCK_BYTES,
@@ -48,7 +48,7 @@ def test_layout_partitions_payload_into_contiguous_near_equal_blocks(
         # Only the documented bounds may refuse a layout.
         assert (
             block_symbols * symbol_size > MAX_BLOCK_BYTES
-            or -(-(-(-length // symbol_size)) // block_symbols) > MAX_BLOCKS
+            or math.ceil(math.ceil(length / symbol_size) / block_symbols) > MAX_BLOCKS
         )
         return
     ks = [layout.block_k(b) for b in range(layout.num_blocks)]
@@ -105,8 +105,12 @@ def test_layout_rejects_too_many_blocks() -> None:
 
 @pytest.mark.parametrize(
     ("k", "symbol_size"),
-    [(1, T), (3, 64), (MAX_BLOCK_SYMBOLS, MAX_BLOCK_BYTES // MAX_BLOCK_SYMBOLS),
-     (MAX_BLOCK_BYTES // MAX_SYMBOL_SIZE, MAX_SYMBOL_SIZE)],
+    [
+        (1, T),
+        (3, 64),
+        (MAX_BLOCK_SYMBOLS, MAX_BLOCK_BYTES // MAX_BLOCK_SYMBOLS),
+        (MAX_BLOCK_BYTES // MAX_SYMBOL_SIZE, MAX_SYMBOL_SIZE),
+    ],
 )
 def test_encoder_is_systematic_up_to_the_block_bounds(k: int, symbol_size: int) -> None:
     """Our receiver writes source symbols straight into place and skips decoding when all
