@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from . import reference
-from .errors import UnsupportedInput
+from .errors import NonFiniteInput, UnsupportedInput
 from .reference import Format
 
 logger = logging.getLogger(__name__)
@@ -71,12 +71,16 @@ def quantize(
     codes_out: torch.Tensor | None = None,
     scales_out: torch.Tensor | None = None,
     impl: Impl | None = None,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat, contiguous float tensor blockwise; see :mod:`.reference`.
 
     Returns ``(codes, scales)``. When ``codes_out``/``scales_out`` are given (views into a
     payload buffer, on ``x``'s device) the results are written there and returned.
     Raises UnsupportedInput for bad arguments and NonFiniteInput for NaN/Inf.
+    ``check_finite=False`` lets the Triton path skip its device-side check (a NaN/Inf block
+    then gets a NaN scale, which the caller must check, see :func:`check_scales_finite`);
+    the reference always checks, since it costs it nothing.
     """
     reference.check_block_args(fmt, block_size, scale_dtype)
     reference.check_quantize_input(x)
@@ -87,7 +91,14 @@ def quantize(
         from . import quant_triton
 
         return quant_triton.quantize(
-            x, fmt, block_size, scale_dtype, seed=seed, codes_out=codes_out, scales_out=scales_out
+            x,
+            fmt,
+            block_size,
+            scale_dtype,
+            seed=seed,
+            codes_out=codes_out,
+            scales_out=scales_out,
+            check_finite=check_finite,
         )
     codes, scales = reference.quantize(x, fmt, block_size, scale_dtype, seed=seed)
     if codes_out is not None:
@@ -123,6 +134,12 @@ def dequantize(
 def validate_scales(scales: torch.Tensor, fmt: Format, out_dtype: torch.dtype) -> None:
     """Reject scales no conforming encoder produces (NaN/Inf, negative, above the limit)."""
     reference.validate_scales(scales, fmt, out_dtype)
+
+
+def check_scales_finite(scales: torch.Tensor, block_size: int) -> None:
+    """NonFiniteInput if a quantizer marked a block as holding NaN/Inf (a NaN scale)."""
+    if scales.numel() and not bool(torch.isfinite(scales).all()):
+        raise NonFiniteInput(reference.first_nonfinite_block(scales.float(), block_size))
 
 
 def _check_out(

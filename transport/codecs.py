@@ -283,8 +283,8 @@ def encode(
     Raises CodecError if the codec cannot carry ``t``'s dtype and PayloadError if a
     quantizing codec meets NaN/Inf.
     """
-    buf = _encode_to_buffer(t, spec, generator)
-    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(buf))
+    _, host = _encode_to_buffer(t, spec, generator)
+    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(host))
 
 
 def encode_roundtrip(
@@ -295,8 +295,8 @@ def encode_roundtrip(
     The second tensor equals ``decode(encoded, device=t.device)`` bit for bit, without
     the round trip through host bytes (error feedback needs it for its residual).
     """
-    buf = _encode_to_buffer(t, spec, generator)
-    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(buf))
+    buf, host = _encode_to_buffer(t, spec, generator)
+    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(host))
     return encoded, _decode_buffer(buf, spec, encoded.shape, t.dtype, t.device, untrusted=False)
 
 
@@ -306,8 +306,11 @@ def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
 
 def _encode_to_buffer(
     t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
-) -> torch.Tensor:
-    """The whole payload as a uint8 tensor (on ``t``'s device for quantizing codecs)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole payload as a uint8 tensor: (on ``t``'s device, on the host).
+
+    Only the quantizing codecs work on the device; the others build the host buffer.
+    """
     dtype = t.dtype
     spec.check_dtype(dtype)
     flat = t.detach().reshape(-1)
@@ -324,7 +327,14 @@ def _encode_to_buffer(
     else:
         buf = _encode_blockwise(flat, spec, generator)
     buf[:HEADER_NBYTES].copy_(header)
-    return buf
+    if buf.device.type == "cpu":
+        return buf, buf
+    host = buf.cpu()
+    try:  # the device kernel marked NaN/Inf blocks with NaN scales: check the host copy
+        ops.check_scales_finite(_split_blockwise(host, spec, t.numel())[0], spec.block_size)
+    except NonFiniteInput as exc:
+        raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
+    return buf, host
 
 
 def _encode_blockwise(
@@ -350,6 +360,7 @@ def _encode_blockwise(
             seed=seed,
             codes_out=codes_out.view(kref.codes_dtype(fmt)),
             scales_out=scales_out,
+            check_finite=flat.device.type == "cpu",  # on a device: checked on the host copy
         )
     except NonFiniteInput as exc:
         raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
@@ -381,8 +392,8 @@ def _format_of(spec: CodecSpec) -> kref.Format:
     raise CodecError(f"codec {spec.name} is not blockwise")
 
 
-def _to_bytes(buf: torch.Tensor) -> bytes:
-    return buf.cpu().numpy().tobytes()
+def _to_bytes(host: torch.Tensor) -> bytes:
+    return host.numpy().tobytes()
 
 
 _readonly_lock = threading.Lock()
