@@ -1,0 +1,397 @@
+"""How a stage's replicas step together: the hivemind.Optimizer adapter (and a solo twin).
+
+Every server of stage ``s`` accumulates gradients from the micro-batches it serves; when the
+whole collaboration of that stage has accumulated ``target_batch_size`` samples, the
+replicas average their gradients (all-reduce), take one AdamW step and, every
+``average_state_every`` epochs, average parameters too, so that replicas stay in sync. This
+is hivemind's collaborative Optimizer, with ``run_id = f"{run_name}_{run_id}_stage{s}"``
+(hivemind run ids may not contain '.'). A peer that falls behind, or joins, downloads the
+stage's parameters and optimizer state from the others (``load_state_from_peers``).
+
+Threads. ``hivemind.Optimizer`` installs signal handlers, so it must be constructed on the
+main thread; ``step`` then runs on the stage server's device thread, after each backward.
+
+Blocking or delayed steps. A blocking step stalls the device thread for matchmaking plus
+the all-reduce at every epoch boundary (several seconds over the WAN: measured here at
+about 2.5 s per epoch with ``matchmaking_time=2``), during which every trainer's requests
+to this server queue up or go elsewhere. We therefore default to hivemind's delayed
+parameter updates (``delay_optimizer_step`` + ``delay_grad_averaging``, i.e. DPU,
+arXiv:2101.06840): at an epoch boundary ``step`` hands the accumulated gradients to a
+background all-reduce and optimizer step and returns at once; the new parameters are
+copied into the served module by the first ``step`` after they are ready, on the device
+thread, so forward and backward never see a half-written tensor. The price is one epoch of
+staleness (gradients computed at ``theta_k`` are applied to ``theta_{k+1}``), which DPU
+shows to be harmless at the large batches this targets. ``delayed_updates = false`` gives
+exactly synchronous training (equivalent to one big batch) at the cost of the stall.
+
+Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
+gradients of the stage, right before AdamW; the learning rate follows
+``OptimizerSpec.lr_multiplier(local_epoch)``.
+
+``LocalOptimizer`` is the same contract for a stage with no peers to average with (a solo
+run, the in-process pipeline and tests): it accumulates to ``target_batch_size`` and steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from functools import partial
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from .errors import NodeError
+from .model import param_groups
+from .runspec import OptimizerSpec, RunSpec
+
+logger = logging.getLogger(__name__)
+
+CompressionName = Literal["none", "fp16", "scaled_fp16", "uint8", "quantile8"]
+
+
+class AveragingError(NodeError):
+    """The collaborative optimizer could not be built or failed (hivemind's errors, translated)."""
+
+
+class AveragingConfig(BaseModel):
+    """How a stage server's optimizer averages with the other replicas of its stage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    matchmaking_time: float = Field(
+        5.0,
+        gt=0.0,
+        le=600.0,
+        description=(
+            "Seconds to wait for the stage's peers to join an averaging round (hivemind suggests "
+            "3-5 on a LAN, 10-15 over the internet)."
+        ),
+    )
+    averaging_timeout: float = Field(
+        60.0,
+        gt=0.0,
+        le=3600.0,
+        description="Give up on an averaging round after this many seconds (about 2x an all-reduce).",
+    )
+    load_state_timeout: float = Field(
+        120.0, gt=0.0, le=3600.0, description="Deadline of one download of the stage's state, seconds."
+    )
+    shutdown_timeout: float = Field(
+        5.0, gt=0.0, le=600.0, description="Seconds to say goodbye to averaging peers on leave."
+    )
+    delayed_updates: bool = Field(
+        True,
+        description=(
+            "Average and step in the background and apply the result at the next step (DPU: "
+            "one epoch of staleness, no stall); false blocks the device thread at every epoch."
+        ),
+    )
+    average_state_every: int = Field(
+        1, ge=1, le=1_000_000, description="Average parameters with the stage's peers every this many epochs."
+    )
+    grad_compression: CompressionName = Field(
+        "fp16",
+        description=(
+            "Compression of gradient all-reduce: none, fp16, scaled_fp16, uint8 (8-bit uniform "
+            "for tensors of 64k elements or more, fp16 below), quantile8 (likewise)."
+        ),
+    )
+    state_compression: CompressionName = Field(
+        "fp16", description="Compression of parameter averaging (same choices)."
+    )
+    load_state_compression: CompressionName = Field(
+        "none",
+        description="Compression of a newcomer's state download; 'none' makes it an exact copy.",
+    )
+    verbose: bool = Field(False, description="Log hivemind's progress messages at INFO.")
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> AveragingConfig:
+        if self.averaging_timeout <= self.matchmaking_time:
+            raise ValueError(
+                f"averaging_timeout ({self.averaging_timeout}) must exceed matchmaking_time "
+                f"({self.matchmaking_time}); raise averaging.averaging_timeout"
+            )
+        return self
+
+
+class StageOptimizer(Protocol):
+    """What a stage server needs from its optimizer. Every method runs on the device thread."""
+
+    def step(self, batch_size: int) -> None:
+        """``batch_size`` samples' gradients were added to ``.grad``: take them (and clear them)."""
+
+    def load_state_from_peers(self) -> bool:
+        """Download the stage's state from its peers; False if there was nobody to ask."""
+
+    @property
+    def local_epoch(self) -> int:
+        """Optimizer steps taken (the collaboration's epoch this replica is at)."""
+
+    @property
+    def samples_accumulated(self) -> int:
+        """Samples accumulated by this replica in the current epoch."""
+
+    def is_synchronized(self) -> bool:
+        """Whether this replica is at the collaboration's epoch (or one behind)."""
+
+    def flush(self) -> None:
+        """Wait for background averaging or steps and apply their results."""
+
+    def shutdown(self) -> None:
+        """Leave the collaboration; the optimizer is unusable afterwards."""
+
+
+# ---------------------------------------------------------------------------- shared parts
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips the global gradient norm of all its parameters before each step."""
+
+    def __init__(self, params: Iterable[Any], *, max_grad_norm: float, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.max_grad_norm > 0:
+            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        return super().step(closure)
+
+
+def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
+    """AdamW for one stage with its state already initialized, without changing parameters.
+
+    hivemind needs optimizer state tensors up front (it averages and ships them) and would
+    otherwise create them with a real zero-gradient step, which applies weight decay once.
+    We create them with a step at lr = 0 and reset the step counters, which leaves both the
+    parameters and Adam's bias correction exactly as if no step had happened.
+    """
+    opt = ClippedAdamW(groups, max_grad_norm=spec.grad_clip, **spec.adamw_kwargs())
+    saved = []
+    for group in opt.param_groups:
+        saved.append(group["lr"])
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    torch.optim.AdamW.step(opt)  # unclipped: the gradients are zero anyway
+    for group, lr in zip(opt.param_groups, saved):
+        group["lr"] = lr
+        for p in group["params"]:
+            opt.state[p]["step"].zero_()
+    return opt
+
+
+def make_schedule(spec: OptimizerSpec, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup then cosine or constant: step k (0-based) runs at lr * lr_multiplier(k)."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, spec.lr_multiplier)
+    # hivemind fast-forwards the schedule to the epoch of a downloaded state before any
+    # optimizer step of this process; torch would warn that the schedule "skipped" its first
+    # value, which is exactly what we want there (the state did take those steps elsewhere)
+    opt._opt_called = True  # type: ignore[attr-defined]
+    return schedule
+
+
+def averaging_run_id(spec: RunSpec, stage: int) -> str:
+    """hivemind run id of a stage's collaboration: ``{name}_{run_id}_stage{s}`` (no dots)."""
+    return f"{spec.name}_{spec.run_id}_stage{stage}"
+
+
+# ---------------------------------------------------------------------------- solo
+
+
+class LocalOptimizer:
+    """A stage's optimizer with nobody to average with: accumulate, then step (same contract).
+
+    Accumulation mirrors hivemind's GradientAverager: each micro-batch's gradient is added
+    with weight ``batch_size / first_batch_size`` and the sum is divided by the number of
+    micro-batches, so one step sees the mean gradient of ``target_batch_size`` samples.
+    """
+
+    def __init__(self, module: nn.Module, spec: RunSpec) -> None:
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._target = spec.batch.target_batch_size
+        self._opt = make_adamw(spec.optimizer, param_groups(module, spec.optimizer.weight_decay))
+        for p in self._params:
+            p.grad = None  # make_adamw left zero gradients behind
+        self._schedule = make_schedule(spec.optimizer, self._opt)
+        self._acc = [torch.zeros_like(p) for p in self._params]
+        self._samples = 0
+        self._times = 0
+        self._anchor: int | None = None
+        self._epoch = 0
+
+    @torch.no_grad()
+    def step(self, batch_size: int) -> None:
+        if self._anchor is None:
+            self._anchor = batch_size
+        alpha = batch_size / self._anchor
+        for p, acc in zip(self._params, self._acc):
+            if p.grad is not None:
+                acc.add_(p.grad, alpha=alpha)
+                p.grad = None
+        self._samples += batch_size
+        self._times += 1
+        if self._samples < self._target:
+            return
+        for p, acc in zip(self._params, self._acc):
+            p.grad = acc.div_(self._times)
+        self._opt.step()
+        self._schedule.step()
+        self._epoch += 1
+        for p, acc in zip(self._params, self._acc):
+            p.grad = None
+            acc.zero_()
+        self._samples = self._times = 0
+        self._anchor = None
+
+    def load_state_from_peers(self) -> bool:
+        return False
+
+    @property
+    def local_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def samples_accumulated(self) -> int:
+        return self._samples
+
+    def is_synchronized(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- hivemind
+
+
+def _compression(name: CompressionName) -> Any:
+    from hivemind import compression as hc
+
+    if name == "none":
+        return hc.NoCompression()
+    if name == "fp16":
+        return hc.Float16Compression()
+    if name == "scaled_fp16":
+        return hc.ScaledFloat16Compression()
+    # 8-bit for the big matrices, fp16 for norms and small tensors (hivemind's ALBERT recipe)
+    big = hc.Uniform8BitQuantization() if name == "uint8" else hc.Quantile8BitQuantization()
+    return hc.SizeAdaptiveCompression(threshold=2**16, less=hc.Float16Compression(), greater_equal=big)
+
+
+class CollaborativeOptimizer:
+    """``hivemind.Optimizer`` for one stage of the run (see the module docstring).
+
+    Construct on the main thread (hivemind installs signal handlers), then call ``step``
+    from the device thread only.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: RunSpec,
+        stage: int,
+        dht: Any,  # a started hivemind.DHT
+        config: AveragingConfig,
+    ) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise AveragingError(
+                "construct CollaborativeOptimizer on the main thread (hivemind installs signal handlers)"
+            )
+        import hivemind
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        self.run_id = averaging_run_id(spec, stage)
+        self.config = config
+        self._module = module
+        delayed = config.delayed_updates
+        try:
+            self._opt = hivemind.Optimizer(
+                dht=dht,
+                run_id=self.run_id,
+                target_batch_size=spec.batch.target_batch_size,
+                batch_size_per_step=spec.batch.micro_batch_size,
+                params=param_groups(module, spec.optimizer.weight_decay),
+                optimizer=partial(make_adamw, spec.optimizer),
+                scheduler=partial(make_schedule, spec.optimizer),
+                matchmaking_time=config.matchmaking_time,
+                averaging_timeout=config.averaging_timeout,
+                load_state_timeout=config.load_state_timeout,
+                shutdown_timeout=config.shutdown_timeout,
+                offload_optimizer=True,
+                delay_optimizer_step=delayed,
+                delay_grad_averaging=delayed,
+                average_state_every=config.average_state_every,
+                grad_compression=_compression(config.grad_compression),
+                state_averaging_compression=_compression(config.state_compression),
+                load_state_compression=_compression(config.load_state_compression),
+                verbose=config.verbose,
+                # progress records are signed; hivemind's default key is process-wide, so two
+                # replicas in one process (tests, a node serving while another leaves) would
+                # overwrite each other's progress: give each optimizer its own key
+                tracker_opts={"private_key": RSAPrivateKey()},
+            )
+        except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
+            raise AveragingError(f"cannot start the optimizer of {self.run_id}: {exc}") from exc
+        for p in module.parameters():
+            p.grad = None
+        self._shut = False
+
+    def step(self, batch_size: int) -> None:
+        try:
+            self._opt.step(batch_size=batch_size)
+        finally:
+            # hivemind copied the gradients into its accumulators (or dropped them when this
+            # replica had to resync): either way they must not count again
+            self._opt.zero_grad(set_to_none=False)
+
+    def load_state_from_peers(self) -> bool:
+        epoch = self.local_epoch
+        try:
+            self._opt.load_state_from_peers()
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            raise AveragingError(f"{self.run_id}: loading state from peers failed: {exc}") from exc
+        return self.local_epoch != epoch or self._opt.tracker.global_progress.num_peers > 1
+
+    @property
+    def local_epoch(self) -> int:
+        return int(self._opt.local_epoch)
+
+    @property
+    def global_epoch(self) -> int:
+        """The collaboration's epoch as this replica last saw it in the DHT."""
+        return int(self._opt.tracker.global_epoch)
+
+    @property
+    def samples_accumulated(self) -> int:
+        return int(self._opt.local_progress.samples_accumulated)
+
+    @property
+    def num_peers(self) -> int:
+        """Replicas of the stage that reported progress recently (this one included)."""
+        return int(self._opt.tracker.global_progress.num_peers)
+
+    def is_synchronized(self) -> bool:
+        return bool(self._opt.is_synchronized_with_peers())
+
+    def flush(self) -> None:
+        self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self._opt.shutdown()
+        except (RuntimeError, OSError, TimeoutError, ValueError) as exc:
+            logger.warning("%s: optimizer shutdown failed: %s", self.run_id, exc)
