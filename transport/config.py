@@ -17,14 +17,25 @@ class LimitsConfig(_Section):
     """Hard limits on what a peer may send us (checked before allocating anything)."""
 
     max_header_bytes: int = Field(
-        64 * 1024, ge=256, le=16 * 1024 * 1024, description="Largest request/response header, bytes."
+        default=64 * 1024,
+        ge=256,
+        le=16 * 1024 * 1024,
+        description="Largest request/response header, bytes.",
     )
-    max_tensors: int = Field(64, ge=1, le=4096, description="Most tensors in one message.")
+    max_tensors: int = Field(default=64, ge=1, le=4096, description="Most tensors in one message.")
     max_tensor_elements: int = Field(
-        1 << 28, ge=1, description="Most elements in one tensor (after decoding)."
+        default=1 << 28, ge=1, description="Most elements in one tensor (after decoding)."
     )
     max_message_bytes: int = Field(
-        1 << 30, ge=1024, description="Most payload bytes in one message, all tensors together."
+        default=1 << 30,
+        ge=1024,
+        description="Most payload bytes in one message, all tensors together.",
+    )
+    max_control_bytes: int = Field(
+        default=64 * 1024,
+        ge=256,
+        le=16 * 1024 * 1024,
+        description="Largest FEC transfer control frame (repair request, completion), bytes.",
     )
 
 
@@ -170,8 +181,85 @@ class CongestionConfig(_Section):
 class TransportConfig(_Section):
     """QUIC endpoint settings."""
 
-    host: str = Field("0.0.0.0", description="Address the QUIC (UDP) socket binds to.")
-    port: int = Field(0, ge=0, le=65535, description="UDP port for QUIC; 0 picks a free one.")
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    host: str = Field(default="0.0.0.0", description="Address the QUIC (UDP) socket binds to.")
+    port: int = Field(
+        default=0, ge=0, le=65535, description="UDP port for QUIC; 0 picks a free one."
+    )
+    limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
     fec: FecConfig = Field(default_factory=FecConfig)
     congestion: CongestionConfig = Field(default_factory=CongestionConfig)
+
+    path_bandwidth_bps: float = Field(
+        default=1e9,
+        gt=0,
+        le=1e12,
+        description="Fastest path to plan for; with path_rtt_s it sizes the QUIC flow-control "
+        "windows to the bandwidth-delay product (aioquic's 1 MiB default caps a 100 ms path "
+        "at ~84 Mb/s).",
+    )
+    path_rtt_s: float = Field(
+        default=0.2,
+        gt=0,
+        le=5.0,
+        description="Longest round trip to plan for when sizing flow-control windows, seconds.",
+    )
+    max_udp_payload_bytes: int = Field(
+        default=1452,
+        ge=1200,
+        le=65527,
+        description="Largest UDP payload we send (aioquic's max_datagram_size): a 1500-byte "
+        "path MTU minus 40 bytes of IPv6 and 8 of UDP header. RFC 9000 requires >= 1200.",
+    )
+    socket_buffer_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="SO_SNDBUF/SO_RCVBUF requested for the UDP socket (the kernel may cap it).",
+    )
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, le=120, description="Deadline for the QUIC/TLS handshake, seconds."
+    )
+    handshake_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=120,
+        description="Deadline for the identity handshake that follows TLS, seconds.",
+    )
+    idle_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="QUIC idle timeout: a connection with no packets for this long is closed.",
+    )
+    dead_peer_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="While requests wait on a connection that has received nothing for this "
+        "long (despite PINGs sent every third of it), the connection is declared dead.",
+    )
+    request_receive_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="Server side: deadline to receive a whole request (header and payload).",
+    )
+    response_send_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="Server side: deadline to send a whole response once the handler returned.",
+    )
+    shutdown_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description="close(): how long in-flight handlers may run before they are cancelled.",
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="Most QUIC connections at once, both directions."
+    )
+    max_unauthenticated: int = Field(
+        default=64,
+        ge=1,
+        description="Most incoming connections still in their TLS or identity handshake.",
+    )
