@@ -27,7 +27,7 @@ length, so every input is checked here first; anything it raises becomes ``FecEr
 It holds the GIL while it works.
 
 Throughput measured on this machine (Python 3.11, raptorq 2.0, 2 shared cores,
-``process_time``, 1328-byte symbols, script in ``tests/unit/test_fec.py``'s docstring):
+``process_time``, 1328-byte symbols; ``python benchmarks/fec.py``):
 
 =========  ==================  ==========================  ==============
 k          encoder (precode)   decode, 5% sources replaced  all sources

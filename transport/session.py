@@ -3,8 +3,9 @@ repair requests and completion over the request's stream.
 
 No sockets, no asyncio, no clock: time comes in as ``now`` (seconds, any monotonic
 origin) and every method returns what to send. The endpoint pumps them (see
-:class:`SenderTransfer`, :class:`ReceiverTransfer`, :class:`DatagramRouter`). Formats are
-in :mod:`.session_wire`, the repair budget in :mod:`.redundancy`, the code in :mod:`.fec`.
+:class:`SenderTransfer`, :class:`ReceiverTransfer`, and per connection
+:class:`.datagram_router.DatagramRouter`). Formats are in :mod:`.session_wire`, the repair
+budget in :mod:`.redundancy`, the code in :mod:`.fec`.
 
 Protocol (one transfer; S sends a payload to R; ``seq`` numbers datagrams in send order)::
 
@@ -32,15 +33,16 @@ request, repair symbols), the receiver's timer asks again, and the request's cou
 the sender what is still in flight so that a spurious or repeated request costs little.
 A lost completion costs only the rest of the sender's queue; the endpoint stops the
 sender when the response arrives. Datagrams that arrive before their transfer's header
-(its stream packet was lost) wait in :class:`DatagramRouter`'s bounded early buffer.
+(its stream packet was lost) wait in the DatagramRouter's bounded early buffer.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 from array import array
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Final
 
@@ -122,7 +124,10 @@ class SenderTransfer:
     ) -> None:
         if not 0 <= transfer_id <= MAX_TRANSFER_ID:
             raise FecError(f"transfer id {transfer_id} does not fit the datagram header")
-        view = memoryview(payload).cast("B")
+        try:
+            view = memoryview(payload).cast("B")
+        except (TypeError, ValueError) as exc:
+            raise FecError(f"payload is not a contiguous buffer: {exc}") from exc
         self.transfer_id = transfer_id
         self.layout = layout = TransferLayout.plan(len(view), symbol_size, config.max_block_symbols)
         self.state = TransferState.ACTIVE
@@ -150,6 +155,7 @@ class SenderTransfer:
         self._schedule: deque[Iterator[int]] = deque([_interleave(counts)])
         self._pending = sum(counts.values())
         self._seq_blocks = array("H")  # block of the datagram with seq i
+        self._send_times = array("d")  # when the datagram with seq i was handed out
         self._last_attempt = 0
         self.initial_datagrams = self._pending
 
@@ -169,8 +175,11 @@ class SenderTransfer:
     def done(self) -> bool:
         return self.state is not TransferState.ACTIVE
 
-    def datagrams_to_send(self, limit: int) -> list[bytes]:
-        """Up to ``limit`` datagrams, in send order; the last queued one is flagged LAST."""
+    def datagrams_to_send(self, limit: int, now: float) -> list[bytes]:
+        """Up to ``limit`` datagrams, in send order; the last queued one is flagged LAST.
+
+        ``now``: when they go out (hand them to QUIC right away); a repair request is
+        answered knowing which datagrams could still be in flight."""
         out: list[bytes] = []
         size = self.layout.symbol_size
         pack = DATAGRAM_HEADER.pack
@@ -195,6 +204,7 @@ class SenderTransfer:
             flags = 0 if self._pending else FLAG_LAST
             out.append(pack(WIRE_VERSION, flags, block, self.transfer_id, self.sent, esi) + symbol)
             self._seq_blocks.append(block)
+            self._send_times.append(now)
         self._precode_ahead()
         return out
 
@@ -236,8 +246,8 @@ class SenderTransfer:
 
     # -- control from the receiver -----------------------------------------------------
 
-    def receive_control(self, data: bytes | bytearray | memoryview) -> None:
-        """Handle a CONTROL frame body from the receiver.
+    def receive_control(self, data: bytes | bytearray | memoryview, now: float, rtt: float) -> None:
+        """Handle a CONTROL frame body from the receiver; ``rtt``: the path's smoothed RTT.
 
         FramingError (a ProtocolError: close the exchange with its code) if it is
         malformed or inconsistent with this transfer. Stale and duplicate repair requests
@@ -259,9 +269,9 @@ class SenderTransfer:
             self._finish(TransferState.DONE)
             self.loss_sample = LossSample(message.seq_count, message.seq_count - message.received)
             return
-        self._serve(message)
+        self._serve(message, now, rtt)
 
-    def _serve(self, request: RepairRequest) -> None:
+    def _serve(self, request: RepairRequest, now: float, rtt: float) -> None:
         if request.attempt <= self._last_attempt:
             self.stale_requests += 1
             return
@@ -270,7 +280,10 @@ class SenderTransfer:
         observed = 1.0 - request.received / request.seq_count if request.seq_count else 0.0
         p = budget_loss_rate(max(self._loss_rate, observed), self._config)
         q = block_target(self._config.target_success, len(request.missing))
-        in_flight = Counter(self._seq_blocks[request.seq_count :])
+        # Still in flight when the receiver wrote the request: sent after the last datagram
+        # it had seen, and less than an RTT ago (older ones would have arrived: lost).
+        recent = bisect.bisect_right(self._send_times, now - rtt)
+        in_flight = Counter(self._seq_blocks[max(request.seq_count, recent) :])
         fresh: dict[int, int] = {}
         for block, need in request.missing:
             if block >= self.layout.num_blocks or need > self._k[block] + MAX_NEED_OVER_K:
@@ -316,7 +329,7 @@ class ReceiverTransfer:
     """Receiving side of one transfer: collects symbols, decodes, asks for repairs.
 
     Feed it every symbol datagram of its transfer (:meth:`receive_datagram`, or
-    :meth:`receive_symbol` when already decoded, as :class:`DatagramRouter` does); when
+    :meth:`receive_symbol` when already decoded, as the DatagramRouter does); when
     one returns True, send :meth:`completion` on the stream and take :meth:`result`.
     Call :meth:`handle_timer` at :meth:`timer` and send what it returns on the stream.
     """
@@ -556,102 +569,7 @@ class ReceiverTransfer:
         )
 
 
-class DatagramRouter:
-    """One connection's receiving side: routes symbol datagrams to their transfers.
-
-    Datagrams for a transfer whose header has not arrived yet are kept (bounded by
-    ``early_buffer_bytes`` and ``early_buffer_timeout``) and replayed by :meth:`add`;
-    those for a recently removed transfer are counted as late and dropped; malformed
-    ones are counted and dropped. Nothing here raises for a peer's bytes.
-    """
-
-    _REMEMBERED: Final[int] = 1024
-
-    def __init__(self, config: FecConfig) -> None:
-        self._config = config
-        self._receivers: dict[int, ReceiverTransfer] = {}
-        self._removed: OrderedDict[int, None] = OrderedDict()
-        self._early: dict[int, deque[bytes]] = {}
-        self._early_fifo: deque[tuple[float, int, int]] = deque()  # (arrival, id, bytes)
-        self._early_bytes = 0
-        self.malformed = 0
-        self.late = 0
-        self.early_dropped = 0
-
-    def add(self, receiver: ReceiverTransfer, now: float) -> bool:
-        """Register a transfer and replay its early datagrams; True if that completed it."""
-        self._receivers[receiver.transfer_id] = receiver
-        self._removed.pop(receiver.transfer_id, None)
-        completed = False
-        for data in self._early.pop(receiver.transfer_id, ()):
-            self._early_bytes -= len(data)
-            completed |= receiver.receive_datagram(data, now)
-        return completed
-
-    def remove(self, transfer_id: int) -> None:
-        """Forget a transfer (done, failed or abandoned); its later datagrams are late."""
-        self._receivers.pop(transfer_id, None)
-        self._removed[transfer_id] = None
-        if len(self._removed) > self._REMEMBERED:
-            self._removed.popitem(last=False)
-
-    def get(self, transfer_id: int) -> ReceiverTransfer | None:
-        return self._receivers.get(transfer_id)
-
-    def receive_datagram(
-        self, data: bytes | bytearray | memoryview, now: float
-    ) -> ReceiverTransfer | None:
-        """Route one datagram; the transfer it completed, if it did."""
-        try:
-            datagram = decode_datagram(data)
-        except FramingError:
-            self.malformed += 1
-            return None
-        receiver = self._receivers.get(datagram.transfer_id)
-        if receiver is not None:
-            return receiver if receiver.receive_symbol(datagram, now) else None
-        if datagram.transfer_id in self._removed:
-            self.late += 1
-        else:
-            self._keep_early(datagram.transfer_id, bytes(data), now)
-        return None
-
-    def _keep_early(self, transfer_id: int, data: bytes, now: float) -> None:
-        fifo = self._early_fifo
-        while fifo and fifo[0][0] + self._config.early_buffer_timeout <= now:
-            _, old_id, size = fifo.popleft()
-            queue = self._early.get(old_id)
-            if queue:  # else already replayed by add()
-                queue.popleft()
-                self._early_bytes -= size
-                self.early_dropped += 1
-                if not queue:
-                    del self._early[old_id]
-        if self._early_bytes + len(data) > self._config.early_buffer_bytes:
-            self.early_dropped += 1
-            return
-        self._early.setdefault(transfer_id, deque()).append(data)
-        fifo.append((now, transfer_id, len(data)))
-        self._early_bytes += len(data)
-
-    def timer(self) -> float | None:
-        """Earliest deadline among the registered transfers."""
-        deadlines = [t for r in self._receivers.values() if (t := r.timer()) is not None]
-        return min(deadlines, default=None)
-
-    def handle_timer(self, now: float) -> list[tuple[ReceiverTransfer, bytes]]:
-        """Repair requests due now, each with its transfer (send on that transfer's
-        stream). Transfers that failed show it in ``failed``; the caller removes them."""
-        due = []
-        for receiver in list(self._receivers.values()):
-            message = receiver.handle_timer(now)
-            if message is not None:
-                due.append((receiver, message))
-        return due
-
-
 __all__ = [
-    "DatagramRouter",
     "ReceiverTransfer",
     "SenderTransfer",
     "TransferState",

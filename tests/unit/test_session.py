@@ -19,11 +19,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wanswarm.transport.config import FecConfig
+from wanswarm.transport.datagram_router import DatagramRouter
 from wanswarm.transport.errors import FecError, FramingError
 from wanswarm.transport.fec import BlockDecoder, TransferLayout
-from wanswarm.transport.redundancy import LossEstimator
+from wanswarm.transport.redundancy import LossEstimator, budget_loss_rate, symbols_needed
 from wanswarm.transport.session import (
-    DatagramRouter,
     ReceiverTransfer,
     SenderTransfer,
     TransferState,
@@ -154,19 +154,18 @@ def simulate(
                         push(now + half, "to_sender", message)
                     controls += 1
             else:
-                sender.receive_control(data)
+                sender.receive_control(data, now, net.rtt)
         elif timer is not None and timer == now:
-            for transfer, message in router.handle_timer(now):
-                requests.append(_as_request(decode_control(message)))
-                if not net.drop_control(controls, message):
-                    push(now + half, "to_sender", message)
+            for action in router.handle_timer(now):
+                if action.request is None:  # gave up
+                    router.remove(action.transfer.transfer_id)
+                    continue
+                requests.append(_as_request(decode_control(action.request)))
+                if not net.drop_control(controls, action.request):
+                    push(now + half, "to_sender", action.request)
                 controls += 1
-                if transfer.failed:
-                    router.remove(transfer.transfer_id)
-            if receiver is not None and receiver.failed:
-                router.remove(transfer_id)
         else:
-            (data,) = sender.datagrams_to_send(1)
+            (data,) = sender.datagrams_to_send(1, now)
             d = decode_datagram(data)
             sent.append((d.block, d.esi))
             next_send = now + 1.0 / net.rate
@@ -225,6 +224,16 @@ def test_round_trip_under_gilbert_elliott_bursts() -> None:
     outcome = simulate(payload, net, seed=3, config=SMALL_BLOCKS)
     check_delivered(outcome, payload)
     assert outcome.sender.loss_sample is not None and outcome.sender.loss_sample.lost > 0
+
+
+def test_tail_of_the_burst_lost() -> None:
+    """The last 60 datagrams of the burst, LAST flag included, never arrive: the
+    receiver's idle timer asks, and one repair round completes the transfer."""
+    payload = payload_of(500 * T, seed=40)
+    total = SenderTransfer(5, payload, T, CONFIG, 0.01).initial_datagrams
+    outcome = simulate(payload, Net(drop_datagram=lambda d: total - 60 <= d.seq < total), seed=41)
+    check_delivered(outcome, payload)
+    assert len(outcome.requests) == 1
 
 
 def test_all_source_symbols_of_a_block_lost() -> None:
@@ -304,7 +313,7 @@ def test_lost_completion_sender_drains_and_stops() -> None:
     assert sender.loss_sample is None
     assert outcome.router.late > 0  # datagrams after completion were dropped as late
     sender.stop()
-    assert sender.state is TransferState.STOPPED and sender.datagrams_to_send(10) == []
+    assert sender.state is TransferState.STOPPED and sender.datagrams_to_send(10, 0.0) == []
 
 
 def test_duplicates_and_reordering() -> None:
@@ -376,38 +385,55 @@ def test_sender_interleaves_blocks_and_sends_sources_first() -> None:
     sender = _sender()
     layout = sender.layout
     assert layout.num_blocks == 3
-    datagrams = [decode_datagram(d) for d in sender.datagrams_to_send(10**6)]
+    datagrams = [decode_datagram(d) for d in sender.datagrams_to_send(10**6, 0.0)]
     assert [d.block for d in datagrams[:6]] == [0, 1, 2, 0, 1, 2]
     assert [d.seq for d in datagrams] == list(range(len(datagrams)))
     assert [d.last for d in datagrams].count(True) == 1 and datagrams[-1].last
     sources = sum(d.esi < layout.block_k(d.block) for d in datagrams)
     assert sources == layout.num_symbols
     assert all(d.esi < layout.block_k(d.block) for d in datagrams[:sources])
-    assert sender.pending == 0 and sender.datagrams_to_send(5) == []
+    assert sender.pending == 0 and sender.datagrams_to_send(5, 0.0) == []
 
 
 def test_sender_serves_requests_with_fresh_symbols_minus_what_is_underway() -> None:
     sender = _sender(size=100 * T, config=CONFIG)
-    first = sender.datagrams_to_send(50)
-    # Receiver saw the first 40 datagrams (10 in flight), 60 + repairs still queued.
-    request = RepairRequest(3, 1, 40, 40, ((0, 61),))
+    first = sender.datagrams_to_send(50, 0.95)
+    # The receiver saw 40 datagrams: the 10 after them left 50 ms ago (RTT 100 ms), so
+    # they may still arrive; 60 sources and the up-front repairs are queued.
     before = sender.pending
-    sender.receive_control(encode_control(request))
+    sender.receive_control(encode_control(RepairRequest(3, 1, 40, 40, ((0, 61),))), 1.0, 0.1)
     assert sender.pending == before  # what is underway already covers the need
-    rest = sender.datagrams_to_send(10**6)
-    # The whole first burst arrived but for 30 symbols: ask for 30 more.
+    rest = sender.datagrams_to_send(10**6, 1.0)
+    # The whole burst arrived but for 6 symbols: 5 more needed, budgeted for the loss seen.
     seq_count = len(first) + len(rest)
-    sender.receive_control(
-        encode_control(RepairRequest(3, 2, seq_count, seq_count - 30, ((0, 30),)))
-    )
-    fresh = [decode_datagram(d) for d in sender.datagrams_to_send(10**6)]
-    assert len(fresh) >= 30
+    request = RepairRequest(3, 2, seq_count, seq_count - 6, ((0, 5),))
+    sender.receive_control(encode_control(request), 1.2, 0.1)
+    fresh = [decode_datagram(d) for d in sender.datagrams_to_send(10**6, 1.2)]
+    budget = budget_loss_rate(6 / seq_count, CONFIG)
+    assert len(fresh) == symbols_needed(5, budget, CONFIG.target_success) > 5
     old = {decode_datagram(d).esi for d in first + rest}
     assert all(d.esi >= 100 and d.esi not in old for d in fresh)
     assert sorted(d.esi for d in fresh) == list(range(fresh[0].esi, fresh[0].esi + len(fresh)))
     # The same request again (stale attempt number) is ignored.
-    sender.receive_control(encode_control(RepairRequest(3, 2, seq_count, 0, ((0, 30),))))
+    sender.receive_control(encode_control(request), 1.3, 0.1)
     assert sender.pending == 0 and sender.stale_requests == 1
+
+
+def test_sender_treats_unseen_datagrams_older_than_an_rtt_as_lost() -> None:
+    """The tail of a burst, LAST flag included, is lost: the receiver's request names
+    the last datagram it saw. Those sent after it but more than an RTT before the request
+    arrived would have arrived: the sender must not count them as underway (else it
+    would never send anything, and the receiver would repeat the same request)."""
+    sender = _sender(size=100 * T, config=CONFIG)
+    burst = sender.datagrams_to_send(10**6, 0.0)
+    request = RepairRequest(3, 1, len(burst) - 20, len(burst) - 20, ((0, 15),))
+    sender.receive_control(encode_control(request), 0.5, 0.1)
+    assert sender.pending >= 15
+    # Had the request come 50 ms after the burst, the 20 would still be underway.
+    sender = _sender(size=100 * T, config=CONFIG)
+    burst = sender.datagrams_to_send(10**6, 0.0)
+    sender.receive_control(encode_control(request), 0.05, 0.1)
+    assert sender.pending == 0
 
 
 @pytest.mark.parametrize(
@@ -423,17 +449,19 @@ def test_sender_serves_requests_with_fresh_symbols_minus_what_is_underway() -> N
 )
 def test_sender_rejects_inconsistent_control(message: RepairRequest | Completion) -> None:
     sender = _sender()
-    sender.datagrams_to_send(20)
+    sender.datagrams_to_send(20, 0.0)
     with pytest.raises(FramingError):
-        sender.receive_control(encode_control(message))
+        sender.receive_control(encode_control(message), 1.0, 0.1)
 
 
 def test_sender_bounds_what_a_receiver_can_draw() -> None:
     sender = _sender(size=100 * T, config=CONFIG)
     total = 0
     for attempt in range(1, 40):
-        sent = sender.sent + len(sender.datagrams_to_send(10**6))
-        sender.receive_control(encode_control(RepairRequest(3, attempt, sent, 0, ((0, 116),))))
+        sent = sender.sent + len(sender.datagrams_to_send(10**6, 0.0))
+        sender.receive_control(
+            encode_control(RepairRequest(3, attempt, sent, 0, ((0, 116),))), 1.0, 0.1
+        )
         total = sender.sent + sender.pending
     assert total <= 8 * (100 + 16)
 
@@ -485,7 +513,7 @@ def test_receiver_survives_well_formed_but_wrong_datagrams(
 def test_receiver_decodes_with_sources_missing_and_reports_counts() -> None:
     payload = payload_of(10 * T - 7, seed=20)
     sender = SenderTransfer(9, payload, T, CONFIG, 0.2)
-    datagrams = sender.datagrams_to_send(10**6)
+    datagrams = sender.datagrams_to_send(10**6, 0.0)
     receiver = ReceiverTransfer(9, sender.layout, CONFIG, now=0.0, rtt=0.1)
     kept = [d for i, d in enumerate(datagrams) if i not in (0, 3, 4)]
     results = [receiver.receive_datagram(d, 1.0) for d in kept[:9]]
@@ -522,7 +550,7 @@ def test_router_buffers_early_datagrams_within_bounds() -> None:
     router = DatagramRouter(config)
     payload = payload_of(2 * T, seed=30)
     sender = SenderTransfer(7, payload, T, config, 0.0)
-    datagrams = sender.datagrams_to_send(10**6)
+    datagrams = sender.datagrams_to_send(10**6, 0.0)
     assert router.receive_datagram(encode_datagram(8, 0, 0, 0, bytes(T)), 0.0) is None
     assert router.receive_datagram(datagrams[0], 0.2) is None
     assert router.receive_datagram(datagrams[1], 0.3) is None
@@ -549,4 +577,6 @@ def test_router_timer_is_the_earliest_receiver_deadline() -> None:
     router.add(b, 0.0)
     assert router.timer() == a.timer()
     due = router.handle_timer(a.timer() or 0.0)
-    assert [transfer.transfer_id for transfer, _ in due] == [1]
+    assert [(action.transfer.transfer_id, action.request is not None) for action in due] == [
+        (1, True)
+    ]

@@ -159,7 +159,7 @@ def test_control_decoder_rejects_malformed(data: bytes) -> None:
 
 
 def test_control_encoder_rejects_unencodable() -> None:
-    bad = [
+    bad: list[RepairRequest | Completion] = [
         RepairRequest(1, 0, 0, 0, ((0, 1),)),
         RepairRequest(1, 1, 0, 0, ()),
         RepairRequest(1, 1, 0, 0, ((1, 1), (0, 1))),
