@@ -38,6 +38,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +68,12 @@ Address = tuple[str, int]
 _EARLY_TOLERANCE_S = 0.0005
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 _MAX_DATAGRAM = 65535
+_READ_BATCH = 256
+# Kernel receive timestamps (socket(7)); Python's socket module does not name this
+# Linux option, whose value is the same on every architecture but a few old ones.
+_SO_TIMESTAMPNS: int = getattr(socket, "SO_TIMESTAMPNS", 35)
+_TIMESPEC = struct.Struct("@qq")  # struct timespec on 64-bit Linux
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_TIMESPEC.size)
 
 
 class WanProfile(BaseModel):
@@ -185,15 +192,20 @@ class _Pump(Generic[T]):
         observer: Callable[[], None] | None,
     ) -> None:
         self.link = link
-        self._observer = observer
         self.lateness = _Lateness()
         self._loop = loop
         self._deliver = deliver
+        self._observer = observer
         self._timer: asyncio.TimerHandle | None = None
         self._armed_for = float("inf")
+        self._last_arrival = float("-inf")
 
-    def submit(self, payload: T, size: int) -> None:
-        self.link.submit(payload, size, time.monotonic())
+    def submit(self, payload: T, size: int, arrived: float) -> None:
+        # Arrival stamps of one link come from several sockets (the downlink reads one
+        # per client), so they may step back a little; the link model wants them in order.
+        arrived = max(arrived, self._last_arrival)
+        self._last_arrival = arrived
+        self.link.submit(payload, size, arrived)
         self._arm()
         if self._observer is not None:
             self._observer()
@@ -229,52 +241,15 @@ class _Pump(Generic[T]):
             self._observer()
 
 
-class _Client:
-    """One client source address and its own upstream socket to the target."""
-
-    __slots__ = ("addr", "last_seen", "pending", "transport")
-
-    def __init__(self, addr: Address, now: float) -> None:
-        self.addr = addr
-        self.last_seen = now
-        self.transport: asyncio.DatagramTransport | None = None
-        # packets due before the upstream socket was ready
-        self.pending: list[bytes] = []
-
-
-class _ListenProtocol(asyncio.DatagramProtocol):
-    def __init__(self, emulator: WanEmulator) -> None:
-        self._emulator = emulator
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self._emulator._from_client(data, (addr[0], addr[1]))
-
-    def error_received(self, exc: Exception) -> None:
-        self._emulator._io_errors += 1
-        logger.debug("listen socket error: %s", exc)
-
-
-class _UpstreamProtocol(asyncio.DatagramProtocol):
-    def __init__(self, emulator: WanEmulator, client: _Client) -> None:
-        self._emulator = emulator
-        self._client = client
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self._emulator._from_target(data, self._client)
-
-    def error_received(self, exc: Exception) -> None:
-        # e.g. ECONNREFUSED from an ICMP port unreachable when the target is down
-        self._emulator._io_errors += 1
-        logger.debug("upstream socket error for %s: %s", self._client.addr, exc)
-
-
 def _udp_socket(bind: Address, connect: Address | None = None) -> socket.socket:
+    """A non-blocking UDP socket that stamps each datagram with its kernel arrival time."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         # Bursts at 100 Mb/s and more overrun the default buffers (about 200 KiB); the
         # kernel caps these at net.core.{r,w}mem_max.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
         sock.setblocking(False)
         sock.bind(bind)
         if connect is not None:
@@ -283,6 +258,17 @@ def _udp_socket(bind: Address, connect: Address | None = None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class _Client:
+    """One client source address and its own upstream socket to the target."""
+
+    __slots__ = ("addr", "last_seen", "sock")
+
+    def __init__(self, addr: Address, sock: socket.socket, now: float) -> None:
+        self.addr = addr
+        self.sock = sock
+        self.last_seen = now
 
 
 class WanEmulator:
@@ -297,6 +283,11 @@ class WanEmulator:
     ``observer``, when given, is called after every packet a link accepts, drops or
     delivers, so that a test can check the counters the moment they change (and set
     an event) instead of polling them.
+
+    Arrival times are the kernel's receive timestamps (``SO_TIMESTAMPNS``), not the
+    time the relay got round to reading a packet: a relay descheduled for a few
+    milliseconds on a busy machine delivers late (measured: ``mean_late_s``,
+    ``max_late_s``) but does not also lose the link capacity of those milliseconds.
     """
 
     def __init__(
@@ -318,13 +309,14 @@ class WanEmulator:
         self._max_clients = max_clients
         self._observer = observer
         self._clients: dict[Address, _Client] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._listen: asyncio.DatagramTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listen: socket.socket | None = None
         self._up: _Pump[tuple[_Client, bytes]] | None = None
         self._down: _Pump[tuple[Address, bytes]] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._rng = random.Random(seed)
         self._io_errors = 0
+        self._send_buffer_drops = 0
         self._refused = 0
         self._address: Address | None = None
 
@@ -337,7 +329,7 @@ class WanEmulator:
 
     async def start(self) -> None:
         """Bind the listen socket and start relaying."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         rngs = random.Random(self._seed)
         self._up = _Pump(
             loop,
@@ -351,11 +343,10 @@ class WanEmulator:
             self._to_client,
             self._observer,
         )
-        sock = _udp_socket(self._listen_addr)
-        transport, _ = await loop.create_datagram_endpoint(lambda: _ListenProtocol(self), sock=sock)
-        self._listen = transport
-        host, port = transport.get_extra_info("sockname")[:2]
+        sock = self._listen = _udp_socket(self._listen_addr)
+        host, port = sock.getsockname()[:2]
         self._address = (host, port)
+        loop.add_reader(sock.fileno(), self._read, sock, None)
         self._schedule_sweep()
         logger.info(
             "WAN emulator %s on %s:%d -> %s:%d", self.profile.name, host, port, *self.target
@@ -369,16 +360,11 @@ class WanEmulator:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
         for client in self._clients.values():
-            if client.transport is not None:
-                client.transport.close()
+            self._close_socket(client.sock)
         self._clients.clear()
         if self._listen is not None:
-            self._listen.close()
+            self._close_socket(self._listen)
             self._listen = None
 
     async def __aenter__(self) -> Self:
@@ -395,80 +381,111 @@ class WanEmulator:
 
     def stats(self) -> dict[str, Any]:
         """Counters per direction (see ``LinkCounters``) plus how late the relay
-        actually delivered against the schedule, and relay-level counts."""
+        actually delivered against the schedule, and relay-level counts:
+        ``send_buffer_drops`` (a full socket send buffer refused a due packet) and
+        ``io_errors`` (e.g. ICMP port unreachable from a target that is down)."""
         out: dict[str, Any] = {"profile": self.profile.name}
         for name, pump in (("uplink", self._up), ("downlink", self._down)):
             if pump is not None:
                 out[name] = pump.link.counters.as_dict() | pump.lateness.as_dict()
         out["clients"] = len(self._clients)
         out["refused_packets"] = self._refused
+        out["send_buffer_drops"] = self._send_buffer_drops
         out["io_errors"] = self._io_errors
         return out
 
     # -- packet paths ------------------------------------------------------------------
 
-    def _from_client(self, data: bytes, addr: Address) -> None:
+    def _read(self, sock: socket.socket, client: _Client | None) -> None:
+        """Read what ``sock`` holds (up to a batch, to stay fair to the other sockets):
+        the listen socket when ``client`` is None, else that client's upstream socket."""
+        # CLOCK_REALTIME stamps to the monotonic clock of the link model
+        offset = time.time() - time.monotonic()
+        for _ in range(_READ_BATCH):
+            try:
+                data, ancillary, _, addr = sock.recvmsg(_MAX_DATAGRAM, _ANCILLARY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # ECONNREFUSED after an ICMP port unreachable
+                self._io_errors += 1
+                logger.debug("receive error on %s: %s", sock.getsockname(), e)
+                continue
+            arrived = None
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+                    sec, nsec = _TIMESPEC.unpack_from(raw)
+                    arrived = sec + nsec * 1e-9 - offset
+            if arrived is None:
+                arrived = time.monotonic()
+            if client is None:
+                self._from_client(data, (addr[0], addr[1]), arrived)
+            else:
+                client.last_seen = arrived
+                assert self._down is not None
+                self._down.submit((client.addr, data), len(data), arrived)
+
+    def _from_client(self, data: bytes, addr: Address, arrived: float) -> None:
         client = self._clients.get(addr)
-        now = time.monotonic()
         if client is None:
             if len(self._clients) >= self._max_clients:
                 self._refused += 1
                 return
-            client = self._clients[addr] = _Client(addr, now)
-            task = asyncio.get_running_loop().create_task(self._open_upstream(client))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        client.last_seen = now
+            client = self._open_client(addr, arrived)
+            if client is None:
+                return
+        client.last_seen = arrived
         assert self._up is not None
-        self._up.submit((client, data), len(data))
+        self._up.submit((client, data), len(data), arrived)
 
-    def _from_target(self, data: bytes, client: _Client) -> None:
-        client.last_seen = time.monotonic()
-        assert self._down is not None
-        self._down.submit((client.addr, data), len(data))
+    def _open_client(self, addr: Address, now: float) -> _Client | None:
+        assert self._loop is not None and self._address is not None
+        try:
+            sock = _udp_socket((self._address[0], 0), self.target)
+        except OSError as e:
+            logger.warning("cannot open an upstream socket for %s: %s", addr, e)
+            self._io_errors += 1
+            return None
+        client = self._clients[addr] = _Client(addr, sock, now)
+        self._loop.add_reader(sock.fileno(), self._read, sock, client)
+        return client
 
     def _to_target(self, item: tuple[_Client, bytes]) -> None:
         client, data = item
-        if client.transport is None:
-            client.pending.append(data)
-        else:
-            client.transport.sendto(data)
+        if client.sock.fileno() >= 0:  # not swept meanwhile
+            self._send(client.sock, data, None)
 
     def _to_client(self, item: tuple[Address, bytes]) -> None:
         if self._listen is not None:
-            self._listen.sendto(item[1], item[0])
+            self._send(self._listen, item[1], item[0])
 
-    async def _open_upstream(self, client: _Client) -> None:
-        loop = asyncio.get_running_loop()
+    def _send(self, sock: socket.socket, data: bytes, addr: Address | None) -> None:
         try:
-            host = self._address[0] if self._address is not None else "127.0.0.1"
-            sock = _udp_socket((host, 0), self.target)
-            transport, _ = await loop.create_datagram_endpoint(
-                lambda: _UpstreamProtocol(self, client), sock=sock
-            )
+            if addr is None:
+                sock.send(data)
+            else:
+                sock.sendto(data, addr)
+        except BlockingIOError:
+            self._send_buffer_drops += 1
         except OSError as e:
-            logger.warning("cannot open upstream socket for %s: %s", client.addr, e)
             self._io_errors += 1
-            self._clients.pop(client.addr, None)
-            return
-        if self._clients.get(client.addr) is not client:  # swept while opening
-            transport.close()
-            return
-        client.transport = transport
-        for data in client.pending:
-            transport.sendto(data)
-        client.pending.clear()
+            logger.debug("send error on %s: %s", sock.getsockname(), e)
+
+    def _close_socket(self, sock: socket.socket) -> None:
+        if self._loop is not None and sock.fileno() >= 0:
+            self._loop.remove_reader(sock.fileno())
+        sock.close()
 
     def _schedule_sweep(self) -> None:
+        assert self._loop is not None
         period = self._idle_timeout_s / 4.0
         delay = period * self._rng.uniform(0.9, 1.1)
-        self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+        self._sweeper = self._loop.call_later(delay, self._sweep)
 
     def _sweep(self) -> None:
         cutoff = time.monotonic() - self._idle_timeout_s
         for addr, client in list(self._clients.items()):
-            if client.last_seen < cutoff and client.transport is not None:
-                client.transport.close()
+            if client.last_seen < cutoff:
+                self._close_socket(client.sock)
                 del self._clients[addr]
         self._schedule_sweep()
 
