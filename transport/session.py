@@ -360,6 +360,9 @@ class ReceiverTransfer:
         self._rtt = max(0.0, rtt)
         blocks = layout.num_blocks
         self._out = bytearray(layout.num_symbols * layout.symbol_size)
+        # Datagrams seen, by seq, grown on demand up to what an honest sender can send.
+        self._max_seq = MAX_EXPANSION * (layout.num_symbols + MAX_NEED_OVER_K * blocks)
+        self._seen = bytearray()
         self._have = bytearray(layout.num_symbols)  # 1 where the source symbol arrived
         self._sources = [0] * blocks
         self._count = [0] * blocks  # distinct symbols, source and repair
@@ -401,20 +404,30 @@ class ReceiverTransfer:
     def receive_symbol(self, d: SymbolDatagram, now: float) -> bool:
         """As :meth:`receive_datagram`, for a datagram already decoded."""
         layout = self.layout
-        if d.transfer_id != self.transfer_id or d.block >= layout.num_blocks:
-            self.malformed += 1
-            return False
-        if len(d.symbol) != layout.symbol_size:
+        seq = d.seq
+        if (
+            d.transfer_id != self.transfer_id
+            or d.block >= layout.num_blocks
+            or len(d.symbol) != layout.symbol_size
+            or seq >= self._max_seq
+        ):
             self.malformed += 1
             return False
         if self.state is not TransferState.ACTIVE:
             self.useless += 1
             return False
+        seen = self._seen
+        if seq >= len(seen):
+            seen.extend(bytes(min(self._max_seq, max(seq + 1, 2 * len(seen), 1024)) - len(seen)))
+        if seen[seq]:
+            self.duplicates += 1
+            return False
+        seen[seq] = 1
         block, esi = d.block, d.esi
         self._last_arrival = now
         self._unanswered = 0
-        if d.seq >= self.seq_count:
-            self.seq_count = d.seq + 1
+        if seq >= self.seq_count:
+            self.seq_count = seq + 1
         if d.last:
             self._burst_ended = True
         if self._complete[block]:

@@ -24,6 +24,7 @@ from wanswarm.transport.errors import FecError, FramingError
 from wanswarm.transport.fec import BlockDecoder, TransferLayout
 from wanswarm.transport.redundancy import LossEstimator, budget_loss_rate, symbols_needed
 from wanswarm.transport.session import (
+    MAX_EXPANSION,
     ReceiverTransfer,
     SenderTransfer,
     TransferState,
@@ -505,7 +506,8 @@ def test_receiver_survives_well_formed_but_wrong_datagrams(
     data = encode_datagram(transfer_id, block, esi, seq, bytes(size))
     receiver.receive_datagram(data, 1.0)
     receiver.receive_datagram(data, 1.0)
-    valid = transfer_id == 9 and block == 0 and size == T
+    # An honest sender sends at most MAX_EXPANSION * (k + 16) datagrams of a block.
+    valid = transfer_id == 9 and block == 0 and size == T and seq < MAX_EXPANSION * (5 + 16)
     assert receiver.malformed == (0 if valid else 2)
     assert receiver.duplicates == (1 if valid else 0)
 
@@ -580,3 +582,13 @@ def test_router_timer_is_the_earliest_receiver_deadline() -> None:
     assert [(action.transfer.transfer_id, action.request is not None) for action in due] == [
         (1, True)
     ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.binary(max_size=DATAGRAM_HEADER_BYTES + T + 8), max_size=8))
+def test_router_never_raises_on_random_datagrams(datagrams: list[bytes]) -> None:
+    router = DatagramRouter(CONFIG)
+    router.add(_receiver(), 0.0)
+    for i, data in enumerate(datagrams):
+        assert router.receive_datagram(data, float(i)) is None
+    assert router.malformed <= len(datagrams)
