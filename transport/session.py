@@ -416,13 +416,13 @@ class ReceiverTransfer:
         if self.state is not TransferState.ACTIVE:
             self.useless += 1
             return False
-        seen = self._seen
-        if seq >= len(seen):
-            seen.extend(bytes(min(self._max_seq, max(seq + 1, 2 * len(seen), 1024)) - len(seen)))
-        if seen[seq]:
+        seqs = self._seen
+        if seq >= len(seqs):
+            seqs.extend(bytes(min(self._max_seq, max(seq + 1, 2 * len(seqs), 1024)) - len(seqs)))
+        if seqs[seq]:
             self.duplicates += 1
             return False
-        seen[seq] = 1
+        seqs[seq] = 1
         block, esi = d.block, d.esi
         self._last_arrival = now
         self._unanswered = 0
