@@ -22,7 +22,8 @@ Protocol (one transfer; S sends a payload to R; ``seq`` numbers datagrams in sen
     |                                                                            |
     |   otherwise R's timer fires (LAST seen + RTT/8, or no datagram for RTT/2): |
     |<-- stream: REPAIR_REQUEST {attempt, seq_count, received, (block, need)*} --|
-    |   per block: fresh = budget(need) - in flight (seq >= seq_count) - queued  |
+    |   per block: fresh = budget(need) - queued - in flight (seq >= seq_count   |
+    |   and sent less than an RTT ago: older unseen ones count as lost)          |
     |== datagrams: fresh repair symbols, new ESIs only, LAST on the last ========>|
     |                                    timer again; unanswered requests back   |
     |                                    off x2 and give up after N in a row     |
