@@ -103,7 +103,7 @@ class HopId(_Wire):
     trainer: str = Field(pattern=_ID_PATTERN, description="Peer id of the trainer.")
     micro_batch: int = Field(ge=0, lt=2**63, description="Trainer-unique micro-batch id.")
     stage: int = Field(ge=0, le=4095, description="Stage this hop is for.")
-    attempt: int = Field(0, ge=0, le=1000, description="Retry number of this hop (0 first).")
+    attempt: int = Field(default=0, ge=0, le=1000, description="Retry number of this hop (0 first).")
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -112,7 +112,7 @@ class HopId(_Wire):
 
 
 class _Request(_Wire):
-    v: Literal[1] = Field(1, description="Protocol version (PROTOCOL_VERSION).")
+    v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     hop: HopId
     budget_s: float = Field(
         gt=0.0, le=3600.0, description="Seconds the trainer waits for this answer."
@@ -123,7 +123,7 @@ class ForwardRequest(_Request):
     """``forward``: tensors ``[x]``; answer ``[y]``."""
 
     keep_input: bool = Field(
-        True, description="Cache x so that a backward may reference it (False for validation)."
+        default=True, description="Cache x so that a backward may reference it (False for validation)."
     )
 
 
@@ -144,12 +144,12 @@ class EvalLossRequest(_Request):
 class InfoRequest(_Wire):
     """``stage_info``: no tensors."""
 
-    v: Literal[1] = Field(1, description="Protocol version (PROTOCOL_VERSION).")
+    v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     run_id: str = Field(pattern=_ID_PATTERN, description="RunSpec.run_id of the asker.")
 
 
 class _Reply(_Wire):
-    v: Literal[1] = Field(1, description="Protocol version (PROTOCOL_VERSION).")
+    v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     queue_len: int = Field(ge=0, le=1_000_000, description="Jobs queued after this one finished.")
     epoch: int = Field(ge=0, lt=2**63, description="Optimizer step (local epoch) of the stage.")
     compute_s: float = Field(ge=0.0, le=86400.0, description="Seconds this job ran on the device.")
@@ -197,7 +197,7 @@ class EvalReply(_Reply):
 class InfoReply(_Wire):
     """Answer to ``stage_info``: what the server would announce in its record, live."""
 
-    v: Literal[1] = Field(1, description="Protocol version (PROTOCOL_VERSION).")
+    v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     run_id: str = Field(pattern=_ID_PATTERN)
     stage: int = Field(ge=0, le=4095)
     state: Literal["joining", "online", "draining"]

@@ -1,0 +1,683 @@
+"""The stage server: one pipeline stage's parameters, served to trainers over the endpoint.
+
+Serves the training protocol (protocol.py) for stage ``s`` of the run:
+
+- ``forward`` (no grad): runs the stage on ``x`` and, unless asked not to, keeps ``x`` in a
+  bounded cache keyed by ``(trainer, micro_batch)`` so that the backward can reference it
+  instead of resending it;
+- ``forward_loss`` (last stage): loss and ``dL/dx`` in one round trip, accumulating the
+  parameter gradients;
+- ``backward`` (stateless): recomputes the forward from the carried or cached ``x``
+  (``cache_miss`` if the reference is gone: the trainer resends), accumulates the parameter
+  gradients and returns ``dL/dx`` (nothing on stage 0);
+- ``eval_loss`` (last stage, no grad) and ``stage_info``.
+
+All tensor work (validation of values, compute, reply encoding) runs on ONE device thread,
+a dedicated single-worker executor; the event loop only parses headers and queues jobs. The
+queue is bounded: when ``queue_size`` jobs are queued or running the server answers ``busy``
+so that the trainer goes elsewhere. A job whose requester gave up (the endpoint cancels the
+handler when the request stream is reset) or whose ``budget_s`` ran out before it reached
+the device is dropped unrun.
+
+Idempotency: the device thread remembers which ``(trainer, micro_batch, stage)`` it applied
+(a bounded log). A duplicate ``backward``/``forward_loss`` (a retry after a lost reply)
+returns the cached reply when it is still held, else recomputes ``dL/dx`` without touching
+the parameter gradients. Gradients of the backward leg are encoded with the run's backward
+codec through error feedback keyed by ``(trainer, stage, "grad_input")``; activations with
+the forward codec.
+
+After each applied micro-batch the device thread calls ``optimizer.step(batch_size)`` (the
+averaging adapter): it steps when the stage's collaboration reaches ``target_batch_size``.
+
+The throughput announced in the DHT record is measured at start by a short local
+benchmark (forward+backward of one micro-batch) and cached in the state directory by
+``(run_id, stage, device)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from ..transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
+from ..transport.endpoint import Handler, Request, Response
+from ..transport.error_feedback import ErrorFeedback
+from ..transport.errors import RemoteError
+from .averaging import StageOptimizer
+from .logs import get_logger
+from .model import StageModule, build_stage
+from .protocol import (
+    BackwardReply,
+    BackwardRequest,
+    ErrorCode,
+    EvalLossRequest,
+    EvalReply,
+    ForwardLossRequest,
+    ForwardReply,
+    ForwardRequest,
+    HopId,
+    InfoReply,
+    InfoRequest,
+    Kind,
+    LossReply,
+    StageContract,
+    parse_request,
+    refuse,
+    to_header,
+)
+from .runspec import RunSpec
+
+log = get_logger(__name__)
+
+ServerState = Literal["joining", "online", "draining"]
+THROUGHPUT_CACHE = "throughput.json"
+
+
+class StageServerConfig(BaseModel):
+    """How a stage server queues, caches and measures its work."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'."
+    )
+    queue_size: int = Field(
+        16, ge=1, le=4096, description="Jobs queued or running on the device; beyond it we answer 'busy'."
+    )
+    cache_entries: int = Field(
+        256, ge=0, le=1_000_000, description="Forward inputs kept for backward references (0 disables)."
+    )
+    cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Byte budget of the forward-input cache."
+    )
+    cache_ttl_s: float = Field(
+        120.0, gt=0.0, le=86400.0, description="Seconds a cached forward input stays referenceable."
+    )
+    applied_entries: int = Field(
+        200_000,
+        ge=1,
+        le=10_000_000,
+        description="Applied (trainer, micro-batch) keys remembered to suppress duplicate gradients.",
+    )
+    reply_cache_entries: int = Field(
+        64, ge=0, le=100_000, description="Recent backward replies kept to answer a retried hop exactly."
+    )
+    error_feedback: bool = Field(
+        True, description="Encode returned input gradients through error feedback (per trainer)."
+    )
+    error_feedback_bytes: int = Field(
+        512 * 2**20, ge=0, description="Memory bound of the error-feedback residuals."
+    )
+    benchmark_iterations: int = Field(
+        3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
+    )
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+@dataclass
+class _CacheEntry:
+    tensor: torch.Tensor
+    nbytes: int
+    expires: float
+
+
+class InputCache:
+    """Forward inputs by key: LRU, bounded by entries and bytes, entries expire (pure)."""
+
+    def __init__(self, max_entries: int, max_bytes: int, ttl: float) -> None:
+        self.max_entries, self.max_bytes, self.ttl = max_entries, max_bytes, ttl
+        self._entries: OrderedDict[Hashable, _CacheEntry] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: Hashable, tensor: torch.Tensor, now: float) -> bool:
+        """Keep ``tensor`` until ``now + ttl``; False if it cannot fit at all."""
+        self.pop(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.max_entries == 0 or nbytes > self.max_bytes:
+            return False
+        self._expire(now)
+        self._entries[key] = _CacheEntry(tensor, nbytes, now + self.ttl)
+        self.nbytes += nbytes
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+        return True
+
+    def get(self, key: Hashable, now: float) -> torch.Tensor | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.expires <= now:
+            self.pop(key)
+            return None
+        self._entries.move_to_end(key)
+        return entry.tensor
+
+    def pop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, e in self._entries.items() if e.expires <= now]:
+            self.pop(key)
+
+
+class AppliedLog:
+    """Keys whose gradients were applied, oldest forgotten first, with a few cached replies."""
+
+    def __init__(self, max_keys: int, max_replies: int) -> None:
+        self.max_keys, self.max_replies = max_keys, max_replies
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._replies: OrderedDict[Hashable, Response] = OrderedDict()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: Hashable, reply: Response | None) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            old, _ = self._keys.popitem(last=False)
+            self._replies.pop(old, None)
+        if reply is not None and self.max_replies > 0:
+            self._replies[key] = reply
+            while len(self._replies) > self.max_replies:
+                self._replies.popitem(last=False)
+
+    def reply(self, key: Hashable) -> Response | None:
+        return self._replies.get(key)
+
+
+@dataclass
+class StageServerCounters:
+    """What the server did since start (the device thread and the event loop write disjoint fields)."""
+
+    forward: int = 0
+    forward_loss: int = 0
+    backward: int = 0
+    eval_loss: int = 0
+    info: int = 0
+    applied: int = 0  # micro-batches whose gradients were accumulated
+    samples_accumulated: int = 0
+    duplicates: int = 0  # retried hops answered without accumulating again
+    cache_misses: int = 0
+    expired: int = 0  # dropped before running: out of budget or abandoned
+    failed: int = 0  # refused (bad_request) or failed (internal) on the device
+    busy: int = 0  # event loop: refused because the queue was full
+    refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
+    compute_s: float = 0.0
+
+
+@dataclass
+class _Job:
+    deadline: float  # time.monotonic()
+    cancelled: bool = False  # the requester gave up (set from the event loop)
+    result: Any = field(default=None)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class HandlerRegistry(Protocol):
+    """Where the server registers its request kinds (``transport.endpoint.Endpoint``)."""
+
+    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class StageServer:
+    """Serves one stage (see the module docstring). Also a daemon ``Component``."""
+
+    name = "stage_server"
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        config: StageServerConfig,
+        *,
+        endpoint: HandlerRegistry,
+        make_optimizer: Callable[[nn.Module], StageOptimizer],
+        state_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Build the stage and its optimizer. Call on the main thread: hivemind's Optimizer
+        (inside ``make_optimizer``) installs signal handlers."""
+        self.spec, self.stage, self.config = spec, stage, config
+        self.contract = StageContract.from_spec(spec, stage)
+        self.device = resolve_device(config.device)
+        self.module: StageModule = build_stage(spec, stage).to(self.device)
+        self.optimizer = make_optimizer(self.module)
+        self.state_dir = state_dir
+        self.clock = clock
+        self.forward_codec: CodecSpec = parse_codec(spec.codecs.forward_activations)
+        self.backward_codec: CodecSpec = parse_codec(spec.codecs.backward_gradients)
+        self.counters = StageServerCounters()
+        self.state: ServerState = "joining"
+        self.throughput = 0.0
+        self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
+        self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
+        self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-device")
+        self._pending = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._membership: Any = None
+        self._closed = False
+        for kind, handler in (
+            (Kind.FORWARD, self._on_forward),
+            (Kind.FORWARD_LOSS, self._on_forward_loss),
+            (Kind.BACKWARD, self._on_backward),
+            (Kind.EVAL_LOSS, self._on_eval_loss),
+            (Kind.STAGE_INFO, self._on_info),
+        ):
+            endpoint.register(str(kind), handler)
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Load the stage's state from its peers, measure throughput, then serve."""
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(self._executor, self.optimizer.load_state_from_peers)
+        log.info("stage %d: %s, epoch %d", self.stage,
+                 "state loaded from peers" if loaded else "no peers to load state from",
+                 self.optimizer.local_epoch)
+        self.throughput = await loop.run_in_executor(self._executor, self._measured_throughput)
+        self.state = "online"
+        log.info("stage %d online: %.1f samples/s on %s", self.stage, self.throughput, self.device)
+
+    async def start(self, ctx: Any) -> None:
+        """Component seam: ``open`` then announce our stage and throughput."""
+        self._membership = ctx.membership
+        ctx.membership.update(stage=self.stage, throughput=0.0, queue=0)
+        await self.open()
+        ctx.membership.update(throughput=self.throughput, queue=self._pending)
+
+    async def drain(self, deadline: float) -> None:
+        """Refuse new work, finish queued jobs and apply pending averaging by ``deadline``."""
+        self.state = "draining"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._idle.wait()
+                await loop.run_in_executor(self._executor, self.optimizer.flush)
+        except TimeoutError:
+            log.warning("stage %d: drain deadline reached with %d jobs queued", self.stage, self._pending)
+
+    async def close(self) -> None:
+        """Leave the collaboration and stop the device thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.state = "draining"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.optimizer.shutdown)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "state": self.state,
+            "queue": self._pending,
+            "throughput": round(self.throughput, 2),
+            "epoch": self.optimizer.local_epoch,
+            "samples_accumulated": self.optimizer.samples_accumulated,
+            "synchronized": self.optimizer.is_synchronized(),
+            "cache": len(self._cache),
+            **asdict(self.counters),
+        }
+
+    @property
+    def queue_len(self) -> int:
+        """Jobs queued or running on the device thread."""
+        return self._pending
+
+    # ---- queueing -----------------------------------------------------------------
+
+    def _admit(self, hop: HopId, sender: str) -> None:
+        try:
+            self.contract.check_hop(hop, sender)
+            if self.state == "joining":
+                raise refuse(ErrorCode.NOT_READY, "still loading the stage's state")
+            if self.state == "draining":
+                raise refuse(ErrorCode.DRAINING, "leaving: send elsewhere")
+        except RemoteError:
+            self.counters.refused += 1
+            raise
+        if self._pending >= self.config.queue_size:
+            self.counters.busy += 1
+            raise refuse(ErrorCode.BUSY, f"{self._pending} jobs queued")
+
+    async def _run(self, budget_s: float, work: Callable[[], Response]) -> Response:
+        """Queue ``work`` on the device thread; the slot is held until it really finishes."""
+        job = _Job(deadline=self.clock() + budget_s)
+        self._pending += 1
+        self._idle.clear()
+        self._announce_queue()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._device, job, work)
+        future.add_done_callback(self._job_done)
+        try:
+            # shielded: a cancelled handler must not free the slot of a job that still runs
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
+
+    def _job_done(self, future: asyncio.Future[Response]) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
+        self._announce_queue()
+        if not future.cancelled():
+            future.exception()  # retrieved: a shielded job whose requester left is not an error
+
+    def _announce_queue(self) -> None:
+        if self._membership is not None:
+            self._membership.update(queue=self._pending)
+
+    def _device(self, job: _Job, work: Callable[[], Response]) -> Response:
+        """Runs on the device thread."""
+        if job.cancelled or self.clock() > job.deadline:
+            self.counters.expired += 1
+            raise refuse(ErrorCode.EXPIRED, "the request's budget ran out in the queue")
+        started = time.perf_counter()
+        try:
+            return work()
+        except RemoteError:
+            self.counters.failed += 1
+            raise
+        except Exception as exc:  # a bug or a torch failure: answer 'internal', keep serving
+            self.counters.failed += 1
+            log.exception("stage %d: job failed", self.stage)
+            raise refuse(ErrorCode.INTERNAL, type(exc).__name__) from exc
+        finally:
+            self.counters.compute_s += time.perf_counter() - started
+
+    def _reply_fields(self, started: float) -> dict[str, Any]:
+        return {
+            "queue_len": max(0, self._pending - 1),
+            "epoch": self.optimizer.local_epoch,
+            "compute_s": max(0.0, time.perf_counter() - started),
+        }
+
+    # ---- handlers (event loop) ----------------------------------------------------
+
+    async def _on_forward(self, request: Request) -> Response:
+        msg = parse_request(ForwardRequest, request.header)
+        self._admit(msg.hop, request.peer_id)
+        if self.contract.last:
+            self.counters.refused += 1
+            raise refuse(ErrorCode.BAD_REQUEST, "the last stage answers forward_loss and eval_loss")
+        return await self._run(msg.budget_s, lambda: self._forward(msg, request.tensors))
+
+    async def _on_forward_loss(self, request: Request) -> Response:
+        msg = parse_request(ForwardLossRequest, request.header)
+        self._admit(msg.hop, request.peer_id)
+        self._require_last("forward_loss")
+        return await self._run(msg.budget_s, lambda: self._forward_loss(msg, request.tensors))
+
+    async def _on_backward(self, request: Request) -> Response:
+        msg = parse_request(BackwardRequest, request.header)
+        self._admit(msg.hop, request.peer_id)
+        if self.contract.last:
+            self.counters.refused += 1
+            raise refuse(ErrorCode.BAD_REQUEST, "the last stage's backward is forward_loss")
+        return await self._run(msg.budget_s, lambda: self._backward(msg, request.tensors))
+
+    async def _on_eval_loss(self, request: Request) -> Response:
+        msg = parse_request(EvalLossRequest, request.header)
+        self._admit(msg.hop, request.peer_id)
+        self._require_last("eval_loss")
+        return await self._run(msg.budget_s, lambda: self._eval_loss(msg, request.tensors))
+
+    async def _on_info(self, request: Request) -> Response:
+        msg = parse_request(InfoRequest, request.header)
+        if msg.run_id != self.contract.run_id:
+            self.counters.refused += 1
+            raise refuse(ErrorCode.WRONG_RUN, f"this server trains run {self.contract.run_id}")
+        self.counters.info += 1
+        reply = InfoReply(
+            run_id=self.contract.run_id,
+            stage=self.stage,
+            state=self.state,
+            queue_len=self._pending,
+            queue_capacity=self.config.queue_size,
+            throughput=self.throughput,
+            epoch=self.optimizer.local_epoch,
+            samples_accumulated=self.optimizer.samples_accumulated,
+        )
+        return Response(to_header(reply))
+
+    def _require_last(self, kind: str) -> None:
+        if not self.contract.last:
+            self.counters.refused += 1
+            raise refuse(ErrorCode.BAD_REQUEST, f"only the last stage answers {kind}")
+
+    # ---- jobs (device thread) -----------------------------------------------------
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        self.contract.check_input(x)
+        return x.to(self.device)
+
+    def _forward(self, msg: ForwardRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 1, "forward")
+        x = self._input(tensors[0])
+        with torch.no_grad():
+            y = self.module(x)  # (B, T, C)
+        cached = msg.keep_input and self._cache.put(
+            (msg.hop.trainer, msg.hop.micro_batch), x, self.clock()
+        )
+        self.counters.forward += 1
+        out = encode(y, self.forward_codec)
+        return Response(to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out])
+
+    def _forward_loss(self, msg: ForwardLossRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 2, "forward_loss")
+        x = self._input(tensors[0])
+        batch, length = int(x.shape[0]), int(x.shape[1])
+        self.contract.check_targets(tensors[1], batch, length)
+        targets = tensors[1].to(self.device)
+        key = msg.hop.key
+        self.counters.forward_loss += 1
+        if key in self._applied:
+            return self._duplicate(key, started, lambda: self._loss_and_grad(x, targets, accumulate=False))
+        loss, grad_x = self._loss_and_grad(x, targets, accumulate=True)
+        out = self._encode_grad(msg.hop, grad_x)
+        header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
+        return self._apply(key, batch, Response(to_header(header), out))
+
+    def _loss_and_grad(
+        self, x: torch.Tensor, targets: torch.Tensor, *, accumulate: bool
+    ) -> tuple[float, torch.Tensor | None]:
+        x = x if self.contract.first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.module.forward_loss(x, targets)  # ()
+            grad_x = self._grads(loss, x, None, accumulate=accumulate)
+        return float(loss.detach()), grad_x
+
+    def _backward(self, msg: BackwardRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        hop = msg.hop
+        ref = (hop.trainer, hop.micro_batch)
+        if msg.input_carried:
+            self.contract.check_count(tensors, 2, "backward with its input")
+            x = self._input(tensors[0])
+        else:
+            self.contract.check_count(tensors, 1, "backward by reference")
+            cached = self._cache.get(ref, self.clock())
+            if cached is None:
+                self.counters.cache_misses += 1
+                raise refuse(ErrorCode.CACHE_MISS, "the forward input is no longer cached: resend it")
+            x = cached
+        batch, length = int(x.shape[0]), int(x.shape[1])
+        self.contract.check_output_grad(tensors[-1], batch, length)
+        grad_y = tensors[-1].to(self.device)
+        self.counters.backward += 1
+        if hop.key in self._applied:
+            return self._duplicate(hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False)))
+        grad_x = self._recompute(x, grad_y, accumulate=True)
+        self._cache.pop(ref)
+        out = self._encode_grad(hop, grad_x)
+        header = BackwardReply(duplicate=False, **self._reply_fields(started))
+        return self._apply(hop.key, batch, Response(to_header(header), out))
+
+    def _recompute(self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool) -> torch.Tensor | None:
+        x = x if self.contract.first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.module(x)  # (B, T, C)
+            return self._grads(y, x, grad_y, accumulate=accumulate)
+
+    def _grads(
+        self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
+    ) -> torch.Tensor | None:
+        """dL/dx; with ``accumulate`` also add dL/dtheta into the parameters' ``.grad``."""
+        if accumulate:
+            out.backward(grad_out)
+            return None if self.contract.first else x.grad
+        if self.contract.first:
+            return None  # nothing to return and nothing to accumulate
+        (grad_x,) = torch.autograd.grad(out, [x], grad_out)
+        return grad_x
+
+    def _duplicate(
+        self,
+        key: Hashable,
+        started: float,
+        recompute: Callable[[], tuple[float | None, torch.Tensor | None]],
+    ) -> Response:
+        """A retried hop we already applied: the same answer, no second accumulation."""
+        self.counters.duplicates += 1
+        cached = self._applied.reply(key)
+        if cached is not None:
+            header = dict(cached.header, **self._reply_fields(started), duplicate=True)
+            return Response(header, cached.tensors)
+        loss, grad_x = recompute()
+        out = [] if grad_x is None else [encode(grad_x, self.backward_codec)]  # not through EF
+        fields = self._reply_fields(started)
+        if loss is not None:
+            return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), list(out))
+        return Response(to_header(BackwardReply(duplicate=True, **fields)), list(out))
+
+    def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[torch.Tensor | EncodedTensor]:
+        if grad_x is None:
+            return []
+        if self.config.error_feedback:
+            return [self._ef.encode((hop.trainer, self.stage, "grad_input"), grad_x, self.backward_codec)]
+        return [encode(grad_x, self.backward_codec)]
+
+    def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:
+        """Record the micro-batch as applied, then let the optimizer take its gradients."""
+        self._applied.add(key, reply)
+        self.counters.applied += 1
+        self.counters.samples_accumulated += batch
+        self.optimizer.step(batch)
+        return reply
+
+    def _eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 2, "eval_loss")
+        x = self._input(tensors[0])
+        self.contract.check_targets(tensors[1], int(x.shape[0]), int(x.shape[1]))
+        with torch.no_grad():
+            loss = float(self.module.forward_loss(x, tensors[1].to(self.device)))
+        if not math.isfinite(loss):
+            raise refuse(ErrorCode.INTERNAL, "the loss is not finite")
+        self.counters.eval_loss += 1
+        return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))
+
+    # ---- throughput ---------------------------------------------------------------
+
+    def _measured_throughput(self) -> float:
+        key = f"{self.spec.run_id}/{self.stage}/{self.device}"
+        cache = self.state_dir / THROUGHPUT_CACHE if self.state_dir is not None else None
+        known = _read_json(cache) if cache is not None else {}
+        value = known.get(key)
+        if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+            return float(value)
+        measured = benchmark_stage(self.module, self.spec, self.config.benchmark_iterations)
+        if cache is not None:
+            known[key] = measured
+            _write_json(cache, known)
+        return measured
+
+
+def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> float:
+    """Samples/s of forward+backward of one micro-batch through ``module`` (no side effects).
+
+    Gradients go through ``torch.autograd.grad``, so nothing accumulates into ``.grad``.
+    """
+    device = next(module.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    B, T, C = spec.batch.micro_batch_size, spec.model.seq_len, spec.model.d_model
+    if module.is_first:
+        x = torch.randint(0, spec.model.vocab_size, (B, T), generator=gen).to(device)
+    else:
+        x = torch.randn(B, T, C, generator=gen).to(device).requires_grad_(True)
+    targets = torch.randint(0, spec.model.vocab_size, (B, T), generator=gen).to(device)
+    grad_y = torch.randn(B, T, C, generator=gen).to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    inputs = params if module.is_first else [*params, x]
+
+    def once() -> None:
+        with torch.enable_grad():
+            if module.is_last:
+                torch.autograd.grad(module.forward_loss(x, targets), inputs)
+            else:
+                torch.autograd.grad(module(x), inputs, grad_y)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    once()  # warm-up: allocator, kernels, lazy imports
+    started = time.perf_counter()
+    for _ in range(iterations):
+        once()
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    return B * iterations / elapsed
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache the throughput in %s: %s", path, exc)

@@ -1,0 +1,505 @@
+"""Stage server: handlers called directly with Request objects (no sockets).
+
+Gradients through the three stages equal autograd on the full model; retried hops never
+accumulate twice; a full queue answers busy; a dropped cache entry answers cache_miss;
+wrong run/stage, joining and draining servers refuse with their codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from torch import nn
+from wanswarm.node.model import build_full_model
+from wanswarm.node.protocol import (
+    BackwardRequest,
+    ErrorCode,
+    EvalLossRequest,
+    ForwardLossRequest,
+    ForwardRequest,
+    HopId,
+    InfoRequest,
+    Kind,
+    to_header,
+)
+from wanswarm.node.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
+from wanswarm.node.stage_server import (
+    THROUGHPUT_CACHE,
+    AppliedLog,
+    InputCache,
+    StageServer,
+    StageServerConfig,
+)
+from wanswarm.transport.codecs import EncodedTensor, decode
+from wanswarm.transport.endpoint import Handler, Request, Response
+from wanswarm.transport.errors import RemoteError
+
+T_ = TypeVar("T_")
+
+
+def _spec(codec: str = "none") -> RunSpec:
+    return RunSpec(
+        name="stagetest",
+        model=ModelSpec(d_model=16, n_heads=2, n_layers=3, seq_len=8),
+        stages=StagesSpec(blocks_per_stage=(1, 1, 1)),
+        batch=BatchSpec(micro_batch_size=2, target_batch_size=1024),
+        codecs=CodecsSpec(forward_activations=codec, backward_gradients=codec),
+    )
+
+
+TRAINER = "trainerA"
+
+
+class Registry:
+    """What the server registers on: kind -> handler (the endpoint's role, minus sockets)."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Handler] = {}
+
+    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
+        assert not allow_nonfinite
+        self.handlers[kind] = handler
+
+    async def call(self, kind: str, header: Any, tensors: list[torch.Tensor], peer: str = TRAINER) -> Response:
+        return await self.handlers[kind](Request(peer, kind, to_header(header), tensors))
+
+
+class RecordingOptimizer:
+    """A StageOptimizer that sums the gradients it is handed, optionally held at a gate."""
+
+    def __init__(self, module: nn.Module, gate: threading.Event | None = None) -> None:
+        self.params = dict(module.named_parameters())
+        self.grads = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.steps: list[int] = []
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def step(self, batch_size: int) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30)
+        for name, p in self.params.items():
+            if p.grad is not None:
+                self.grads[name] += p.grad
+                p.grad = None
+        self.steps.append(batch_size)
+
+    def load_state_from_peers(self) -> bool:
+        return False
+
+    @property
+    def local_epoch(self) -> int:
+        return 0
+
+    @property
+    def samples_accumulated(self) -> int:
+        return sum(self.steps)
+
+    def is_synchronized(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _servers(
+    spec: RunSpec, registries: list[Registry], config: StageServerConfig | None = None, **kw: Any
+) -> list[StageServer]:
+    cfg = config or StageServerConfig(device="cpu", benchmark_iterations=1)
+    return [
+        StageServer(spec, s, cfg, endpoint=r, make_optimizer=RecordingOptimizer, **kw)
+        for s, r in enumerate(registries)
+    ]
+
+
+def _run(coro: Coroutine[Any, Any, T_]) -> T_:
+    return asyncio.run(coro)
+
+
+def _hop(spec: RunSpec, stage: int, mb: int = 0, attempt: int = 0) -> HopId:
+    return HopId(run_id=spec.run_id, trainer=TRAINER, micro_batch=mb, stage=stage, attempt=attempt)
+
+
+def _tensor(t: torch.Tensor | EncodedTensor) -> torch.Tensor:
+    return decode(t) if isinstance(t, EncodedTensor) else t
+
+
+def _batch(spec: RunSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    B, T = spec.batch.micro_batch_size, spec.model.seq_len
+    return torch.randint(0, 256, (B, T), generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+
+
+async def _through_pipeline(
+    spec: RunSpec, regs: list[Registry], idx: torch.Tensor, targets: torch.Tensor, mb: int = 0
+) -> tuple[float, list[torch.Tensor]]:
+    """One micro-batch: forward 0, 1; forward_loss 2; backward 1, 0 (by reference)."""
+    r0 = await regs[0].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0, mb), budget_s=30), [idx])
+    y0 = _tensor(r0.tensors[0])
+    r1 = await regs[1].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 1, mb), budget_s=30), [y0])
+    y1 = _tensor(r1.tensors[0])
+    r2 = await regs[2].call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 2, mb), budget_s=30), [y1, targets])
+    g1 = _tensor(r2.tensors[0])
+    b1 = await regs[1].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, mb), budget_s=30, input_carried=False), [g1])
+    g0 = _tensor(b1.tensors[0])
+    b0 = await regs[0].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb), budget_s=30, input_carried=False), [g0])
+    assert b0.tensors == []
+    return float(r2.header["loss"]), [y0, y1, g1, g0]
+
+
+def _full_grads(spec: RunSpec, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    full = build_full_model(spec)
+    for idx, targets in batches:
+        full.forward_loss(idx, targets).backward()
+    return [{n: p.grad for n, p in stage.named_parameters()} for stage in full.stages]  # type: ignore[misc]
+
+
+def _opt(server: StageServer) -> RecordingOptimizer:
+    assert isinstance(server.optimizer, RecordingOptimizer)
+    return server.optimizer
+
+
+async def _open(servers: list[StageServer]) -> None:
+    for s in servers:
+        await s.open()
+
+
+async def _close(servers: list[StageServer]) -> None:
+    for s in servers:
+        await s.close()
+
+
+def _with_servers(
+    spec: RunSpec, body: Callable[[list[Registry], list[StageServer]], Awaitable[None]], **kw: Any
+) -> list[StageServer]:
+    regs = [Registry() for _ in range(spec.n_stages)]
+    servers = _servers(spec, regs, **kw)
+
+    async def main() -> None:
+        await _open(servers)
+        try:
+            await body(regs, servers)
+        finally:
+            await _close(servers)
+
+    _run(main())
+    return servers
+
+
+def test_pipeline_gradients_equal_autograd_on_the_full_model() -> None:
+    spec = _spec("none")
+    batches = [_batch(spec, 0), _batch(spec, 1)]
+    full_model = build_full_model(spec)
+    losses: list[float] = []
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        for mb, (idx, targets) in enumerate(batches):
+            loss, _ = await _through_pipeline(spec, regs, idx, targets, mb)
+            losses.append(loss)
+
+    servers = _with_servers(spec, body)
+    expected = _full_grads(spec, batches)
+    with torch.no_grad():
+        for (idx, targets), loss in zip(batches, losses):
+            assert loss == pytest.approx(float(full_model.forward_loss(idx, targets)), rel=1e-6)
+    for stage, server in enumerate(servers):
+        opt = _opt(server)
+        assert opt.steps == [2, 2]
+        for name, grad in expected[stage].items():
+            torch.testing.assert_close(opt.grads[name], grad, rtol=1e-5, atol=1e-7)
+        assert server.counters.applied == 2 and server.counters.samples_accumulated == 4
+        assert server.counters.duplicates == 0 and server.counters.cache_misses == 0
+
+
+def test_int8_codecs_keep_gradients_close() -> None:
+    spec = _spec("int8")
+    batch = _batch(spec, 3)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        await _through_pipeline(spec, regs, *batch)
+
+    servers = _with_servers(spec, body)
+    expected = _full_grads(spec, [batch])
+    for stage, server in enumerate(servers):
+        for name, grad in expected[stage].items():
+            got = _opt(server).grads[name]
+            rel = float((got - grad).norm() / grad.norm().clamp_min(1e-12))
+            assert rel < 0.05, (stage, name, rel)
+
+
+def test_retried_hops_never_accumulate_twice() -> None:
+    spec = _spec("int8")
+    idx, targets = _batch(spec, 4)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        _, (y0, y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
+        before = [{n: g.clone() for n, g in _opt(s).grads.items()} for s in servers]
+        # the trainer lost the replies and retries every hop (attempt 1), inputs carried
+        r2 = await regs[2].call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 2, attempt=1), budget_s=30), [y1, targets])
+        assert r2.header["duplicate"] is True
+        torch.testing.assert_close(_tensor(r2.tensors[0]), g1, rtol=0, atol=0)  # the cached reply
+        b1 = await regs[1].call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, attempt=1), budget_s=30, input_carried=True), [y0, g1]
+        )
+        assert b1.header["duplicate"] is True
+        torch.testing.assert_close(_tensor(b1.tensors[0]), g0, rtol=0, atol=0)
+        b0 = await regs[0].call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True), [idx, g0]
+        )
+        assert b0.header["duplicate"] is True and b0.tensors == []
+        for server, grads in zip(servers, before):
+            assert _opt(server).steps == [2]
+            for name, grad in grads.items():
+                assert torch.equal(_opt(server).grads[name], grad)
+            assert server.counters.duplicates == 1 and server.counters.applied == 1
+
+    _with_servers(spec, body)
+
+
+def test_a_duplicate_whose_reply_was_evicted_is_recomputed_without_accumulating() -> None:
+    spec = _spec("none")
+    idx, targets = _batch(spec, 5)
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, reply_cache_entries=0)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        _, (y0, _y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
+        grads = {n: g.clone() for n, g in _opt(servers[1]).grads.items()}
+        b1 = await regs[1].call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, attempt=2), budget_s=30, input_carried=True), [y0, g1]
+        )
+        assert b1.header["duplicate"] is True
+        torch.testing.assert_close(_tensor(b1.tensors[0]), g0, rtol=1e-6, atol=1e-8)
+        for name, grad in grads.items():
+            assert torch.equal(_opt(servers[1]).grads[name], grad)
+        assert _opt(servers[1]).steps == [2]
+
+    _with_servers(spec, body, config=config)
+
+
+def test_cache_miss_then_carried_input() -> None:
+    spec = _spec("none")
+    clock = FakeClock()
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, cache_ttl_s=10.0)
+    idx, _targets = _batch(spec, 6)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        r0 = await regs[0].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0), budget_s=30), [idx])
+        assert r0.header["cached"] is True
+        y0 = _tensor(r0.tensors[0])
+        r1 = await regs[1].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 1), budget_s=30, keep_input=False), [y0])
+        assert r1.header["cached"] is False
+        g = torch.randn(*y0.shape)
+        with pytest.raises(RemoteError) as exc:  # never cached
+            await regs[1].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1), budget_s=30, input_carried=False), [g])
+        assert exc.value.code == ErrorCode.CACHE_MISS
+        clock.now += 10.0  # stage 0's entry expires
+        with pytest.raises(RemoteError) as exc:
+            await regs[0].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0), budget_s=30, input_carried=False), [g])
+        assert exc.value.code == ErrorCode.CACHE_MISS
+        assert servers[0].counters.cache_misses == 1 and _opt(servers[0]).steps == []
+        reply = await regs[0].call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True), [idx, g]
+        )
+        assert reply.header["duplicate"] is False and _opt(servers[0]).steps == [2]
+
+    _with_servers(spec, body, config=config, clock=clock)
+
+
+def test_a_full_queue_answers_busy_and_a_late_job_expires_unrun() -> None:
+    spec = _spec("none")
+    clock = FakeClock()
+    gate = threading.Event()
+    reg = Registry()
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, queue_size=2)
+    server = StageServer(
+        spec, 0, config, endpoint=reg, make_optimizer=lambda m: RecordingOptimizer(m, gate), clock=clock
+    )
+    idx, _ = _batch(spec, 7)
+    g = torch.randn(2, spec.model.seq_len, spec.model.d_model)
+
+    async def main() -> None:
+        await server.open()
+        opt = _opt(server)
+        first = asyncio.create_task(reg.call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True), [idx, g]
+        ))
+        assert await asyncio.to_thread(opt.entered.wait, 30)  # the device thread is held
+        second = asyncio.create_task(reg.call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=5, input_carried=True), [idx, g]
+        ))
+        await asyncio.sleep(0)  # let it queue (one loop iteration, not a timing assumption)
+        assert server.queue_len == 2
+        with pytest.raises(RemoteError) as exc:
+            await reg.call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0, mb=3), budget_s=30), [idx])
+        assert exc.value.code == ErrorCode.BUSY
+        assert server.counters.busy == 1
+        clock.now += 6.0  # the second job's budget runs out while it waits
+        gate.set()
+        assert (await first).header["duplicate"] is False
+        with pytest.raises(RemoteError) as exc:
+            await second
+        assert exc.value.code == ErrorCode.EXPIRED
+        assert opt.steps == [2] and server.counters.expired == 1 and server.queue_len == 0
+        await server.close()
+
+    _run(main())
+
+
+def test_an_abandoned_request_is_dropped_before_it_runs() -> None:
+    spec = _spec("none")
+    gate = threading.Event()
+    reg = Registry()
+    server = StageServer(
+        spec, 0, StageServerConfig(device="cpu", benchmark_iterations=1), endpoint=reg,
+        make_optimizer=lambda m: RecordingOptimizer(m, gate),
+    )
+    idx, _ = _batch(spec, 8)
+    g = torch.randn(2, spec.model.seq_len, spec.model.d_model)
+
+    async def main() -> None:
+        await server.open()
+        opt = _opt(server)
+        first = asyncio.create_task(reg.call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True), [idx, g]
+        ))
+        assert await asyncio.to_thread(opt.entered.wait, 30)
+        second = asyncio.create_task(reg.call(
+            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=30, input_carried=True), [idx, g]
+        ))
+        await asyncio.sleep(0)
+        second.cancel()  # what the endpoint does when the requester resets the stream
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert server.queue_len == 2  # the slot stays taken until the device thread drops it
+        gate.set()
+        await first
+        async with asyncio.timeout(30):
+            await server.drain(asyncio.get_running_loop().time() + 30)
+        assert server.queue_len == 0 and opt.steps == [2] and server.counters.expired == 1
+        await server.close()
+
+    _run(main())
+
+
+def test_wrong_run_stage_joining_and_draining_are_refused() -> None:
+    spec = _spec("none")
+    reg = Registry()
+    server = StageServer(spec, 1, StageServerConfig(device="cpu", benchmark_iterations=1), endpoint=reg,
+                         make_optimizer=RecordingOptimizer)
+    x = torch.zeros(2, spec.model.seq_len, spec.model.d_model)
+
+    async def code(kind: str, header: Any, tensors: list[torch.Tensor], peer: str = TRAINER) -> str:
+        with pytest.raises(RemoteError) as exc:
+            await reg.call(kind, header, tensors, peer)
+        return exc.value.code
+
+    async def main() -> None:
+        fwd = ForwardRequest(hop=_hop(spec, 1), budget_s=30)
+        assert await code(Kind.FORWARD, fwd, [x]) == ErrorCode.NOT_READY
+        await server.open()
+        other = HopId(run_id="0000000000000000", trainer=TRAINER, micro_batch=0, stage=1)
+        assert await code(Kind.FORWARD, ForwardRequest(hop=other, budget_s=30), [x]) == ErrorCode.WRONG_RUN
+        assert await code(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 2), budget_s=30), [x]) == ErrorCode.WRONG_STAGE
+        assert await code(Kind.FORWARD, fwd, [x], peer="impostor") == ErrorCode.BAD_REQUEST
+        assert await code(Kind.FORWARD, fwd, [x, x]) == ErrorCode.BAD_REQUEST
+        assert await code(Kind.FORWARD, fwd, [torch.zeros(2, 8)]) == ErrorCode.BAD_REQUEST
+        assert await code(Kind.FORWARD, fwd, [torch.full_like(x, float("nan"))]) == ErrorCode.BAD_REQUEST
+        assert await code(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 1), budget_s=30), [x, x]) == (
+            ErrorCode.BAD_REQUEST
+        )
+        with pytest.raises(RemoteError) as exc:
+            await reg.handlers[Kind.FORWARD](Request(TRAINER, Kind.FORWARD, {"hop": "garbage"}, [x]))
+        assert exc.value.code == ErrorCode.BAD_REQUEST
+        reply = await reg.call(Kind.FORWARD, fwd, [x])  # still serving after all that
+        assert reply.tensors and server.counters.forward == 1
+        info = await reg.call(Kind.STAGE_INFO, InfoRequest(run_id=spec.run_id), [])
+        assert info.header["stage"] == 1 and info.header["state"] == "online"
+        await server.drain(asyncio.get_running_loop().time() + 30)
+        assert await code(Kind.FORWARD, fwd, [x]) == ErrorCode.DRAINING
+        await server.close()
+
+    _run(main())
+
+
+def test_eval_loss_matches_the_full_model_and_accumulates_nothing() -> None:
+    spec = _spec("none")
+    idx, targets = _batch(spec, 9)
+    full = build_full_model(spec)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        h = idx
+        for stage in (0, 1):
+            reply = await regs[stage].call(
+                Kind.FORWARD, ForwardRequest(hop=_hop(spec, stage), budget_s=30, keep_input=False), [h]
+            )
+            h = _tensor(reply.tensors[0])
+        reply = await regs[2].call(Kind.EVAL_LOSS, EvalLossRequest(hop=_hop(spec, 2), budget_s=30), [h, targets])
+        with torch.no_grad():
+            assert reply.header["loss"] == pytest.approx(float(full.forward_loss(idx, targets)), rel=1e-6)
+        assert all(_opt(s).steps == [] for s in servers)
+        assert all(p.grad is None for s in servers for p in s.module.parameters())
+
+    _with_servers(spec, body)
+
+
+def test_throughput_is_measured_once_and_cached_in_the_state_dir(tmp_path: Path) -> None:
+    spec = _spec("none")
+    (tmp_path / THROUGHPUT_CACHE).write_text("not json")  # a damaged cache is ignored
+
+    async def measure() -> float:
+        server = StageServer(spec, 2, StageServerConfig(device="cpu", benchmark_iterations=1),
+                             endpoint=Registry(), make_optimizer=RecordingOptimizer, state_dir=tmp_path)
+        await server.open()
+        await server.close()
+        assert all(p.grad is None for p in server.module.parameters())  # the benchmark left no grads
+        return server.throughput
+
+    first = _run(measure())
+    assert first > 0
+    cached = (tmp_path / THROUGHPUT_CACHE).read_text()
+    assert f"{spec.run_id}/2/cpu" in cached
+    assert _run(measure()) == first
+
+
+def test_input_cache_is_bounded_by_entries_bytes_and_age() -> None:
+    t = torch.zeros(4)  # 16 bytes
+    cache = InputCache(max_entries=2, max_bytes=40, ttl=10.0)
+    assert cache.put("a", t, now=0.0) and cache.put("b", t, now=1.0)
+    assert cache.get("a", now=2.0) is t  # refreshes a's recency, not its age
+    cache.put("c", t, now=3.0)  # over 2 entries: evicts the least recently used, b
+    assert cache.get("b", now=3.0) is None and len(cache) == 2 and cache.nbytes == 32
+    assert cache.get("a", now=9.999) is t
+    assert cache.get("a", now=10.0) is None  # expired at put time + ttl
+    assert not cache.put("big", torch.zeros(11), now=11.0)  # 44 bytes never fit
+    cache.put("d", torch.zeros(6), now=11.0)  # 24 bytes: with c (16) that is 40, fits
+    assert cache.nbytes == 40
+    cache.put("e", t, now=11.0)  # 56 bytes: c goes
+    assert cache.get("c", now=11.0) is None and cache.nbytes == 40
+    assert not InputCache(0, 100, 1.0).put("x", t, now=0.0)
+
+
+def test_applied_log_forgets_oldest_keys_and_keeps_few_replies() -> None:
+    log = AppliedLog(max_keys=3, max_replies=1)
+    replies = [Response({"i": i}) for i in range(4)]
+    for i, reply in enumerate(replies):
+        log.add(("t", i, 0), reply)
+    assert ("t", 0, 0) not in log and all(("t", i, 0) in log for i in (1, 2, 3))
+    assert log.reply(("t", 3, 0)) is replies[3] and log.reply(("t", 2, 0)) is None
+    assert len(log) == 3
