@@ -16,8 +16,8 @@ Bit-exactness with torch, on GPUs and in Triton's CPU interpreter alike:
 - e4m3fn is encoded and decoded with integer bit operations (the interpreter's cast to
   ``tl.float8e4nv`` mis-rounds values whose mantissa carries into the exponent), and
   the cast float32 -> bfloat16 is done on the bits too;
-- stochastic rounding draws ``tl.rand(seed, element_index)``, which the reference
-  reproduces with its own Philox.
+- stochastic rounding draws ``tl.rand4x(seed, element_index // 4)`` (one Philox call per
+  four elements), which the reference reproduces with its own Philox.
 
 This module imports triton at import time; :mod:`.ops` imports it only when a Triton
 launch is chosen.
@@ -134,7 +134,11 @@ def _quantize_kernel(
         # with both roundings, so the result equals the reference's round-then-clamp.
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if STOCHASTIC:
-            q = tl.floor(y + tl.rand(seed, offs))
+            # Philox counter c serves elements 4c..4c+3 (output j for element 4c + j).
+            ctr = rows[:, None] * (BS // 4) + tl.arange(0, BS // 4)[None, :]  # (ROWS, BS/4)
+            u0, u1, u2, u3 = tl.rand4x(seed, ctr)
+            u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (ROWS, BS))
+            q = tl.floor(y + u)
         else:
             q = _rne(y)
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int32)

@@ -15,7 +15,8 @@ elements (the last block may be short). Per block, in float32::
                                                       in the low nibble of byte j
     fp8   code = e4m3fn(clamp(y, -448, 448))          RNE, torch's float8_e4m3fn cast
     stochastic (int8/int4): rne(y) is replaced by floor(y + u), u ~ U[0, 1) from Philox
-                            keyed by (seed, element index), identical to ``tl.rand``.
+                            keyed by (seed, element index // 4), output index % 4,
+                            identical to ``tl.rand4x``.
 
 Decoding is ``code_value * scale`` in float32, then a cast (RNE) to the output dtype.
 
@@ -176,35 +177,46 @@ def first_nonfinite_block(amax: torch.Tensor, block_size: int) -> str:
     return f"NaN or Inf in block {b} (elements {b * block_size}..{(b + 1) * block_size - 1})"
 
 
-def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 in [0, 1) for each int64 offset, equal to Triton's ``tl.rand(seed, offsets)``.
+def philox_uniform4x(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Four uniform float32 in [0, 1) per int64 counter: ``(len, 4)``, equal to Triton's
+    ``tl.rand4x(seed, counters)`` (column j is its j-th output).
 
-    Philox-4x32-10 (Salmon et al., SC'11) on counter (offset_lo, offset_hi, 0, 0) and key
-    (seed_lo, seed_hi), first output word mapped to a float as in
+    Philox-4x32-10 (Salmon et al., SC'11) on counter (lo, hi, 0, 0) and key
+    (seed_lo, seed_hi); each output word is mapped to a float as in
     ``triton.language.random.uint_to_uniform_float``. int64 arithmetic: a product of
     two 32-bit words fits 64 bits, whose wrapped bit pattern still holds the high word.
     """
     mask = _U32
-    c0 = offsets & mask
-    c1 = (offsets >> 32) & mask
-    c2 = torch.zeros_like(offsets)
-    c3 = torch.zeros_like(offsets)
+    c0 = counters & mask
+    c1 = (counters >> 32) & mask
+    c2 = torch.zeros_like(counters)
+    c3 = torch.zeros_like(counters)
     k0 = seed & mask
     k1 = (seed >> 32) & mask
     for _ in range(_PHILOX_ROUNDS):
         pb = c2 * _PHILOX_ROUND_B
         pa = c0 * _PHILOX_ROUND_A
-        n0 = ((pb >> 32) & mask) ^ c1 ^ k0
-        n2 = ((pa >> 32) & mask) ^ c3 ^ k1
-        c1 = pb & mask
-        c3 = pa & mask
-        c0, c2 = n0, n2
+        c0 = (pb >> 32).bitwise_and_(mask).bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = (pa >> 32).bitwise_and_(mask).bitwise_xor_(c3).bitwise_xor_(k1)
+        c1 = pb.bitwise_and_(mask)
+        c3 = pa.bitwise_and_(mask)
         k0 = (k0 + _PHILOX_KEY_A) & mask
         k1 = (k1 + _PHILOX_KEY_B) & mask
-    # Reinterpret the word as int32; negative words map to their complement.
-    w = torch.where(c0 >= (1 << 31), c0 - (1 << 32), c0)
+    w = torch.stack((c0, c1, c2, c3), dim=1)  # (len, 4) words in [0, 2**32)
+    # Reinterpret each word as int32; negative words map to their complement.
+    w = torch.where(w >= (1 << 31), w - (1 << 32), w)
     w = torch.where(w < 0, -w - 1, w)
     return w.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def stochastic_uniforms(seed: int, numel: int) -> torch.Tensor:
+    """The uniform draw of each element for stochastic rounding: ``(numel,)`` float32.
+
+    Element ``i`` takes output ``i % 4`` of Philox counter ``i // 4``: one Philox
+    evaluation serves four consecutive elements.
+    """
+    counters = torch.arange(-(-numel // 4), dtype=torch.int64)
+    return philox_uniform4x(seed, counters).flatten()[:numel]
 
 
 def _blocked(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -251,8 +263,7 @@ def quantize(
     if seed is None:
         q = torch.round(y)  # round half to even
     else:
-        idx = torch.arange(y.numel(), dtype=torch.int64).view_as(y)
-        q = torch.floor(y + philox_uniform(seed, idx))
+        q = torch.floor(y + stochastic_uniforms(seed, y.numel()).view_as(y))
     q = q.clamp(-qmax, qmax)
     if fmt == "int8":
         return q.to(torch.int8).flatten()[:n], scale

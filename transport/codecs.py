@@ -189,7 +189,7 @@ class CodecSpec:
         else:
             nb = kref.num_blocks(numel, self.block_size)
             scale_bytes = 2 if self.scale_dtype == "fp16" else 4
-            body = nb * scale_bytes + kref.codes_nbytes(_format_of(self), numel)
+            body = nb * scale_bytes + kref.codes_nbytes(kernel_format(self), numel)
         return HEADER_NBYTES + body
 
     def header(self, dtype: torch.dtype) -> bytes:
@@ -340,7 +340,7 @@ def _encode_to_buffer(
 def _encode_blockwise(
     flat: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
 ) -> torch.Tensor:
-    fmt = _format_of(spec)
+    fmt = kernel_format(spec)
     n = flat.numel()
     sd = spec.torch_scale_dtype
     buf = torch.empty(spec.payload_nbytes(n, flat.dtype), dtype=torch.uint8, device=flat.device)
@@ -377,12 +377,12 @@ def _split_blockwise(
     sd = spec.torch_scale_dtype
     end_scales = HEADER_NBYTES + nb * sd.itemsize
     scales = buf[HEADER_NBYTES:end_scales].view(sd)
-    codes = buf[end_scales : end_scales + kref.codes_nbytes(_format_of(spec), n)]
+    codes = buf[end_scales : end_scales + kref.codes_nbytes(kernel_format(spec), n)]
     return scales, codes
 
 
-def _format_of(spec: CodecSpec) -> kref.Format:
-    """The kernels' format name of a quantizing codec."""
+def kernel_format(spec: CodecSpec) -> kref.Format:
+    """The kernels' format name of a quantizing codec (CodecError for none/bf16)."""
     if spec.name == "int8":
         return "int8"
     if spec.name == "fp8":
@@ -477,7 +477,7 @@ def _decode_buffer(
     if spec.name == "bf16":
         bf = buf[HEADER_NBYTES:].view(torch.bfloat16).to(target)
         return bf.to(dtype, copy=True).view(shape)
-    fmt = _format_of(spec)
+    fmt = kernel_format(spec)
     scales, _ = _split_blockwise(buf, spec, n)
     try:
         if untrusted:  # on the host, before anything is moved to the device

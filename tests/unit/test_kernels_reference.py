@@ -105,7 +105,7 @@ def test_stochastic_rounding_is_unbiased(fmt: R.Format) -> None:
     x = torch.cat([torch.tensor([qmax]), torch.arange(15) % 5 - 2 + frac])
     k = 2000
     # K copies of the block in one tensor: each copy draws its own uniforms (they are
-    # keyed by element index), so one call gives K independent roundings of every value.
+    # keyed by element position), so one call gives K independent roundings of every value.
     xs = x.repeat(k)
     codes, scales = R.quantize(xs, fmt, 16, seed=99)
     mean = R.dequantize(codes, scales, fmt, 16, xs.numel()).double().view(k, 16).mean(dim=0)
@@ -124,7 +124,7 @@ def test_stochastic_rounding_depends_on_seed_only() -> None:
 
 
 def test_philox_uniform_range_and_uniformity() -> None:
-    u = R.philox_uniform(12345, torch.arange(1 << 16, dtype=torch.int64))
+    u = R.stochastic_uniforms(12345, 1 << 16)
     assert u.dtype == torch.float32
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     hist = torch.histc(u, bins=16, min=0.0, max=1.0)
@@ -132,7 +132,7 @@ def test_philox_uniform_range_and_uniformity() -> None:
     chi2 = float(((hist - expected) ** 2 / expected).sum())
     assert chi2 < 50.0  # 15 dof: p < 1e-5 above 45
     # Different seeds and offsets give different streams.
-    v = R.philox_uniform(12346, torch.arange(1 << 16, dtype=torch.int64))
+    v = R.stochastic_uniforms(12346, 1 << 16)
     assert float((u == v).float().mean()) < 0.01
 
 

@@ -136,19 +136,26 @@ def test_bf16_output_rounding_matches_torch() -> None:
     assert torch.equal(_bits(got), _bits(ref))
 
 
-def test_philox_matches_tl_rand() -> None:
+def test_philox_matches_tl_rand4x() -> None:
     @triton.jit
     def _rand_kernel(
         out_ptr: tl.tensor, seed: tl.tensor, n: tl.tensor, BLOCK: tl.constexpr
     ) -> None:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, tl.rand(seed, offs), mask=offs < n)
+        u0, u1, u2, u3 = tl.rand4x(seed, offs)
+        tl.store(out_ptr + offs * 4, u0, mask=offs < n)
+        tl.store(out_ptr + offs * 4 + 1, u1, mask=offs < n)
+        tl.store(out_ptr + offs * 4 + 2, u2, mask=offs < n)
+        tl.store(out_ptr + offs * 4 + 3, u3, mask=offs < n)
 
-    n = 1000
+    n = 300
     for seed in (0, 42, R.MAX_SEED):
-        out = torch.empty(n)
-        _rand_kernel[(triton.cdiv(n, 256),)](out, seed, n, BLOCK=256)
-        assert torch.equal(out, R.philox_uniform(seed, torch.arange(n, dtype=torch.int64)))
+        out = torch.empty(n, 4)
+        _rand_kernel[(triton.cdiv(n, 128),)](out, seed, n, BLOCK=128)
+        assert torch.equal(out, R.philox_uniform4x(seed, torch.arange(n, dtype=torch.int64)))
+    # Counters above 2**32 use the counter's high word.
+    big = torch.tensor([(1 << 32) + 5, (1 << 40) + 1], dtype=torch.int64)
+    assert not torch.equal(R.philox_uniform4x(1, big), R.philox_uniform4x(1, big & 0xFFFFFFFF))
 
 
 @pytest.mark.parametrize("fmt", R.FORMATS)

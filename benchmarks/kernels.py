@@ -1,0 +1,236 @@
+"""Quantize/dequantize throughput of the codec kernels, Triton and reference side by side.
+
+    python benchmarks/kernels.py [--sizes 1,4,16,64,256] [--quick] [--dtype float32]
+
+For every codec and input size (MiB of the input tensor in ``--dtype``), prints the
+throughput of quantization and dequantization in GB/s, counting bytes read plus bytes
+written (input + codes + scales), and the payload size relative to bf16. On CUDA the
+Triton kernels and the reference run on the GPU and the table adds the fraction of the
+device's peak memory bandwidth (target: at least 0.8 for the Triton kernels at large
+sizes). Without a GPU only the reference runs (on the CPU): the Triton interpreter is a
+correctness tool, not something to time.
+
+Timing: warm-up runs, then the median of repeats; on CUDA with events around each run.
+The last line of output is JSON:
+``{"device", "peak_gbps", "results": [{"codec", "size_mb", "impl", "quant_gbps",
+"dequant_gbps", "ratio_vs_bf16"}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from wanswarm.kernels import ops
+from wanswarm.kernels import reference as R
+from wanswarm.transport.codecs import CodecSpec, kernel_format
+
+# Peak memory bandwidth (GB/s, vendor figures) by a substring of the device name; first
+# match wins, so the more specific names come first.
+PEAK_GBPS: tuple[tuple[str, float], ...] = (
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100 NVL", 3900.0),
+    ("H100", 3350.0),  # SXM5 80GB HBM3
+    ("GH200", 4000.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB", 2039.0),
+    ("A100", 1555.0),  # 40GB
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 3090", 936.0),
+    ("V100", 900.0),
+    ("T4", 320.0),
+)
+
+CODECS: tuple[str, ...] = (
+    "bf16",
+    "int8/b64/f32",
+    "int8/b64/f32/sr",
+    "fp8/b64/f32",
+    "int4/b64/f32",
+    "int4/b32/f16/sr",
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    codec: str
+    size_mb: float
+    impl: str
+    quant_gbps: float
+    dequant_gbps: float
+    ratio_vs_bf16: float
+
+
+def peak_gbps(device: torch.device) -> float | None:
+    """The device's peak memory bandwidth: the table, else clock x bus width (DDR)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    for key, gbps in PEAK_GBPS:
+        if key in props.name:
+            return gbps
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+    return None
+
+
+def time_median(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_one(
+    wire: str,
+    x: torch.Tensor,
+    impl: ops.Impl,
+    warmup: int,
+    repeats: int,
+) -> Result:
+    spec = CodecSpec.from_wire(wire)
+    n, dev = x.numel(), x.device
+    in_bytes = n * x.element_size()
+    ratio = spec.payload_nbytes(n, x.dtype) / CodecSpec("bf16").payload_nbytes(n, x.dtype)
+    size_mb = in_bytes / 2**20
+    if spec.name == "bf16":  # a cast: torch's own kernel on both sides, no Triton variant
+        out = torch.empty(n, dtype=torch.bfloat16, device=dev)
+        back = torch.empty_like(x)
+        q = time_median(lambda: out.copy_(x), dev, warmup, repeats)
+        d = time_median(lambda: back.copy_(out), dev, warmup, repeats)
+        moved = in_bytes + 2 * n
+        return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
+    fmt = kernel_format(spec)
+    sd = spec.torch_scale_dtype
+    nb = R.num_blocks(n, spec.block_size)
+    codes = torch.empty(R.codes_nbytes(fmt, n), dtype=R.codes_dtype(fmt), device=dev)
+    scales = torch.empty(nb, dtype=sd, device=dev)
+    seed = 1234 if spec.stochastic else None
+
+    def quant() -> object:
+        return ops.quantize(
+            x,
+            fmt,
+            spec.block_size,
+            sd,
+            seed=seed,
+            codes_out=codes,
+            scales_out=scales,
+            impl=impl,
+            check_finite=False,
+        )
+
+    def dequant() -> object:
+        return ops.dequantize(codes, scales, fmt, spec.block_size, n, x.dtype, impl=impl)
+
+    q = time_median(quant, dev, warmup, repeats)
+    d = time_median(dequant, dev, warmup, repeats)
+    moved = in_bytes + codes.numel() * codes.element_size() + nb * sd.itemsize
+    return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=None, help="input sizes in MiB, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="input dtype"
+    )
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    default_sizes = "1,16" if args.quick else "1,4,16,64,256"
+    if not cuda and args.sizes is None:
+        default_sizes = "1,4" if args.quick else "1,4,16"
+    sizes = [float(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
+    dtype = getattr(torch, args.dtype)
+    warmup, repeats = (2, 5) if args.quick else (3, 20 if cuda else 7)
+    impls: list[ops.Impl] = ["triton", "reference"] if cuda else ["reference"]
+    peak = peak_gbps(device)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    if not cuda:
+        print(
+            "no GPU present: timing the pure-torch reference on the CPU only "
+            "(the Triton interpreter is not a performance target)"
+        )
+    print(f"device: {name}" + (f"   peak memory bandwidth: {peak:.0f} GB/s" if peak else ""))
+    print(f"input dtype: {args.dtype}; GB/s count bytes read + written; ratio = payload / bf16")
+    header = (
+        f"{'codec':<18}{'MiB':>7}  {'impl':<10}{'quant GB/s':>11}{'dequant GB/s':>13}{'ratio':>7}"
+    )
+    if peak:
+        header += f"{'q %peak':>9}{'d %peak':>9}"
+    print(header)
+    results: list[Result] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for size in sizes:
+        n = max(1, int(size * 2**20) // torch.tensor([], dtype=dtype).element_size())
+        x = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        for wire in CODECS:
+            for impl in impls:
+                if wire == "bf16" and impl == "triton":
+                    continue
+                r = bench_one(wire, x, impl, warmup, repeats)
+                results.append(r)
+                line = (
+                    f"{r.codec:<18}{r.size_mb:>7.0f}  {r.impl:<10}{r.quant_gbps:>11.1f}"
+                    f"{r.dequant_gbps:>13.1f}{r.ratio_vs_bf16:>7.3f}"
+                )
+                if peak:
+                    line += f"{r.quant_gbps / peak:>9.2f}{r.dequant_gbps / peak:>9.2f}"
+                print(line, flush=True)
+        del x
+    print(
+        json.dumps(
+            {
+                "device": name,
+                "peak_gbps": peak,
+                "results": [
+                    {
+                        "codec": r.codec,
+                        "size_mb": r.size_mb,
+                        "impl": r.impl,
+                        "quant_gbps": round(r.quant_gbps, 3),
+                        "dequant_gbps": round(r.dequant_gbps, 3),
+                        "ratio_vs_bf16": round(r.ratio_vs_bf16, 4),
+                    }
+                    for r in results
+                ],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
