@@ -340,6 +340,8 @@ def test_decode_result_does_not_alias_the_payload() -> None:
 
 
 def test_triton_and_reference_payloads_are_identical() -> None:
+    if not ops.triton_interpreted():
+        pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
     pytest.importorskip("triton")
     x = torch.randn(5, 61, generator=_gen(12)).to(torch.float16)
     for wire in QUANT_SAMPLE:
