@@ -1,0 +1,246 @@
+"""``wanswarm``: the command line (a shell: parse, build the config, call one function).
+
+Exit statuses: 0 success, 1 runtime failure (no daemon, could not join, ...), 2 usage or
+config error (one line on stderr naming the field, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__
+from .config import NodeConfig, Override, load_config, parse_assignment
+from .config_template import render_template, render_values
+from .control import ControlClient
+from .errors import ConfigError, NodeError
+from .status import render_text
+
+PROG = "wanswarm"
+
+MAIN_EPILOG = """\
+examples:
+  start a new swarm on this machine (foreground; Ctrl-C leaves gracefully):
+    wanswarm join --host 0.0.0.0 --dht-port 31337
+  join it from another machine, using an address printed by 'wanswarm status':
+    wanswarm join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  look at the running daemon, then make it leave:
+    wanswarm status
+    wanswarm leave
+
+Settings: defaults < --config FILE < environment WANSWARM__SECTION__KEY < flags.
+Every setting is listed, with its default, in configs/node.toml ('wanswarm config --defaults').
+"""
+
+JOIN_EPILOG = """\
+examples:
+  wanswarm join                                   # new swarm, state in ~/.local/share/wanswarm
+  wanswarm join --initial-peers /ip4/10.0.0.5/tcp/31337/p2p/12D3KooW... --run demo
+  wanswarm join --config node.toml --set prober.period=5 --set log.level=DEBUG
+  wanswarm join --state-dir /tmp/b --host 127.0.0.1 --dht-port 0   # a second node on one machine
+  WANSWARM__DHT__INITIAL_PEERS=/ip4/10.0.0.5/tcp/31337/p2p/12D3KooW... wanswarm join
+
+SIGTERM, SIGINT and 'wanswarm leave' all take the graceful path: announce 'draining',
+finish in-flight work (up to node.shutdown_timeout), withdraw the DHT record, exit 0.
+A second signal skips the rest of the drain.
+"""
+
+STATUS_EPILOG = """\
+examples:
+  wanswarm status                       # the daemon using ~/.local/share/wanswarm
+  wanswarm status --state-dir /tmp/b    # another daemon on the same machine
+  wanswarm status --json | jq -r '.dht_addrs[0]'   # an address for --initial-peers
+
+Exits 1 when no daemon is running.
+"""
+
+LEAVE_EPILOG = """\
+examples:
+  wanswarm leave                        # drain, withdraw, wait for the daemon to exit
+  wanswarm leave --state-dir /tmp/b --timeout 60
+  wanswarm leave --no-wait              # ask, and return at once
+
+Exits 0 once the daemon has exited, 1 when no daemon is running or it outlives --timeout.
+"""
+
+CONFIG_EPILOG = """\
+examples:
+  wanswarm config --defaults > node.toml    # every setting with its description
+  wanswarm config --config node.toml --set dht.port=31337   # the effective settings
+"""
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (see configs/node.toml)")
+    parser.add_argument(
+        "--state-dir", type=Path, metavar="DIR",
+        help="state directory (identity.key, control.sock); default $STATE_DIRECTORY or ~/.local/share/wanswarm",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="set any config key, e.g. --set dht.port=31337 (repeatable)",
+    )
+
+
+def _add_join_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--initial-peers", action="extend", nargs="+", metavar="MADDR",
+        help="multiaddrs of running peers, each ending in /p2p/<peer id>; none: start a new swarm",
+    )
+    parser.add_argument("--run", metavar="NAME", help="name of the training run to join (node.run)")
+    parser.add_argument("--host", metavar="ADDR", help="bind address of the DHT (TCP) and QUIC (UDP) sockets")
+    parser.add_argument("--dht-port", type=int, metavar="PORT", help="TCP port of the DHT; 0 picks a free one")
+    parser.add_argument("--quic-port", type=int, metavar="PORT", help="UDP port of QUIC; 0 picks a free one")
+    parser.add_argument("--log-format", choices=["text", "json"], help="log line format (log.format)")
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="least severe level logged (log.level)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train one transformer together with volunteers over the internet (SWARM-style).",
+        epilog=MAIN_EPILOG,
+        formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    join = sub.add_parser(
+        "join", help="run a node in the foreground until it leaves", epilog=JOIN_EPILOG, formatter_class=fmt,
+        description="Run a node: join (or start) the swarm, serve, and leave gracefully on SIGTERM/SIGINT.",
+    )
+    _add_config_flags(join)
+    _add_join_flags(join)
+
+    status = sub.add_parser(
+        "status", help="show the running daemon's peer id, state, addresses and peers",
+        epilog=STATUS_EPILOG, formatter_class=fmt,
+        description="Ask the daemon of a state directory about itself and the peers it sees.",
+    )
+    _add_config_flags(status)
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+
+    leave = sub.add_parser(
+        "leave", help="make the running daemon leave gracefully and wait for it to exit",
+        epilog=LEAVE_EPILOG, formatter_class=fmt,
+        description="Same path as SIGTERM: drain, withdraw the DHT record, exit.",
+    )
+    _add_config_flags(leave)
+    leave.add_argument(
+        "--timeout", type=float, metavar="SECONDS",
+        help="give up waiting after this long (default: the daemon's shutdown_timeout + 60)",
+    )
+    leave.add_argument("--no-wait", action="store_true", help="return once the daemon accepted the request")
+
+    config = sub.add_parser(
+        "config", help="print the effective settings, or every default with its description",
+        epilog=CONFIG_EPILOG, formatter_class=fmt,
+        description="Print the settings that 'wanswarm join' with the same flags would use.",
+    )
+    _add_config_flags(config)
+    _add_join_flags(config)
+    config.add_argument("--defaults", action="store_true", help="print the commented template of all settings")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> list[Override]:
+    out = [parse_assignment(item) for item in args.set]
+    typed = [
+        ("initial_peers", "dht.initial_peers", "--initial-peers"),
+        ("run", "node.run", "--run"),
+        ("dht_port", "dht.port", "--dht-port"),
+        ("quic_port", "transport.port", "--quic-port"),
+        ("log_format", "log.format", "--log-format"),
+        ("log_level", "log.level", "--log-level"),
+    ]
+    for attr, path, flag in typed:
+        value = getattr(args, attr, None)
+        if value is not None:
+            out.append(Override(path, value, flag, raw=False))
+    if getattr(args, "host", None) is not None:
+        out.append(Override("dht.host", args.host, "--host", raw=False))
+        out.append(Override("transport.host", args.host, "--host", raw=False))
+    if args.state_dir is not None:
+        out.append(Override("node.state_dir", args.state_dir, "--state-dir", raw=False))
+    return out
+
+
+def _load(args: argparse.Namespace) -> NodeConfig:
+    return load_config(file=args.config, environ=os.environ, overrides=_overrides(args))
+
+
+def _join(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .daemon import run_daemon  # imports hivemind and torch: only for 'join'
+
+    return run_daemon(config)
+
+
+def _status(args: argparse.Namespace) -> int:
+    config = _load(args)
+    report = ControlClient(config.control_socket, timeout=config.control.request_timeout).status()
+    if args.json:
+        print(report.model_dump_json(indent=2))
+    else:
+        print(render_text(report), end="")
+    return 0
+
+
+def _leave(args: argparse.Namespace) -> int:
+    config = _load(args)
+    client = ControlClient(config.control_socket, timeout=config.control.request_timeout)
+    ack = client.leave()
+    if ack.already_leaving:
+        print(f"daemon (pid {ack.pid}) was already leaving; asked it to hurry", flush=True)
+    else:
+        print(f"daemon (pid {ack.pid}) is leaving: draining for up to {ack.shutdown_timeout_s:.0f}s", flush=True)
+    if args.no_wait:
+        return 0
+    timeout = args.timeout if args.timeout is not None else ack.shutdown_timeout_s + 60.0
+    if client.wait_until_gone(ack.pid, timeout, on_progress=lambda line: print(f"  {line}", flush=True)):
+        print("left")
+        return 0
+    print(f"{PROG}: daemon (pid {ack.pid}) still running after {timeout:.0f}s", file=sys.stderr)
+    return 1
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.defaults:
+        print(render_template(NodeConfig), end="")
+        return 0
+    print(render_values(_load(args)), end="")
+    return 0
+
+
+COMMANDS = {"join": _join, "status": _status, "leave": _leave, "config": _config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")  # a C locale must not turn '≤' into a traceback
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"{PROG}: config error: {exc}", file=sys.stderr)
+        return 2
+    except NodeError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. 'wanswarm status --json | head'
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

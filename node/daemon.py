@@ -1,0 +1,458 @@
+"""The daemon's lifecycle: join, serve, and the one graceful-leave path.
+
+``wanswarm join`` calls :func:`run_daemon`. Before the event loop starts it takes the state
+directory's lock, loads the identity and forks hivemind's DHT process (forking before any loop
+or thread exists). Then one uvloop loop runs one ``asyncio.TaskGroup`` that owns every
+long-lived task: the control socket, the announce and membership loops, the prober, the
+systemd watchdog, a watch on the DHT process, and the components' own loops.
+
+Lifecycle::
+
+    starting -> joining (DHT ready, record 'joining') -> online (components started, READY=1)
+             -> draining (SIGTERM / SIGINT / 'wanswarm leave') -> left (record withdrawn) -> exit 0
+
+The leave path, whatever asked for it: announce ``draining`` and send STOPPING=1; drain every
+component (stop accepting work, finish in-flight work) until ``node.shutdown_timeout`` after the
+request; stay listed as draining for at least ``node.drain_grace``; withdraw the record
+(tombstone); stop the loops; close the components, the control socket and the DHT; exit 0.
+A second signal skips what is left of the drain and the grace. A crash of any task cancels the
+others (TaskGroup) and the daemon exits 1, which systemd's Restart=on-failure answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import uvloop
+
+from . import __version__
+from ..transport.errors import TransportError
+from ..transport.identity import Identity
+from .component import Component, ComponentContext, TrafficSource
+from .config import NodeConfig
+from .control import ControlServer, LeaveAck
+from .dht import Dht, route_hivemind_logs
+from .errors import DhtError, JoinError, NodeError
+from .logs import get_logger, set_log_context, setup_logging
+from .membership import Membership
+from .metrics import NodeMetrics
+from .peers import PeerTable
+from .prober import Prober, RttSource
+from .sdnotify import SdNotifier, notifier_from_env
+from .statedir import StateDirLock, load_identity, prepare_state_dir
+from .status import DaemonState, PeerStatus, StatusReport
+from .timing import jittered
+
+log = get_logger(__name__)
+
+
+def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
+    """Run a node in the foreground until it leaves; returns the exit status (0: left cleanly)."""
+    route_hivemind_logs()
+    setup_logging(config.log)
+    lock = StateDirLock(config.state_dir)
+    try:
+        prepare_state_dir(config.state_dir)
+        lock.acquire()
+        identity, identity_path = load_identity(config.state_dir)
+        set_log_context(peer=identity.peer_id)
+        log.info("starting wanswarm %s, run %r, state dir %s", __version__, config.node.run, config.state_dir)
+        dht = Dht.spawn(config.dht, config.node.run, identity, identity_path)
+    except (NodeError, TransportError) as exc:
+        lock.release()
+        log.error("cannot start: %s", exc)
+        return 1
+    # Until the loop installs its handlers, remember a SIGTERM/SIGINT instead of dying with the DHT
+    # process orphaned. (Installed after the fork: the DHT process keeps the default handlers.)
+    early: list[signal.Signals] = []
+    previous = {sig: signal.signal(sig, lambda num, _frame: early.append(signal.Signals(num)))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    daemon = Daemon(config, identity, dht, components, early_signals=early)
+    try:
+        return uvloop.run(daemon.main())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if dht.is_alive():  # the loop died before its own shutdown ran
+            dht.hivemind_dht.shutdown()
+        lock.release()
+
+
+class Daemon:
+    """One node: membership, probing, control and components under one TaskGroup."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        identity: Identity,
+        dht: Dht,
+        components: Sequence[Component] = (),
+        early_signals: Sequence[signal.Signals] = (),
+    ) -> None:
+        self.config = config
+        self._early_signals = early_signals
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.dht = dht
+        self.components = list(components)
+        self.rng = random.Random()
+        self.table = PeerTable(self.peer_id, rtt_window=config.prober.min_window)
+        self.metrics = NodeMetrics(config.node.run, self.peer_id, __version__)
+        self.membership = Membership(dht, config.node, self.peer_id, self.table, self.rng, self.metrics)
+        self.notifier: SdNotifier | None = notifier_from_env()
+        self.state: DaemonState = "starting"
+        self.dht_addrs: list[str] = []
+        self.started_at = time.monotonic()
+        self._leave: asyncio.Event | None = None
+        self._hurry: asyncio.Event | None = None
+        self._drain_deadline: float | None = None
+        self._loops: list[asyncio.Task[Any]] = []
+        self._started_components: list[Component] = []
+
+    # ----------------------------------------------------------------- control handler
+
+    def request_leave(self, reason: str) -> LeaveAck:
+        """Start the graceful leave (idempotent); a second request while leaving hurries it."""
+        already = self._leave is not None and self._leave.is_set()
+        if self._leave is None:
+            raise RuntimeError("request_leave before the event loop started")
+        if already:
+            log.info("%s while leaving: skipping the rest of the drain", reason)
+            if self._hurry is not None:
+                self._hurry.set()
+        else:
+            log.info("%s: leaving (drain up to %.0fs)", reason, self.config.node.shutdown_timeout)
+            self._leave.set()
+        return LeaveAck(
+            accepted=True,
+            already_leaving=already,
+            pid=os.getpid(),
+            shutdown_timeout_s=self.config.node.shutdown_timeout,
+        )
+
+    def status(self) -> StatusReport:
+        now = time.monotonic()
+        peers = []
+        for peer in self.table.peers():
+            low = peer.rtt.min_rtt(now)
+            quic = peer.record.quic
+            peers.append(
+                PeerStatus(
+                    peer_id=peer.peer_id,
+                    stage=peer.stage,
+                    state=peer.record.state,
+                    rtt_ms=None if peer.rtt.srtt is None else round(peer.rtt.srtt * 1000, 3),
+                    min_rtt_ms=None if low is None else round(low * 1000, 3),
+                    probe_failures=peer.rtt.consecutive_failures,
+                    throughput=peer.record.throughput,
+                    queue=peer.record.queue,
+                    quic_addr=None if quic is None else _hostport(quic.host, quic.port),
+                    version=peer.record.version,
+                )
+            )
+        traffic = self._traffic()
+        own_quic = self.membership.quic
+        loop_deadline = self._drain_deadline
+        left = None
+        if loop_deadline is not None and self.state == "draining":
+            left = max(0.0, loop_deadline - asyncio.get_running_loop().time())
+        return StatusReport(
+            peer_id=self.peer_id,
+            run=self.config.node.run,
+            stage=self.membership.stage,
+            state=self.state,
+            server=self.config.node.server,
+            trainer=self.config.node.trainer,
+            pid=os.getpid(),
+            version=__version__,
+            uptime_s=round(now - self.started_at, 3),
+            dht_addrs=self.dht_addrs,
+            quic_addr=None if own_quic is None else _hostport(own_quic.host, own_quic.port),
+            peers=peers,
+            bytes_in=None if traffic is None else traffic[0],
+            bytes_out=None if traffic is None else traffic[1],
+            records_published=self.membership.published,
+            records_refused=self.dht.validator.rejected,
+            drain_deadline_s=left,
+            shutdown_timeout_s=self.config.node.shutdown_timeout,
+            components={c.name: c.status() for c in self._started_components},
+        )
+
+    def _traffic(self) -> tuple[int, int] | None:
+        sources = [c for c in self._started_components if isinstance(c, TrafficSource)]
+        if not sources:
+            return None
+        totals = [c.traffic() for c in sources]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _set_state(self, state: DaemonState) -> None:
+        self.state = state
+        self.metrics.set_state(state)
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._leave, self._hurry = asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        for sig in self._early_signals:
+            self._on_signal(sig)
+        control = ControlServer(self.config.control, self.config.control_socket, self)
+        code = 1
+        try:
+            await control.start()
+            if self.config.metrics.port:
+                host, port = self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
+                log.info("metrics on http://%s/metrics", _hostport(host, port))
+            code = await self._supervise(control)
+        except NodeError as exc:
+            log.error("%s", exc)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self._close_components()
+            await control.close()
+            self.metrics.close()
+            await self.dht.shutdown(timeout=max(5.0, self.config.dht.rpc_timeout))
+        if code == 0:
+            log.info("left the swarm")
+        return code
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.request_leave(f"received {sig.name}")
+
+    async def _supervise(self, control: ControlServer) -> int:
+        assert self._leave is not None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                spawn = _Spawner(tg, self._loops)
+                spawn(control.serve(), "control")
+                spawn(self._watch_dht(), "dht-watch")
+                if self.notifier is not None and self.notifier.watchdog_interval is not None:
+                    spawn(self._watchdog(self.notifier, self.notifier.watchdog_interval), "watchdog")
+                if await self._until_leave(self._join(spawn)):
+                    await self._leave.wait()
+                await self._graceful_leave()
+                for task in self._loops:
+                    task.cancel()
+        except BaseExceptionGroup as group:
+            for exc in _leaves(group):
+                if isinstance(exc, NodeError):
+                    log.error("%s", exc)
+                else:
+                    log.error("fatal: %s", exc, exc_info=exc)
+            return 1
+        return 0
+
+    async def _until_leave(self, work: Coroutine[Any, Any, None]) -> bool:
+        """Run ``work`` unless a leave is requested first; True when it completed."""
+        assert self._leave is not None
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self._leave.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task.done():
+            task.result()  # re-raise a failed join
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+
+    async def _join(self, spawn: _Spawner) -> None:
+        self._set_state("joining")
+        self._sd_status("joining the swarm")
+        await self.dht.wait_ready()
+        await self._refresh_addrs()
+        log.info("DHT ready; reachable at %s", ", ".join(self.dht_addrs) or "(no public address)")
+        await self._announce_logged()
+        with contextlib.suppress(DhtError):
+            await self.membership.refresh()
+        spawn(self.membership.refresh_loop(), "membership")
+        source: RttSource = next((c for c in self.components if isinstance(c, RttSource)), self.dht)  # type: ignore[misc]
+        prober = Prober(
+            self.config.prober, source, self.table, lambda: self.membership.stage, self.rng,
+            on_sample=lambda peer, rtt: self.metrics.probes.labels("ok").inc(),
+        )
+        spawn(prober.run(), "prober")
+        ctx = ComponentContext(
+            identity=self.identity,
+            run=self.config.node.run,
+            state_dir=self.config.state_dir,
+            peers=self.table,
+            membership=self.membership,
+            spawn=spawn,
+            dht=self.dht,
+        )
+        for component in self.components:
+            log.info("starting %s", component.name)
+            await component.start(ctx)
+            self._started_components.append(component)
+        self.membership.set_state("online")
+        self._set_state("online")
+        await self._announce_logged()
+        spawn(self.membership.announce_loop(first_delay=self.config.node.record_ttl / 3), "announce")
+        spawn(self._housekeeping(), "housekeeping")
+        log.info("online: %d peers known", len(self.table))
+        if self.notifier is not None:
+            self.notifier.ready(self._summary())
+
+    async def _graceful_leave(self) -> None:
+        assert self._hurry is not None
+        announced = self.membership.has_announced
+        loop = asyncio.get_running_loop()
+        cfg = self.config.node
+        deadline = loop.time() + cfg.shutdown_timeout
+        self._drain_deadline = deadline
+        self._set_state("draining")
+        if self.notifier is not None:
+            self.notifier.stopping("draining")
+        self.membership.set_state("draining")
+        if announced:
+            await self._announce_logged()
+        draining_since = loop.time()
+        await self._drain_components(deadline)
+        grace_end = min(draining_since + cfg.drain_grace, deadline)
+        if loop.time() < grace_end:
+            # a deliberate pause (not a synchronisation): peers re-read records on their own period
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(grace_end):
+                    await self._hurry.wait()
+        for task in self._loops:
+            if task.get_name() == "announce":  # nothing may re-announce after the tombstone
+                task.cancel()
+        if announced:
+            try:
+                ok = await self.membership.withdraw()
+            except DhtError as exc:
+                log.warning("could not withdraw our record (it expires within %.0fs): %s", cfg.record_ttl, exc)
+            else:
+                log.info("record withdrawn" if ok else "withdrawal not confirmed by the DHT")
+        self._set_state("left")
+        self._drain_deadline = None
+
+    async def _drain_components(self, deadline: float) -> None:
+        assert self._hurry is not None
+        if not self._started_components:
+            return
+        drains = [asyncio.ensure_future(c.drain(deadline)) for c in self._started_components]
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.wait({*drains, hurry}, return_when=asyncio.FIRST_COMPLETED)
+                while not hurry.done() and not all(d.done() for d in drains):
+                    await asyncio.wait({*drains, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            pass
+        finally:
+            hurry.cancel()
+        for component, drain in zip(self._started_components, drains):
+            if not drain.done():
+                log.warning("%s did not finish draining in time; abandoning its in-flight work", component.name)
+                drain.cancel()
+            elif not drain.cancelled() and drain.exception() is not None:
+                log.error("%s failed while draining: %s", component.name, drain.exception())
+
+    async def _close_components(self) -> None:
+        for component in reversed(self._started_components):
+            try:
+                async with asyncio.timeout(self.config.node.shutdown_timeout):
+                    await component.close()
+            except Exception as exc:
+                log.error("closing %s failed: %s", component.name, exc)
+        self._started_components.clear()
+
+    # ----------------------------------------------------------------- loops
+
+    async def _announce_logged(self) -> None:
+        try:
+            ok = await self.membership.announce()
+        except DhtError as exc:
+            log.warning("announce failed: %s", exc)
+        else:
+            if not ok:
+                log.warning("announce not confirmed by the DHT; retrying on the announce period")
+
+    async def _refresh_addrs(self) -> None:
+        try:
+            self.dht_addrs = await self.dht.visible_maddrs()
+        except DhtError as exc:
+            log.warning("cannot read our DHT addresses: %s", exc)
+
+    async def _watch_dht(self) -> None:
+        """Fail the TaskGroup (exit 1, systemd restarts us) if the DHT process dies under us."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        sentinel = self.dht.sentinel
+        def on_exit() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        loop.add_reader(sentinel, on_exit)
+        try:
+            await ended
+        finally:
+            loop.remove_reader(sentinel)
+        raise JoinError(f"the DHT process exited unexpectedly (exit code {self.dht.hivemind_dht.exitcode})")
+
+    async def _watchdog(self, notifier: SdNotifier, interval: float) -> None:
+        while True:
+            notifier.watchdog()
+            # never later than the interval: jitter only shortens it
+            await asyncio.sleep(jittered(interval * 0.9, 0.1, self.rng))
+
+    async def _housekeeping(self) -> None:
+        """Refresh addresses, traffic counters and systemd's STATUS= line."""
+        while True:
+            await asyncio.sleep(jittered(self.config.node.membership_period, self.config.node.announce_jitter, self.rng))
+            await self._refresh_addrs()
+            traffic = self._traffic()
+            if traffic is not None:
+                self.metrics.set_traffic(*traffic)
+            self.metrics.set_refused(self.dht.validator.rejected)
+            self._sd_status(self._summary())
+
+    def _summary(self) -> str:
+        stage = "-" if self.membership.stage is None else self.membership.stage
+        return f"{self.state}: run {self.config.node.run}, stage {stage}, {len(self.table)} peers"
+
+    def _sd_status(self, text: str) -> None:
+        if self.notifier is not None:
+            self.notifier.status(text)
+
+
+class _Spawner:
+    """``ctx.spawn``: creates a named task in the daemon's TaskGroup and remembers it."""
+
+    def __init__(self, tg: asyncio.TaskGroup, tasks: list[asyncio.Task[Any]]) -> None:
+        self._tg = tg
+        self._tasks = tasks
+
+    def __call__(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = self._tg.create_task(coro, name=name)
+        self._tasks.append(task)
+        return task
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = ["Daemon", "run_daemon"]

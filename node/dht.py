@@ -1,0 +1,416 @@
+"""The hivemind DHT adapter: typed records in, typed records out (the only hivemind.dht importer).
+
+hivemind runs its DHT node in a forked process (plus a p2pd daemon) and talks to it through a
+pipe; every call here sends one coroutine to that process (``run_coroutine(..., return_future=True)``)
+and awaits its MPFuture with a deadline from config. Deadlines are also applied inside the DHT
+process, so an abandoned call does not keep working there. hivemind's exceptions become
+:class:`~wanswarm.node.errors.DhtError`.
+
+Ownership and schema (ARCHITECTURE §3) are enforced by :class:`OwnedRecordValidator`, a hivemind
+``RecordValidatorBase``: for the run's keys, a sub-key must be a peer id and its value must carry
+an Ed25519 signature by that peer id's key over (key id, sub-key, value, expiration), and the
+value must parse as the key's record type. So the owner of a record *is* its peer id, with the
+same key as the DHT and QUIC identity (transport/identity.py). We chose this over hivemind's
+RSASignatureValidator because that one needs a second (RSA) key pair whose public key is pasted
+into every sub-key, which ties nothing to the peer id other peers dial; ours needs no extra key
+and a peer id cannot be claimed without its private key. Every DHT node of the swarm runs the
+validator, so a forged or malformed store is refused where it would be stored, and a dictionary
+returned by a node that does not validate (e.g. a raw hivemind peer) is dropped as a whole by
+hivemind when any of its entries fails, as if that node had not answered; honest replicas still
+answer. The adapter parses again on the way out and drops (and counts) what does not match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import multiprocessing.sharedctypes
+import os
+import signal
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.utils.logging import use_hivemind_log_handler
+
+from ..transport.identity import Identity, verify_signature
+from .config import DhtConfig
+from .errors import DhtError, DhtTimeout, JoinError, NodeError, ProbeError, RecordError, UnsupportedRecordVersion
+from .logs import get_logger
+from .records import (
+    MembershipRead,
+    RttRecord,
+    ServerRecord,
+    decode_record,
+    encode_record,
+    rtt_key,
+    seal,
+    servers_key,
+    signing_message,
+    unseal,
+)
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+_SERIALIZER = DHTProtocol.serializer
+
+
+def route_hivemind_logs() -> None:
+    """Send hivemind's log records to the root logger (our format) instead of its own handler."""
+    use_hivemind_log_handler("nowhere")
+
+
+class OwnedRecordValidator(RecordValidatorBase):
+    """Signed, owned, schema-checked sub-keys for ``{run}.servers`` and ``{run}.rtt``.
+
+    Other keys pass untouched: the DHT is shared with hivemind's averaging, whose keys carry
+    their own validation.
+    """
+
+    def __init__(self, run: str, identity: Identity) -> None:
+        self._kinds: dict[bytes, type[ServerRecord] | type[RttRecord]] = {
+            DHTID.generate(source=servers_key(run)).to_bytes(): ServerRecord,
+            DHTID.generate(source=rtt_key(run)).to_bytes(): RttRecord,
+        }
+        self._identity = identity
+        self._own_subkey = _SERIALIZER.dumps(identity.peer_id)
+        # counted in the DHT process (one thread), read by the daemon: shared memory across the fork
+        self._rejected = multiprocessing.sharedctypes.RawValue(ctypes.c_uint64, 0)
+
+    @property
+    def rejected(self) -> int:
+        """Records refused so far (stores and lookup answers), in the DHT process."""
+        return int(self._rejected.value)
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self._kinds.get(record.key)
+        if kind is None:
+            return True
+        reason = self._problem(kind, record)
+        if reason is not None:
+            self._rejected.value += 1
+            log.debug("refused a %s record: %s", kind.__name__, reason)
+            return False
+        return True
+
+    def _problem(self, kind: type[ServerRecord] | type[RttRecord], record: DHTRecord) -> str | None:
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return "stored without a sub-key"
+        try:
+            owner = _SERIALIZER.loads(record.subkey)
+        except Exception as exc:  # untrusted bytes: msgpack may raise anything
+            return f"sub-key is not msgpack ({type(exc).__name__})"
+        if not isinstance(owner, str):
+            return f"sub-key is {type(owner).__name__}, not a peer id"
+        try:
+            value, signature = unseal(record.value)
+        except RecordError as exc:
+            return str(exc)
+        message = signing_message(record.key, record.subkey, value, record.expiration_time)
+        if not verify_signature(owner, signature, message):
+            return f"signature does not match sub-key {owner!r}"
+        try:
+            raw = _SERIALIZER.loads(value)
+            parsed = decode_record(kind, raw)
+        except UnsupportedRecordVersion:
+            return None  # signed by its owner, from a newer release: store it, readers skip it
+        except RecordError as exc:
+            return str(exc)
+        except Exception as exc:
+            return f"value is not msgpack ({type(exc).__name__})"
+        if parsed.peer_id != owner:
+            return f"record names {parsed.peer_id}, sub-key {owner}"
+        return None
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._kinds or record.subkey != self._own_subkey:
+            return record.value
+        message = signing_message(record.key, record.subkey, record.value, record.expiration_time)
+        return seal(record.value, self._identity.sign(message))
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._kinds:
+            return record.value
+        try:
+            value, _ = unseal(record.value)
+        except RecordError:
+            return record.value
+        return value
+
+    @property
+    def priority(self) -> int:
+        # validated first and signed last: the signature covers what other validators produce
+        return 20
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+# ----------------------------------------------------------------- run inside the DHT process
+# These coroutines are pickled by name and executed by hivemind in its DHT process; they catch
+# their own deadline so that hivemind does not log a timeout as a crash.
+
+
+async def _in_dht_store(
+    _dht: DHT, node: DHTNode, items: list[tuple[str, str, bytes, float]], timeout: float
+) -> tuple[str, list[bool]]:
+    keys, subkeys, values, expirations = (list(column) for column in zip(*items))
+    try:
+        result = await asyncio.wait_for(
+            node.store_many(keys, values, expirations, subkeys=subkeys), timeout
+        )
+    except asyncio.TimeoutError:
+        return "timeout", []
+    return "ok", [bool(result.get((key, subkey))) for key, subkey in zip(keys, subkeys)]
+
+
+async def _in_dht_get_dictionaries(
+    _dht: DHT, node: DHTNode, keys: list[str], timeout: float
+) -> tuple[str, dict[str, Any]]:
+    try:
+        # latest: traverse the whole beam and merge every replica's sub-keys, not the first found
+        found = await asyncio.wait_for(node.get_many(keys, sufficient_expiration_time=float("inf")), timeout)
+    except asyncio.TimeoutError:
+        return "timeout", {}
+    out: dict[str, Any] = {}
+    for key in keys:
+        item = found.get(key)
+        if item is None:
+            out[key] = {}
+        elif isinstance(item.value, dict):
+            out[key] = {subkey: (entry.value, entry.expiration_time) for subkey, entry in item.value.items()}
+        else:
+            out[key] = None  # a plain value where a dictionary belongs
+    return "ok", out
+
+
+async def _in_dht_ping(_dht: DHT, node: DHTNode, peer_id: str, timeout: float) -> float | None:
+    peer = PeerID.from_base58(peer_id)
+    start = time.perf_counter()
+    try:
+        answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout)
+    except asyncio.TimeoutError:
+        return None
+    return time.perf_counter() - start if answered is not None else None
+
+
+async def _in_dht_visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
+    return [str(addr) for addr in await node.get_visible_maddrs()]
+
+
+# ----------------------------------------------------------------- the adapter
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class _DhtProcess(DHT):
+    """hivemind's DHT process, detached from the daemon's process group.
+
+    Signals sent to the whole group (Ctrl-C in a terminal, GNU timeout, systemd's
+    KillMode=control-group) would otherwise kill the DHT process (and its p2pd) before the
+    daemon has withdrawn its record; the daemon stops it itself at the end of the leave path.
+    It is asked to die with the daemon (PR_SET_PDEATHSIG), so a SIGKILLed daemon leaves no
+    orphan behind holding the state dir's files.
+    """
+
+    def run(self) -> None:
+        os.setpgid(0, 0)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != self._parent_pid:
+            return  # the daemon died before prctl took effect
+        super().run()
+
+
+
+def _bind_maddr(host: str, port: int) -> str:
+    return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
+
+
+class Dht:
+    """The node's DHT: one hivemind DHT process, started before the event loop."""
+
+    def __init__(self, process: DHT, config: DhtConfig, run: str, peer_id: str, validator: OwnedRecordValidator):
+        self._process = process
+        self.config = config
+        self.run = run
+        self.peer_id = peer_id
+        self.validator = validator
+        self._logged_drops: set[tuple[str, str, str]] = set()
+
+    @classmethod
+    def spawn(cls, config: DhtConfig, run: str, identity: Identity, identity_path: Path) -> Dht:
+        """Fork the DHT process (call before starting the event loop: forking a process that
+        runs threads and a loop is how hivemind's race reports begin). Does not wait for it."""
+        validator = OwnedRecordValidator(run, identity)
+        try:
+            process = _DhtProcess(
+                initial_peers=list(config.initial_peers) or None,
+                start=True,
+                await_ready=False,
+                daemon=True,
+                record_validators=[validator],
+                shutdown_timeout=max(1.0, config.rpc_timeout),
+                host_maddrs=[_bind_maddr(config.host, config.port)],
+                announce_maddrs=list(config.announce_maddrs) or None,
+                identity_path=str(identity_path),
+                # hivemind's "identity already taken" probe parses the key file as RSA
+                # (PeerID.from_identity) and fails on our Ed25519 key; the state dir's lock
+                # keeps two daemons on one machine from sharing a key instead.
+                check_if_identity_free=False,
+                startup_timeout=config.bootstrap_timeout,
+                wait_timeout=config.rpc_timeout,
+                bootstrap_timeout=config.bootstrap_timeout,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise JoinError(f"cannot start the DHT process: {exc}") from None
+        return cls(process, config, run, identity.peer_id, validator)
+
+    @property
+    def hivemind_dht(self) -> DHT:
+        """The underlying hivemind.DHT, for the averaging adapter (hivemind.Optimizer needs it)."""
+        return self._process
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the DHT process ends."""
+        return self._process.sentinel
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    async def wait_ready(self) -> None:
+        """Wait until the DHT process has started and bootstrapped; JoinError otherwise."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.bootstrap_timeout
+        try:
+            # the ready-future was made before the loop existed, so wait on it from a thread;
+            # the thread returns by the deadline (result(timeout)), never lingers
+            await loop.run_in_executor(None, self._process.wait_until_ready, timeout)
+        except TimeoutError:
+            raise JoinError(f"the DHT did not start within dht.bootstrap_timeout={timeout}s") from None
+        except Exception as exc:
+            raise JoinError(_describe_join_failure(exc)) from None
+
+    async def _call(self, fn: Callable[..., Any], timeout: float, what: str) -> Any:
+        if not self._process.is_alive():
+            raise DhtError(f"{what}: the DHT process is not running")
+        try:
+            future = self._process.run_coroutine(fn, return_future=True)
+        except (OSError, ValueError) as exc:
+            raise DhtError(f"{what}: cannot reach the DHT process: {exc}") from None
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.wrap_future(future)
+        except TimeoutError:
+            future.cancel()
+            raise DhtTimeout(f"{what} took longer than {timeout:.1f}s") from None
+        except NodeError:
+            raise
+        except Exception as exc:
+            raise DhtError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+
+    async def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers."""
+        result: list[str] = await self._call(_in_dht_visible_maddrs, self.config.rpc_timeout, "visible_maddrs")
+        return result
+
+    async def publish(self, server: ServerRecord, rtt: RttRecord, expiration: float) -> bool:
+        """Store our two records (signed by the validator); True when the DHT reports both stored."""
+        items = [
+            (servers_key(self.run), self.peer_id, encode_record(server), expiration),
+            (rtt_key(self.run), self.peer_id, encode_record(rtt), expiration),
+        ]
+        inner = self.config.request_timeout
+        status, accepted = await self._call(
+            partial(_in_dht_store, items=items, timeout=inner), inner + self.config.rpc_timeout, "store"
+        )
+        if status == "timeout":
+            raise DhtTimeout(f"store took longer than dht.request_timeout={inner}s")
+        return all(accepted)
+
+    async def read_membership(self) -> MembershipRead:
+        """Read ``{run}.servers`` and ``{run}.rtt``; malformed entries are dropped and logged."""
+        keys = [servers_key(self.run), rtt_key(self.run)]
+        inner = self.config.request_timeout
+        status, found = await self._call(
+            partial(_in_dht_get_dictionaries, keys=keys, timeout=inner), inner + self.config.rpc_timeout, "get"
+        )
+        if status == "timeout":
+            raise DhtTimeout(f"lookup took longer than dht.request_timeout={inner}s")
+        read = MembershipRead()
+        now = time.time()  # hivemind's DHT time is the wall clock (get_dht_time)
+        for key, kind in ((keys[0], ServerRecord), (keys[1], RttRecord)):
+            entries = found.get(key)
+            if entries is None:
+                self._drop(read, key, "-", "malformed", "a plain value is stored where a dictionary belongs")
+                continue
+            for subkey, (value, expiration) in entries.items():
+                if not isinstance(expiration, float | int) or expiration <= now:
+                    continue
+                try:
+                    record = decode_record(kind, value)
+                except UnsupportedRecordVersion as exc:
+                    self._drop(read, key, subkey, "unsupported_version", str(exc))
+                    continue
+                except RecordError as exc:
+                    self._drop(read, key, subkey, "malformed", str(exc))
+                    continue
+                if record.peer_id != subkey:
+                    self._drop(read, key, subkey, "forged", f"record names {record.peer_id}")
+                    continue
+                if isinstance(record, ServerRecord):
+                    read.servers[subkey] = (record, float(expiration))
+                elif isinstance(record, RttRecord):
+                    read.rtts[subkey] = record
+        return read
+
+    def _drop(self, read: MembershipRead, key: str, subkey: object, reason: str, detail: str) -> None:
+        read.dropped.append(reason)
+        marker = (key, repr(subkey)[:80], reason)
+        if marker not in self._logged_drops:
+            if len(self._logged_drops) > 1024:
+                self._logged_drops.clear()
+            self._logged_drops.add(marker)
+            log.warning("dropped a record under %s (sub-key %.80r): %s: %s", key, subkey, reason, detail)
+
+    async def ping(self, peer_id: str, timeout: float) -> float:
+        """Round-trip seconds of one DHT ping RPC to ``peer_id`` (timed in the DHT process)."""
+        try:
+            PeerID.from_base58(peer_id)
+        except ValueError as exc:
+            raise ProbeError(f"not a peer id: {peer_id!r}") from exc
+        rtt = await self._call(partial(_in_dht_ping, peer_id=peer_id, timeout=timeout), timeout + 1.0, "ping")
+        if rtt is None:
+            raise ProbeError(f"{peer_id} did not answer a ping within {timeout}s")
+        return float(rtt)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop the DHT process (and its p2pd), killing it if it overruns ``timeout``."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await loop.run_in_executor(None, self._process.shutdown)
+        if self._process.is_alive():
+            log.warning("DHT process did not stop within %.1fs; killing it", timeout)
+            self._process.kill()
+            await loop.run_in_executor(None, self._process.join, 5.0)
+
+
+def _describe_join_failure(exc: BaseException) -> str:
+    text = str(exc)
+    if "bootstrap failed" in text:
+        return "none of the initial peers answered; check dht.initial_peers (or omit them to start a new swarm)"
+    if "already taken" in text:
+        return "this node's identity is already in use by another running peer (same state dir copied?)"
+    return f"the DHT failed to start: {type(exc).__name__}: {text}"
+

@@ -1,0 +1,70 @@
+"""Exceptions raised by wanswarm.node.
+
+Every error that crosses a module boundary of the node is a ``NodeError``; exceptions of
+third-party libraries (hivemind, prometheus-client) are translated in the one adapter module
+that imports the library. The CLI maps the tree to exit statuses: ``ConfigError`` is 2
+(a usage error), everything else 1. The tree::
+
+    NodeError
+    ├── ConfigError                  a setting is unusable (one line naming the field and what is allowed)
+    ├── StateDirError                state directory unusable, or already in use by another daemon
+    ├── RecordError                  a DHT record that does not match its schema (dropped, never fatal)
+    │   └── UnsupportedRecordVersion a record from a newer release (dropped, logged once)
+    ├── DhtError                     the DHT failed (hivemind's exceptions, translated)
+    │   ├── JoinError                could not start the DHT or reach any initial peer
+    │   └── DhtTimeout               a DHT operation missed its deadline
+    ├── ProbeError                   a ping got no answer in time
+    └── ControlError                 the control socket (``wanswarm status`` / ``leave``)
+        ├── DaemonNotRunning         nothing listens on the control socket
+        └── ControlProtocolError     a malformed request or response
+"""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    """Base class of every error raised by wanswarm.node."""
+
+
+class ConfigError(NodeError):
+    """A setting is unusable. The message is one line: ``field: what is allowed (got ...)``."""
+
+
+class StateDirError(NodeError):
+    """The state directory cannot be used, or another daemon already holds it."""
+
+
+class RecordError(NodeError):
+    """A DHT record that does not match its schema; such records are dropped."""
+
+
+class UnsupportedRecordVersion(RecordError):
+    """A record whose schema version is newer than this release understands."""
+
+
+class DhtError(NodeError):
+    """The DHT failed; hivemind's exceptions are translated into this."""
+
+
+class JoinError(DhtError):
+    """The DHT could not start, or none of the initial peers answered."""
+
+
+class DhtTimeout(DhtError):
+    """A DHT operation missed its deadline."""
+
+
+class ProbeError(NodeError):
+    """A ping to a peer failed or got no answer before its deadline."""
+
+
+class ControlError(NodeError):
+    """Talking to the daemon over its control socket failed."""
+
+
+class DaemonNotRunning(ControlError):
+    """No daemon listens on the control socket."""
+
+
+class ControlProtocolError(ControlError):
+    """A control request or response that does not match its schema."""

@@ -1,0 +1,131 @@
+"""The peer table: what this node knows about the other peers of its run.
+
+Pure (ARCHITECTURE §4): it is fed the records read from the DHT and the RTT samples the prober
+or the transport measured, each call taking ``now``; it never does I/O. The trainer's router
+will add loss/delivery rates and bans here; today it holds records and RTT estimates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .records import LISTED_STATES, MAX_RTT_ENTRIES, RttEntry, RttRecord, ServerRecord
+from .rtt import RttEstimator
+
+
+@dataclass
+class Peer:
+    """One known peer: its latest record, when it expires, and our RTT estimate to it."""
+
+    record: ServerRecord
+    expiration: float  # wall-clock (DHT time)
+    first_seen: float  # monotonic
+    rtt: RttEstimator
+    reported_rtts: dict[str, RttEntry] = field(default_factory=dict)  # what it measured to others
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+    @property
+    def stage(self) -> int | None:
+        return self.record.stage
+
+
+@dataclass(frozen=True)
+class TableChanges:
+    joined: tuple[str, ...]
+    left: tuple[str, ...]
+
+
+class PeerTable:
+    """Peers of the run other than ourselves, keyed by peer id."""
+
+    def __init__(self, own_peer_id: str, rtt_window: float = 120.0) -> None:
+        self.own_peer_id = own_peer_id
+        self.rtt_window = rtt_window
+        self._peers: dict[str, Peer] = {}
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._peers
+
+    def get(self, peer_id: str) -> Peer | None:
+        return self._peers.get(peer_id)
+
+    def peers(self) -> list[Peer]:
+        """Known peers ordered by stage (unassigned last), then peer id."""
+        return sorted(
+            self._peers.values(),
+            key=lambda p: (p.stage is None, p.stage if p.stage is not None else 0, p.peer_id),
+        )
+
+    def apply(
+        self,
+        servers: Mapping[str, tuple[ServerRecord, float]],
+        rtts: Mapping[str, RttRecord],
+        now: float,
+        wall_now: float,
+    ) -> TableChanges:
+        """Replace the table's view with a complete read of ``{run}.servers`` and ``{run}.rtt``.
+
+        ``servers`` maps peer id -> (record, expiration). Ourselves, tombstones (state ``left``)
+        and records expired by ``wall_now`` are skipped; peers absent from the read are dropped
+        with their RTT state. Call only with a read that succeeded.
+        """
+        listed = {
+            peer_id: (record, expiration)
+            for peer_id, (record, expiration) in servers.items()
+            if peer_id != self.own_peer_id and record.state in LISTED_STATES and expiration > wall_now
+        }
+        left = tuple(sorted(set(self._peers) - set(listed)))
+        for peer_id in left:
+            del self._peers[peer_id]
+        joined = []
+        for peer_id, (record, expiration) in listed.items():
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                peer = Peer(record, expiration, now, RttEstimator(self.rtt_window))
+                self._peers[peer_id] = peer
+                joined.append(peer_id)
+            else:
+                peer.record, peer.expiration = record, expiration
+            rtt_record = rtts.get(peer_id)
+            peer.reported_rtts = dict(rtt_record.rtts) if rtt_record is not None else {}
+        return TableChanges(tuple(sorted(joined)), left)
+
+    def on_rtt_sample(self, peer_id: str, rtt: float, now: float) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.rtt.on_sample(rtt, now)
+
+    def on_probe_failure(self, peer_id: str) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.rtt.on_failure()
+
+    def by_stage(self) -> dict[int | None, list[Peer]]:
+        out: dict[int | None, list[Peer]] = {}
+        for peer in self.peers():
+            out.setdefault(peer.stage, []).append(peer)
+        return out
+
+    def measured_rtts(self, now: float, limit: int = MAX_RTT_ENTRIES) -> dict[str, RttEntry]:
+        """Our estimates to publish in ``{run}.rtt``: peers with samples, most recent first."""
+        measured = [p for p in self._peers.values() if p.rtt.srtt is not None]
+        measured.sort(key=lambda p: -(p.rtt.last_sample_at or 0.0))
+        out = {}
+        for peer in measured[:limit]:
+            srtt = peer.rtt.srtt
+            assert srtt is not None
+            low = peer.rtt.min_rtt(now)
+            out[peer.peer_id] = RttEntry(
+                srtt_ms=round(srtt * 1000, 3), min_ms=None if low is None else round(low * 1000, 3)
+            )
+        return out
+
+    def peer_ids(self) -> Iterable[str]:
+        return self._peers.keys()

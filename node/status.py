@@ -1,0 +1,124 @@
+"""The daemon's status report: the record ``wanswarm status --json`` prints, and its text form.
+
+The daemon builds a :class:`StatusReport`, the control socket carries it as JSON, and the CLI
+prints either that JSON or :func:`render_text`. ``dht_addrs`` are full multiaddrs (with
+``/p2p/<peer id>``) that another node can pass as ``--initial-peers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .logs import short_peer
+
+STATUS_VERSION: Final = 1
+DaemonState = Literal["starting", "joining", "online", "draining", "left"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PeerStatus(_Model):
+    """One other peer of the run as this node sees it."""
+
+    peer_id: str
+    stage: int | None
+    state: str
+    rtt_ms: float | None = Field(description="Our smoothed RTT to it (RFC 6298), ms.")
+    min_rtt_ms: float | None = Field(description="Smallest RTT in the prober's window, ms.")
+    probe_failures: int = 0
+    throughput: float = 0.0
+    queue: int = 0
+    quic_addr: str | None = None
+    version: str = ""
+
+
+class StatusReport(_Model):
+    """What a daemon says about itself (control request ``status``)."""
+
+    v: Literal[1] = STATUS_VERSION
+    peer_id: str
+    run: str
+    stage: int | None
+    state: DaemonState
+    server: bool
+    trainer: bool
+    pid: int
+    version: str
+    uptime_s: float
+    dht_addrs: list[str]
+    quic_addr: str | None
+    peers: list[PeerStatus]
+    bytes_in: int | None = Field(default=None, description="Payload bytes received (None: no transport).")
+    bytes_out: int | None = Field(default=None, description="Payload bytes sent (None: no transport).")
+    records_published: int = 0
+    records_refused: int = Field(
+        default=0, description="Forged or malformed records our DHT node refused (stores and answers)."
+    )
+    drain_deadline_s: float | None = Field(
+        default=None, description="While draining: seconds left before in-flight work is abandoned."
+    )
+    shutdown_timeout_s: float = 0.0
+    components: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+def format_duration(seconds: float) -> str:
+    """``3h07m``, ``4m05s``, ``12.3s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{value} B"
+
+
+def render_text(report: StatusReport) -> str:
+    """A summary for people: identity, state, addresses, then the peers grouped by stage."""
+    roles = "+".join(r for r, on in (("server", report.server), ("trainer", report.trainer)) if on) or "none"
+    lines = [
+        f"peer id   {report.peer_id}",
+        f"run       {report.run}   stage {'-' if report.stage is None else report.stage}   "
+        f"state {report.state}   roles {roles}",
+        f"uptime    {format_duration(report.uptime_s)}   pid {report.pid}   version {report.version}",
+    ]
+    if report.drain_deadline_s is not None:
+        lines.append(f"draining  {report.drain_deadline_s:.1f}s left of {report.shutdown_timeout_s:.0f}s")
+    lines.append("dht       " + ("\n          ".join(report.dht_addrs) if report.dht_addrs else "-"))
+    lines.append(f"quic      {report.quic_addr or '-'}")
+    lines.append(f"traffic   in {_bytes(report.bytes_in)}   out {_bytes(report.bytes_out)}")
+    lines.append(f"peers     {len(report.peers)} known")
+    if report.peers:
+        lines.append(f"  {'stage':<6} {'peer':<11} {'state':<9} {'rtt':>9} {'min rtt':>9}  quic")
+        for peer in report.peers:
+            stage = "-" if peer.stage is None else str(peer.stage)
+            fails = f"  ({peer.probe_failures} failed pings)" if peer.probe_failures else ""
+            lines.append(
+                f"  {stage:<6} {short_peer(peer.peer_id):<11} {peer.state:<9} "
+                f"{_ms(peer.rtt_ms):>9} {_ms(peer.min_rtt_ms):>9}  {peer.quic_addr or '-'}{fails}"
+            )
+    for name, fields in sorted(report.components.items()):
+        summary = "  ".join(f"{k}={v}" for k, v in sorted(fields.items()))
+        lines.append(f"{name:<9} {summary}")
+    return "\n".join(lines) + "\n"
