@@ -47,6 +47,8 @@ STOCHASTIC_CAPABLE: Final[frozenset[str]] = frozenset({"int8", "int4"})
 LAYOUT_VERSION: Final[int] = 1
 HEADER_NBYTES: Final[int] = 8
 MAX_WIRE_LEN: Final[int] = 32
+MAX_DIMS: Final[int] = 32  # torch's own limit is 64; our tensors have a handful
+MAX_DIM: Final[int] = 1 << 48  # any larger extent cannot be a real tensor
 
 _CODEC_IDS: Final[dict[str, int]] = {"none": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
 _FLAG_FP16_SCALES: Final[int] = 0x01
@@ -432,13 +434,21 @@ def decode(e: EncodedTensor, *, device: torch.device | str | None = None) -> tor
         raise CodecError("not a torch dtype")
     spec.check_dtype(dtype)
     shape = e.shape
-    if not isinstance(shape, tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    if (
+        not isinstance(shape, tuple)
+        or len(shape) > MAX_DIMS
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
+        )
     ):
         raise CodecError(f"bad tensor shape {str(shape)[:80]}")
     n = math.prod(shape)
     payload = e.payload
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
+    if isinstance(payload, memoryview):
+        if not payload.c_contiguous:
+            raise CodecError("payload memoryview is not contiguous")
+        payload = payload.cast("B")
+    elif not isinstance(payload, (bytes, bytearray)):
         raise CodecError("payload is not a bytes-like object")
     expected = spec.payload_nbytes(n, dtype)
     if len(payload) != expected:

@@ -406,6 +406,13 @@ def test_bad_encoded_tensor_fields_are_codec_errors() -> None:
             decode(EncodedTensor(e.spec, shape, e.dtype, e.payload))  # type: ignore[arg-type]
     with pytest.raises(CodecError):
         decode(EncodedTensor(e.spec, (1 << 40,), e.dtype, e.payload))
+    empty = encode(torch.zeros(0), CodecSpec("int8"))
+    for shape in ((0, 10**30), (0,) * 40):  # zero elements, but no real tensor has them
+        with pytest.raises(CodecError):
+            decode(EncodedTensor(empty.spec, shape, empty.dtype, empty.payload))
+    # A memoryview of another item size is read as its bytes (60 bytes: 15 uint32).
+    mv = memoryview(bytearray(e.payload)).cast("I")
+    assert torch.equal(decode(EncodedTensor(e.spec, e.shape, e.dtype, mv)), decode(e))  # type: ignore[arg-type]
     with pytest.raises(CodecError):
         decode(EncodedTensor(e.spec, e.shape, torch.int32, e.payload))
     with pytest.raises(CodecError):
