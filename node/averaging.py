@@ -63,7 +63,7 @@ class AveragingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     matchmaking_time: float = Field(
-        5.0,
+        default=5.0,
         gt=0.0,
         le=600.0,
         description=(
@@ -72,42 +72,42 @@ class AveragingConfig(BaseModel):
         ),
     )
     averaging_timeout: float = Field(
-        60.0,
+        default=60.0,
         gt=0.0,
         le=3600.0,
         description="Give up on an averaging round after this many seconds (about 2x an all-reduce).",
     )
     load_state_timeout: float = Field(
-        120.0, gt=0.0, le=3600.0, description="Deadline of one download of the stage's state, seconds."
+        default=120.0, gt=0.0, le=3600.0, description="Deadline of one download of the stage's state, seconds."
     )
     shutdown_timeout: float = Field(
-        5.0, gt=0.0, le=600.0, description="Seconds to say goodbye to averaging peers on leave."
+        default=5.0, gt=0.0, le=600.0, description="Seconds to say goodbye to averaging peers on leave."
     )
     delayed_updates: bool = Field(
-        True,
+        default=True,
         description=(
             "Average and step in the background and apply the result at the next step (DPU: "
             "one epoch of staleness, no stall); false blocks the device thread at every epoch."
         ),
     )
     average_state_every: int = Field(
-        1, ge=1, le=1_000_000, description="Average parameters with the stage's peers every this many epochs."
+        default=1, ge=1, le=1_000_000, description="Average parameters with the stage's peers every this many epochs."
     )
     grad_compression: CompressionName = Field(
-        "fp16",
+        default="fp16",
         description=(
             "Compression of gradient all-reduce: none, fp16, scaled_fp16, uint8 (8-bit uniform "
             "for tensors of 64k elements or more, fp16 below), quantile8 (likewise)."
         ),
     )
     state_compression: CompressionName = Field(
-        "fp16", description="Compression of parameter averaging (same choices)."
+        default="fp16", description="Compression of parameter averaging (same choices)."
     )
     load_state_compression: CompressionName = Field(
-        "none",
+        default="none",
         description="Compression of a newcomer's state download; 'none' makes it an exact copy.",
     )
-    verbose: bool = Field(False, description="Log hivemind's progress messages at INFO.")
+    verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
 
     @model_validator(mode="after")
     def _timeouts(self) -> AveragingConfig:

@@ -42,7 +42,7 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = Field(
-        0.1,
+        default=0.1,
         ge=0.0,
         le=10.0,
         description=(
@@ -52,30 +52,30 @@ class RouterConfig(BaseModel):
         ),
     )
     min_temperature_s: float = Field(
-        0.002,
+        default=0.002,
         ge=0.0,
         le=10.0,
         description="Absolute floor of the temperature, seconds (spreads load when all costs are tiny).",
     )
     default_rtt_s: float = Field(
-        0.1, gt=0.0, le=60.0, description="RTT assumed for a peer with no measurement, seconds."
+        default=0.1, gt=0.0, le=60.0, description="RTT assumed for a peer with no measurement, seconds."
     )
     default_delivery_rate_bps: float = Field(
-        100e6,
+        default=100e6,
         gt=0.0,
         description="Delivery rate assumed for a peer with no measurement, bits per second.",
     )
     min_throughput: float = Field(
-        0.1,
+        default=0.1,
         gt=0.0,
         description="Floor of a peer's announced throughput, samples/s (a 0 or absent figure).",
     )
     ban_base_s: float = Field(
-        1.0, gt=0.0, le=3600.0, description="Ban after a first failure, seconds (then doubles)."
+        default=1.0, gt=0.0, le=3600.0, description="Ban after a first failure, seconds (then doubles)."
     )
-    ban_max_s: float = Field(60.0, gt=0.0, le=86400.0, description="Longest ban, seconds.")
+    ban_max_s: float = Field(default=60.0, gt=0.0, le=86400.0, description="Longest ban, seconds.")
     ban_jitter: float = Field(
-        0.2, ge=0.0, lt=1.0, description="Bans are multiplied by a uniform factor in [1-j, 1+j]."
+        default=0.2, ge=0.0, lt=1.0, description="Bans are multiplied by a uniform factor in [1-j, 1+j]."
     )
 
     @model_validator(mode="after")

@@ -93,37 +93,37 @@ class StageServerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'."
+        default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'."
     )
     queue_size: int = Field(
-        16, ge=1, le=4096, description="Jobs queued or running on the device; beyond it we answer 'busy'."
+        default=16, ge=1, le=4096, description="Jobs queued or running on the device; beyond it we answer 'busy'."
     )
     cache_entries: int = Field(
-        256, ge=0, le=1_000_000, description="Forward inputs kept for backward references (0 disables)."
+        default=256, ge=0, le=1_000_000, description="Forward inputs kept for backward references (0 disables)."
     )
     cache_bytes: int = Field(
-        256 * 2**20, ge=0, description="Byte budget of the forward-input cache."
+        default=256 * 2**20, ge=0, description="Byte budget of the forward-input cache."
     )
     cache_ttl_s: float = Field(
-        120.0, gt=0.0, le=86400.0, description="Seconds a cached forward input stays referenceable."
+        default=120.0, gt=0.0, le=86400.0, description="Seconds a cached forward input stays referenceable."
     )
     applied_entries: int = Field(
-        200_000,
+        default=200_000,
         ge=1,
         le=10_000_000,
         description="Applied (trainer, micro-batch) keys remembered to suppress duplicate gradients.",
     )
     reply_cache_entries: int = Field(
-        64, ge=0, le=100_000, description="Recent backward replies kept to answer a retried hop exactly."
+        default=64, ge=0, le=100_000, description="Recent backward replies kept to answer a retried hop exactly."
     )
     error_feedback: bool = Field(
-        True, description="Encode returned input gradients through error feedback (per trainer)."
+        default=True, description="Encode returned input gradients through error feedback (per trainer)."
     )
     error_feedback_bytes: int = Field(
-        512 * 2**20, ge=0, description="Memory bound of the error-feedback residuals."
+        default=512 * 2**20, ge=0, description="Memory bound of the error-feedback residuals."
     )
     benchmark_iterations: int = Field(
-        3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
+        default=3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
     )
 
 
