@@ -11,7 +11,7 @@ frames::
     frame   = version:u8 | type:u8 | length:u32be | body[length]
     HEADER  (1)  body = JSON MessageHeader, then, *unframed*, the payload bytes of the
                  tensors whose transport is "stream", concatenated in header order
-    CONTROL (2)  body = an FEC transfer control message (session.py), opaque here
+    CONTROL (2)  body = an FEC transfer control message (session_wire.py), opaque here
     AUTH    (3)  body = an identity handshake message (handshake.py), opaque here
 
 A direction holds at most one HEADER (the request, the response or an error), any
@@ -19,7 +19,9 @@ number of CONTROL frames before and after it, and ends with the stream's FIN at 
 boundary. AUTH frames appear only on the handshake stream.
 
 Payloads of tensors whose transport is "datagram" are not on the stream: they travel
-as FEC-protected QUIC DATAGRAM frames of the transfer named by ``transfer_id``.
+as FEC-protected QUIC DATAGRAM frames of the transfer named by ``transfer_id`` (whose
+layout ``symbol_size`` and ``block_symbols`` also give, session.py); the CONTROL frames
+of that transfer (repair requests, completion) go the other way on the same stream.
 """
 
 from __future__ import annotations
@@ -82,13 +84,21 @@ class TensorSpec(_Wire):
     nbytes: int = Field(ge=0, le=MAX_ID, description="payload length in bytes")
     transport: Literal["stream", "datagram"] = "stream"
     transfer_id: int | None = Field(default=None, ge=0, le=MAX_ID)
+    symbol_size: int | None = Field(default=None, ge=1, le=65535)
+    block_symbols: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
     def _check(self) -> TensorSpec:
         if any(d < 0 for d in self.shape):
             raise ValueError("negative dimension")
-        if (self.transport == "datagram") != (self.transfer_id is not None):
-            raise ValueError("transfer_id is required for, and only for, datagram transport")
+        fec = (self.transfer_id, self.symbol_size, self.block_symbols)
+        if self.transport == "datagram":
+            if None in fec:
+                raise ValueError("a datagram tensor needs transfer_id, symbol_size, block_symbols")
+            if self.nbytes == 0:
+                raise ValueError("an empty payload travels on the stream")
+        elif fec != (None, None, None):
+            raise ValueError("transfer fields are for datagram tensors only")
         return self
 
 
@@ -224,17 +234,26 @@ def plan_tensors(header: MessageHeader, limits: LimitsConfig) -> tuple[TensorPla
 
 
 def tensor_spec(
-    encoded: EncodedTensor, *, transport: Literal["stream", "datagram"] = "stream",
-    transfer_id: int | None = None,
+    encoded: EncodedTensor,
+    *,
+    transfer: tuple[int, int, int] | None = None,
 ) -> TensorSpec:
-    """The header entry describing an encoded tensor."""
+    """The header entry describing an encoded tensor; ``transfer`` = (transfer id, symbol
+    size, block symbols) when its payload travels as an FEC transfer."""
+    shape, dtype = tuple(encoded.shape), dtype_to_wire(encoded.dtype)
+    codec, nbytes = encoded.spec.to_wire(), len(encoded.payload)
+    if transfer is None:
+        return TensorSpec(shape=shape, dtype=dtype, codec=codec, nbytes=nbytes)
+    transfer_id, symbol_size, block_symbols = transfer
     return TensorSpec(
-        shape=tuple(encoded.shape),
-        dtype=dtype_to_wire(encoded.dtype),
-        codec=encoded.spec.to_wire(),
-        nbytes=len(encoded.payload),
-        transport=transport,
+        shape=shape,
+        dtype=dtype,
+        codec=codec,
+        nbytes=nbytes,
+        transport="datagram",
         transfer_id=transfer_id,
+        symbol_size=symbol_size,
+        block_symbols=block_symbols,
     )
 
 

@@ -134,7 +134,8 @@ def test_auth_frames_only_when_allowed() -> None:
 
 
 def test_datagram_tensors_are_not_on_the_stream() -> None:
-    obj = _header_obj(tensors=[_spec(transport="datagram", transfer_id=3), _spec()])
+    datagram = _spec(transport="datagram", transfer_id=3, symbol_size=1024, block_symbols=64)
+    obj = _header_obj(tensors=[datagram, _spec()])
     events = _decode_all(_raw_header(obj) + bytes(8 + 24))
     assert [type(e).__name__ for e in events] == ["HeaderReceived", "PayloadReceived", "StreamEnded"]
     payload = events[1]
@@ -248,6 +249,9 @@ def test_shape_inconsistent_with_byte_length() -> None:
         (_spec(shape=[True, 3]), FramingError),
         (_spec(transport="datagram"), FramingError),
         (_spec(transfer_id=4), FramingError),
+        (_spec(transport="datagram", transfer_id=4, symbol_size=1024), FramingError),
+        (_spec(symbol_size=1024), FramingError),
+
         (_spec(extra=1), FramingError),
     ],
 )

@@ -1,0 +1,285 @@
+"""Authenticated connections to peers: one per peer, shared, re-established on failure.
+
+Every connection, in either direction, runs the identity handshake (handshake.py) on the
+client's first bidirectional stream before anything else may use it; only then is it
+handed to the application (``on_link``) and entered in the table. Until then the server
+side refuses any other stream and closes the connection if one appears.
+
+Refusals, with a QUIC application close code on the wire and an error on each side:
+
+- the client reached a server whose certificate is not the expected peer id: the client
+  raises :class:`PeerIdMismatch` (expected vs actual) and closes with PEER_ID_MISMATCH;
+  the server logs the refusal;
+- a client that asks for a peer id other than the server's (HELLO names it): the server
+  logs it and closes with PEER_ID_MISMATCH; the client raises PeerIdMismatch;
+- a bad, replayed or relayed signature, a claimed id other than the TLS certificate's,
+  or no certificate: AUTH_FAILED; the client raises AuthenticationError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .config import TransportConfig
+from .errors import (
+    AuthenticationError,
+    ConnectError,
+    PeerIdMismatch,
+    ProtocolError,
+    TransportError,
+)
+from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
+from .handshake import ClientHandshake, ServerHandshake
+from .identity import Identity
+from .quic import Address, CloseCode, QuicLink, QuicSocket
+from .stream import QuicStream, StreamCode
+
+logger = logging.getLogger(__name__)
+
+
+class Connections:
+    """The node's QUIC socket and its table of authenticated connections by peer id."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: TransportConfig,
+        on_link: Callable[[QuicLink], None],
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self._on_link = on_link
+        self.socket = QuicSocket(identity, config, self._accepted)
+        self._by_peer: dict[str, list[QuicLink]] = {}
+        self._connecting: dict[str, asyncio.Task[QuicLink]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    @property
+    def address(self) -> Address:
+        return self.socket.address
+
+    async def start(self, host: str, port: int) -> None:
+        await self.socket.start(host, port)
+
+    def link_for(self, peer_id: str) -> QuicLink | None:
+        """The newest open authenticated connection with ``peer_id``, if any."""
+        for link in reversed(self._by_peer.get(peer_id, [])):
+            if not link.is_closed:
+                return link
+        return None
+
+    async def get(self, peer_id: str, host: str, port: int) -> QuicLink:
+        """An authenticated connection with ``peer_id``: an open one, the one being made,
+        or a new one. Concurrent callers share one connection attempt."""
+        if self._closing:
+            raise ConnectError("endpoint is closing")
+        link = self.link_for(peer_id)
+        if link is not None:
+            return link
+        task = self._connecting.get(peer_id)
+        if task is None:
+            task = self._spawn(self._connect(peer_id, host, port))
+            self._connecting[peer_id] = task
+            task.add_done_callback(lambda _: self._connecting.pop(peer_id, None))
+        # shield: one caller's deadline must not cancel the attempt the others await
+        return await asyncio.shield(task)
+
+    async def _connect(self, peer_id: str, host: str, port: int) -> QuicLink:
+        link = await self.socket.connect(host, port)
+        if link.tls_peer_id != peer_id:
+            message = (
+                f"expected peer {peer_id} at {host}:{port}, "
+                f"but its certificate is for {link.tls_peer_id}"
+            )
+            await link.refuse(
+                CloseCode.PEER_ID_MISMATCH,
+                f"client expected {peer_id}",
+                timeout=self.config.handshake_timeout_s,
+            )
+            raise PeerIdMismatch(message)
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                await client_handshake(self.identity, link, peer_id, self.config)
+        except TimeoutError:
+            link.abandon(CloseCode.AUTH_FAILED, "identity handshake timed out")
+            raise ConnectError(f"identity handshake with {peer_id} timed out") from None
+        except TransportError as exc:
+            if not link.is_closed:
+                code = (
+                    CloseCode.PEER_ID_MISMATCH
+                    if isinstance(exc, PeerIdMismatch)
+                    else CloseCode.AUTH_FAILED
+                )
+                link.abandon(code, str(exc))
+            raise
+        link.peer_id = peer_id
+        self._register(link)
+        return link
+
+    def _accepted(self, link: QuicLink) -> None:
+        self._spawn(self._authenticate_incoming(link))
+
+    async def _authenticate_incoming(self, link: QuicLink) -> None:
+        first: asyncio.Future[QuicStream] = asyncio.get_running_loop().create_future()
+
+        def on_stream(stream: QuicStream) -> None:
+            if first.done():  # anything but the handshake stream before we are done
+                stream.abort(StreamCode.REFUSED)
+                link.close(CloseCode.PROTOCOL, "stream opened before authentication")
+            else:
+                first.set_result(stream)
+
+        def on_closed(closed: QuicLink) -> None:
+            if not first.done():
+                first.set_exception(closed.closed_error())
+
+        link.on_stream = on_stream
+        link.on_closed.append(on_closed)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                await link.handshake_done
+            if link.tls_peer_id is None:
+                raise AuthenticationError("client presented no certificate")
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                stream = await first
+                peer_id = await server_handshake(self.identity, link, stream, self.config)
+        except (TimeoutError, TransportError) as exc:
+            self._refuse(link, exc)
+            return
+        link.peer_id = peer_id
+        link.on_stream = None
+        logger.info("authenticated %s at %s", peer_id, link.remote_address)
+        self._register(link)
+
+    def _refuse(self, link: QuicLink, exc: BaseException) -> None:
+        if link.is_closed:
+            if link.closed_by_peer and link.close_code == CloseCode.PEER_ID_MISMATCH:
+                logger.warning(
+                    "peer at %s refused our identity %s: %s",
+                    link.remote_address, self.identity.peer_id, link.close_reason,
+                )
+            else:
+                logger.info("connection from %s ended during authentication: %s",
+                            link.remote_address, link.close_reason)
+            return
+        if isinstance(exc, TimeoutError):
+            code, reason = CloseCode.AUTH_FAILED, "authentication timed out"
+        elif isinstance(exc, PeerIdMismatch):
+            code, reason = CloseCode.PEER_ID_MISMATCH, str(exc)
+        else:
+            code, reason = CloseCode.AUTH_FAILED, str(exc)
+        logger.warning("refused connection from %s: %s", link.remote_address, reason)
+        link.close(code, reason)
+
+    def _register(self, link: QuicLink) -> None:
+        assert link.peer_id is not None  # called only after authentication
+        peer_id = link.peer_id
+        links = [other for other in self._by_peer.get(peer_id, []) if not other.is_closed]
+        links.append(link)
+        self._by_peer[peer_id] = links
+
+        def forget(closed: QuicLink) -> None:
+            remaining = [o for o in self._by_peer.get(peer_id, []) if o is not closed]
+            if remaining:
+                self._by_peer[peer_id] = remaining
+            else:
+                self._by_peer.pop(peer_id, None)
+
+        link.on_closed.append(forget)
+        self._on_link(link)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(_settle)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def links(self) -> list[QuicLink]:
+        return [link for links in self._by_peer.values() for link in links]
+
+    async def close(self, timeout: float) -> None:
+        """Cancel connection attempts, close every connection (bounded wait), unbind."""
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        await self.socket.close(timeout)
+
+
+def _settle(task: asyncio.Task[Any]) -> None:
+    """Mark a finished task's exception as seen (its awaiters, if any, got it too)."""
+    if not task.cancelled():
+        task.exception()
+
+
+# -- the identity handshake, pumped over the first stream ------------------------------
+
+
+async def _read_auth(stream: QuicStream, decoder: StreamDecoder) -> bytes:
+    """The next AUTH frame's body; AuthenticationError for anything else."""
+    while True:
+        data = await stream.read()
+        try:
+            found = decoder.feed(data) if data else decoder.feed_eof()
+        except ProtocolError as exc:
+            raise AuthenticationError(f"bad handshake frame: {exc}") from exc
+        for event in found:
+            if isinstance(event, AuthReceived):
+                return event.body
+            raise AuthenticationError(f"unexpected {type(event).__name__} in the handshake")
+
+
+def _peer_refusal(link: QuicLink) -> AuthenticationError | None:
+    """The error matching the peer's reason for closing during the handshake, if any."""
+    if not (link.is_closed and link.closed_by_peer):
+        return None
+    if link.close_code == CloseCode.PEER_ID_MISMATCH:
+        return PeerIdMismatch(f"peer refused: {link.close_reason}")
+    if link.close_code == CloseCode.AUTH_FAILED:
+        return AuthenticationError(f"peer refused: {link.close_reason}")
+    return None
+
+
+async def client_handshake(
+    identity: Identity, link: QuicLink, expected: str, config: TransportConfig
+) -> None:
+    """Run the client side on a new stream (no deadline here: the caller sets one)."""
+    if link.binding is None:
+        raise AuthenticationError("connection has no channel binding")
+    machine = ClientHandshake(identity, expected, link.binding, os.urandom(32))
+    decoder = StreamDecoder(config.limits, allow_auth=True)
+    stream = link.open_stream()
+    try:
+        await stream.write(encode_frame(FrameType.AUTH, machine.hello()))
+        finish = machine.receive_proof(await _read_auth(stream, decoder))
+        await stream.write(encode_frame(FrameType.AUTH, finish), end=True)
+        machine.receive_accept(await _read_auth(stream, decoder))
+    except ConnectError:
+        refusal = _peer_refusal(link)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+async def server_handshake(
+    identity: Identity, link: QuicLink, stream: QuicStream, config: TransportConfig
+) -> str:
+    """Run the server side on the client's first stream; the client's peer id."""
+    if link.binding is None:
+        raise AuthenticationError("connection has no channel binding")
+    machine = ServerHandshake(identity, link.binding, os.urandom(32), link.tls_peer_id)
+    decoder = StreamDecoder(config.limits, allow_auth=True)
+    proof = machine.receive_hello(await _read_auth(stream, decoder))
+    await stream.write(encode_frame(FrameType.AUTH, proof))
+    accept = machine.receive_finish(await _read_auth(stream, decoder))
+    await stream.write(encode_frame(FrameType.AUTH, accept), end=True)
+    if machine.client_id is None:  # receive_finish sets it or raises
+        raise AuthenticationError("handshake ended without a client id")
+    return machine.client_id

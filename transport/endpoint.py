@@ -1,0 +1,487 @@
+"""The request/response API the node codes against.
+
+One :class:`Endpoint` per node: it listens on the node's QUIC port, serves the request
+kinds registered with :meth:`Endpoint.register`, and sends requests to peers. Each
+exchange is one bidirectional QUIC stream (framing.py): the requester sends a header
+and the tensor payloads, then FIN; the server answers with a response or an error
+message, then FIN. Connections are authenticated, one per peer pair, shared by all
+concurrent requests and re-established when they fail (connections.py).
+
+Failure modes, all subclasses of TransportError:
+
+- ``RequestTimeout``: no complete response before the request's deadline (the stream is
+  reset, which cancels the handler on the server);
+- ``ConnectError``: the peer is unreachable or the connection died;
+- ``PeerIdMismatch`` / ``AuthenticationError``: the peer is not who we expected;
+- ``RemoteError(code)``: the server answered with an error: the handler raised
+  ``RemoteError`` (e.g. ``busy``), ``internal`` for any other handler exception,
+  ``unknown_kind``, or the ProtocolError code for a request it refused (``bad_frame``,
+  ``too_large``, ``non_finite``, ...);
+- ``ProtocolError`` (FramingError, PayloadError, CodecError): the response was malformed.
+
+A request is re-sent at most once, and only when it went out on a connection made
+before it that then died with no byte of reply (a peer that restarted, a path that
+went away while idle); the node's request ids are idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+from pydantic import ValidationError
+
+from .codecs import CodecSpec, EncodedTensor, encode
+from .config import TransportConfig
+from .connections import Connections
+from .errors import (
+    ConnectError,
+    FecError,
+    FramingError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    TransportError,
+)
+from .exchange import Inbound, Message, Outgoing, send_message
+from .framing import WIRE_VERSION, MessageHeader, decode_tensor, encode_header, error_header
+from .identity import Identity
+from .quic import QuicLink
+from .redundancy import LossEstimator
+from .stream import QuicStream, StreamCode
+from .transfers import TransferHub
+
+logger = logging.getLogger(__name__)
+
+_THREAD_BYTES = 1 << 20  # codec work on larger tensors runs in a worker thread
+_NONE = CodecSpec("none")
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    peer_id: str
+    host: str
+    port: int
+
+
+@dataclass
+class Request:
+    peer_id: str
+    kind: str
+    header: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+
+@dataclass
+class Response:
+    header: dict[str, Any]
+    tensors: list[torch.Tensor | EncodedTensor] = field(default_factory=list)
+    codec: CodecSpec | None = None  # codec for plain tensors in the reply (None = "none")
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class PathStats:
+    """What the transport measured on the path to one peer."""
+
+    smoothed_rtt: float
+    min_rtt: float
+    rtt_var: float
+    loss_rate: float
+    delivery_rate_bps: float
+    bytes_sent: int
+    bytes_received: int
+    connected: bool
+
+
+@dataclass(frozen=True)
+class _Registration:
+    handler: Handler
+    allow_nonfinite: bool
+
+
+class _StaleConnection(Exception):
+    """The request's connection predates it and died with no byte of reply."""
+
+
+class Endpoint:
+    """Authenticated request/response over QUIC. See the module docstring."""
+
+    def __init__(self, identity: Identity, config: TransportConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self._connections = Connections(identity, config, self._on_link)
+        self._handlers: dict[str, _Registration] = {}
+        self._serving: set[asyncio.Task[None]] = set()
+        self._hubs: dict[QuicLink, TransferHub] = {}
+        self._loss: dict[str, LossEstimator] = {}
+        self._ids = itertools.count(1)
+        self._counts: Counter[str] = Counter()
+        self._closed_bytes = Counter[str]()
+        self._started = False
+        self._closing = False
+
+    # lifecycle
+
+    async def start(self, host: str | None = None, port: int | None = None) -> None:
+        """Bind the QUIC port (defaults from the config; port 0 picks a free one)."""
+        await self._connections.start(
+            self.config.host if host is None else host,
+            self.config.port if port is None else port,
+        )
+        self._started = True
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._connections.address
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def close(self) -> None:
+        """Stop taking requests, let in-flight handlers finish (``shutdown_timeout_s``),
+        cancel the rest, close every connection."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._serving:
+            _, late = await asyncio.wait(
+                list(self._serving), timeout=self.config.shutdown_timeout_s
+            )
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        await self._connections.close(timeout=min(1.0, self.config.shutdown_timeout_s))
+
+    async def __aenter__(self) -> Self:
+        if not self._started:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # serving
+
+    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
+        """Serve requests of ``kind``; tensors with NaN/Inf are refused unless allowed."""
+        try:
+            MessageHeader(version=WIRE_VERSION, type="request", request_id=0, kind=kind)
+        except ValidationError as exc:
+            raise ValueError(f"{kind!r} cannot be a request kind on the wire: {exc}") from None
+        self._handlers[kind] = _Registration(handler, allow_nonfinite)
+
+    def _on_link(self, link: QuicLink) -> None:
+        """An authenticated connection (either direction): serve its streams."""
+        peer_id = link.peer_id or ""
+        loss = self._loss.get(peer_id)
+        if loss is None:
+            loss = self._loss[peer_id] = LossEstimator(self.config.fec)
+        self._hubs[link] = TransferHub(link, self.config, loss)
+        link.on_stream = lambda stream: self._on_stream(link, stream)
+        link.on_closed.append(self._forget_link)
+
+    def _forget_link(self, link: QuicLink) -> None:
+        self._hubs.pop(link, None)
+        self._closed_bytes["bytes_in"] += link.bytes_received
+        self._closed_bytes["bytes_out"] += link.bytes_sent
+
+    def _on_stream(self, link: QuicLink, stream: QuicStream) -> None:
+        if self._closing:
+            stream.abort(StreamCode.REFUSED)
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(link, stream))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, link: QuicLink, stream: QuicStream) -> None:
+        peer_id = link.peer_id or "?"
+        hub = self._hubs.get(link)
+        if hub is None:  # the connection closed under us
+            stream.abort(StreamCode.CANCELLED)
+            return
+        inbound = Inbound(stream, hub, self.config, "request")
+        outgoing: Outgoing | None = None
+        request_id = 0
+        try:
+            try:
+                async with asyncio.timeout(self.config.request_receive_timeout_s):
+                    message = await inbound.message()
+                request_id = message.header.request_id
+                registration = self._handlers.get(message.header.kind)
+                if registration is None:
+                    raise RemoteError("unknown_kind", f"no handler for {message.header.kind!r}")
+                tensors = await self._decode(message, registration.allow_nonfinite)
+                request = Request(peer_id, message.header.kind, message.header.header, tensors)
+                response = await self._run_handler(registration.handler, request, inbound.task)
+            except TimeoutError:
+                self._count("errors_sent.timeout")
+                stream.abort(StreamCode.CANCELLED)
+                return
+            except ProtocolError as exc:
+                logger.info("refused a request from %s: %s", peer_id, exc)
+                await self._send_error(stream, request_id, exc.code, str(exc), refuse=True)
+                return
+            except FecError as exc:
+                await self._send_error(stream, request_id, "transfer_failed", str(exc))
+                return
+            except RemoteError as exc:
+                await self._send_error(stream, request_id, exc.code, exc.message)
+                return
+            try:
+                encoded = await self._encode(response.tensors, response.codec)
+                async with asyncio.timeout(self.config.response_send_timeout_s):
+                    outgoing = await send_message(
+                        stream, hub, self.config, type="response", request_id=request_id,
+                        kind="", header=response.header, encoded=encoded, end=True,
+                    )
+                    if outgoing.transfers:  # serve repair requests until the requester ends
+                        inbound.senders.update({t.transfer_id: t for t in outgoing.transfers})
+                        await inbound.end()
+            except (ProtocolError, FecError, ValueError, TypeError) as exc:
+                logger.error("cannot send the response to %s: %s", peer_id, exc)
+                await self._send_error(stream, request_id, "internal", "unsendable response")
+            except TimeoutError:
+                self._count("errors_sent.timeout")
+                stream.abort(StreamCode.CANCELLED)
+        except ConnectError:
+            return  # the requester went away: reset, or the connection closed
+        except Exception:
+            logger.exception("serving a request from %s failed", peer_id)
+            stream.abort(StreamCode.CANCELLED)
+        finally:
+            if outgoing is not None:
+                outgoing.finish()
+            inbound.close()
+
+    async def _run_handler(
+        self, handler: Handler, request: Request, reading: asyncio.Task[None]
+    ) -> Response:
+        """Run the handler while its stream is read on: a reset by the requester, its
+        connection closing or bytes that do not belong there cancel it. RemoteError
+        passes through; any other failure of the handler becomes ``internal``."""
+        work = asyncio.ensure_future(handler(request))
+        watched: list[asyncio.Future[Any]] = [work, reading]
+        try:
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and reading.exception() is None:
+                await asyncio.wait([work])  # the requester ended its direction cleanly
+            if not work.done():
+                work.cancel()
+                await asyncio.wait([work])
+                error = reading.exception()
+                raise error if isinstance(error, TransportError) else ConnectError("stream failed")
+        finally:
+            if not work.done():  # we were cancelled (the endpoint is closing)
+                work.cancel()
+        try:
+            response = work.result()
+        except RemoteError:
+            raise
+        except Exception as exc:
+            logger.exception("handler for %r raised", request.kind)
+            raise RemoteError("internal", type(exc).__name__) from exc
+        if not isinstance(response, Response):
+            logger.error("handler for %r returned %r, not a Response", request.kind, response)
+            raise RemoteError("internal", "handler returned no Response")
+        self._count("requests_served")
+        return response
+
+    async def _send_error(
+        self, stream: QuicStream, request_id: int, code: str, message: str, *, refuse: bool = False
+    ) -> None:
+        self._count(f"errors_sent.{code}")
+        frame = encode_header(error_header(request_id, code, message), self.config.limits)
+        try:
+            async with asyncio.timeout(self.config.response_send_timeout_s):
+                await stream.write(frame, end=True)
+        except (TimeoutError, ConnectError):
+            stream.abort(StreamCode.CANCELLED)
+            return
+        if refuse:
+            stream.abort(StreamCode.REFUSED)  # stop reading what is left of a bad request
+
+    # requesting
+
+    async def request(
+        self,
+        peer: PeerAddress,
+        kind: str,
+        header: dict[str, Any],
+        tensors: Sequence[torch.Tensor | EncodedTensor] = (),
+        *,
+        codec: CodecSpec | None = None,
+        timeout: float,
+        allow_nonfinite: bool = False,
+    ) -> Response:
+        """Send a request and wait for its response (tensors decoded to torch.Tensor).
+
+        ``codec`` encodes the plain tensors (None = "none"); EncodedTensor items go as
+        they are. ``allow_nonfinite`` accepts NaN/Inf in the response's tensors.
+        """
+        if self._closing or not self._started:
+            raise ConnectError("endpoint is not running")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._count("requests_sent")
+        try:
+            async with asyncio.timeout_at(deadline):
+                encoded = await self._encode(tensors, codec)
+                request_id = next(self._ids)
+                for attempt in range(2):
+                    started = loop.time()
+                    link = await self._connections.get(peer.peer_id, peer.host, peer.port)
+                    try:
+                        message = await self._exchange(
+                            link, request_id, kind, header, encoded, started
+                        )
+                        break
+                    except _StaleConnection:
+                        if attempt == 1:
+                            raise link.closed_error() from None
+                        logger.info("connection to %s was dead; re-sending request %d",
+                                    peer.peer_id, request_id)
+                tensors_out = await self._decode(message, allow_nonfinite)
+        except TimeoutError:
+            self._count("errors.timeout")
+            raise RequestTimeout(
+                f"{kind} request to {peer.peer_id} got no complete response in {timeout:.3g} s"
+            ) from None
+        except RemoteError as exc:
+            self._count(f"errors_received.{exc.code}")
+            raise
+        except TransportError as exc:
+            self._count(f"errors.{type(exc).__name__}")
+            raise
+        out: list[torch.Tensor | EncodedTensor] = list(tensors_out)
+        return Response(header=message.header.header, tensors=out)
+
+    async def _exchange(
+        self,
+        link: QuicLink,
+        request_id: int,
+        kind: str,
+        header: dict[str, Any],
+        encoded: list[EncodedTensor],
+        started: float,
+    ) -> Message:
+        hub = self._hubs.get(link)
+        if hub is None:
+            raise link.closed_error()
+        stream = link.open_stream()
+        outgoing: Outgoing | None = None
+        inbound: Inbound | None = None
+        done = False
+        try:
+            with link.expecting_traffic():
+                outgoing = await send_message(
+                    stream, hub, self.config, type="request", request_id=request_id,
+                    kind=kind, header=header, encoded=encoded, end=False,
+                )
+                senders = {t.transfer_id: t for t in outgoing.transfers}
+                inbound = Inbound(stream, hub, self.config, "response", senders)
+                message = await inbound.message()
+            stream.end()  # after the completions of the response's transfers
+            done = True
+        except ConnectError:
+            stale = link.created_at < started and stream.bytes_received == 0
+            if stale and link.is_closed:
+                raise _StaleConnection() from None
+            raise
+        finally:
+            if outgoing is not None:
+                outgoing.finish()
+            if inbound is not None:
+                inbound.close()
+            if not done:
+                stream.abort(StreamCode.CANCELLED)
+        if message.header.type == "error":
+            raise RemoteError(message.header.error_code or "error", message.header.error_message or "")
+        return message
+
+    async def ping(self, peer: PeerAddress, *, timeout: float) -> float:
+        """Round-trip time of a QUIC PING to ``peer`` in seconds (connecting if needed)."""
+        try:
+            async with asyncio.timeout(timeout):
+                link = await self._connections.get(peer.peer_id, peer.host, peer.port)
+                return await link.ping()
+        except TimeoutError:
+            raise RequestTimeout(f"ping to {peer.peer_id} timed out after {timeout:.3g} s") from None
+
+    # measurements
+
+    def path_stats(self, peer_id: str) -> PathStats | None:
+        link = self._connections.link_for(peer_id)
+        if link is None:
+            return None
+        stats = link.stats()
+        fec = self._loss.get(peer_id)
+        # FEC transfers measure datagram loss directly; else QUIC's packet loss counts
+        loss_rate = fec.loss_rate if fec is not None and fec.samples else stats.loss_rate
+        return PathStats(
+            smoothed_rtt=stats.smoothed_rtt,
+            min_rtt=stats.min_rtt,
+            rtt_var=stats.rtt_var,
+            loss_rate=loss_rate,
+            delivery_rate_bps=stats.delivery_rate_bps,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            connected=stats.connected,
+        )
+
+    def totals(self) -> dict[str, int]:
+        """Counters: bytes_in/bytes_out (UDP), requests_sent/served, errors by code."""
+        totals = Counter(self._counts)
+        totals.update(self._closed_bytes)
+        for link in self._connections.socket.links:
+            totals["bytes_in"] += link.bytes_received
+            totals["bytes_out"] += link.bytes_sent
+        for key in ("bytes_in", "bytes_out", "requests_sent", "requests_served"):
+            totals.setdefault(key, 0)
+        return dict(totals)
+
+    def _count(self, key: str) -> None:
+        self._counts[key] += 1
+
+    # tensors
+
+    async def _decode(self, message: Message, allow_nonfinite: bool) -> list[torch.Tensor]:
+        plans = message.plans
+        big = sum(p.spec.nbytes for p in plans) > _THREAD_BYTES
+
+        def run() -> list[torch.Tensor]:
+            return [
+                decode_tensor(plan, message.payloads[i], allow_nonfinite=allow_nonfinite)
+                for i, plan in enumerate(plans)
+            ]
+
+        return await asyncio.to_thread(run) if big else run()
+
+    async def _encode(
+        self, tensors: Sequence[torch.Tensor | EncodedTensor], codec: CodecSpec | None
+    ) -> list[EncodedTensor]:
+        spec = codec or _NONE
+        if len(tensors) > self.config.limits.max_tensors:
+            raise FramingError(f"{len(tensors)} tensors exceed max_tensors")
+        big = sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor)) > _THREAD_BYTES
+
+        def run() -> list[EncodedTensor]:
+            return [t if isinstance(t, EncodedTensor) else encode(t, spec) for t in tensors]
+
+        return await asyncio.to_thread(run) if big else run()
