@@ -210,6 +210,10 @@ class AppliedLog:
     def reply(self, key: Hashable) -> Response | None:
         return self._replies.get(key)
 
+    def keys(self) -> frozenset[Hashable]:
+        """The remembered keys (at most ``max_keys``, the most recent)."""
+        return frozenset(self._keys)
+
 
 @dataclass
 class StageServerCounters:
@@ -355,6 +359,10 @@ class StageServer:
             "cache": len(self._cache),
             **asdict(self.counters),
         }
+
+    def applied_keys(self) -> frozenset[Hashable]:
+        """``(trainer, micro_batch, stage)`` of the micro-batches applied here (recent ones)."""
+        return self._applied.keys()
 
     @property
     def queue_len(self) -> int:
