@@ -1,6 +1,6 @@
 """Quantize/dequantize throughput of the codec kernels, Triton and reference side by side.
 
-    python benchmarks/kernels.py [--sizes 1,4,16,64,256] [--quick] [--dtype float32]
+    python benchmarks/kernels.py [--sizes 1,4,16,64,256] [--quick] [--dtype float32] [--threads N]
 
 For every codec and input size (MiB of the input tensor in ``--dtype``), prints the
 throughput of quantization and dequantization in GB/s, counting bytes read plus bytes
@@ -166,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="input dtype"
     )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     default_sizes = "1,16" if args.quick else "1,4,16,64,256"
@@ -177,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup, repeats = (2, 5) if args.quick else (3, 20 if cuda else 7)
     impls: list[ops.Impl] = ["triton", "reference"] if cuda else ["reference"]
     peak = peak_gbps(device)
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    name = (
+        torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    )
     if not cuda:
         print(
             "no GPU present: timing the pure-torch reference on the CPU only "

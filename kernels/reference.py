@@ -248,39 +248,56 @@ def quantize(
     check_quantize_input(x)
     check_seed(seed, fmt)
     n = x.numel()
-    xb = _blocked(x, block_size)  # (nb, bs)
-    amax = xb.abs().amax(dim=1) if n else xb.new_zeros(0)  # (nb,), NaN propagates
+    xb = _blocked(x, block_size)  # (nb, bs), may alias x: never written to
+    # max |x| per block without a full-size temporary; NaN propagates through both.
+    amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg())  # (nb,)
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteInput(first_nonfinite_block(amax, block_size))
     qmax = QMAX[fmt]
     limit = scale_limit(fmt, x.dtype, scale_dtype)
     scale = torch.clamp(amax / qmax, max=limit).to(scale_dtype)  # (nb,)
     s = scale.to(torch.float32)[:, None]  # (nb, 1)
-    y = torch.where(s > 0, xb / s, torch.zeros((), dtype=torch.float32))  # (nb, bs)
+    pos = s > 0
+    y = xb / torch.where(pos, s, 1.0)  # (nb, bs), the one full-size float buffer
+    if not bool(pos.all()):
+        y.masked_fill_(~pos, 0.0)  # zero blocks: y = +0 (also for -0.0 inputs)
     if fmt == "fp8":
-        codes = y.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8).flatten()[:n]
+        codes = y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8).flatten()[:n]
         return codes, scale
     if seed is None:
-        q = torch.round(y)  # round half to even
+        q = y.round_()  # round half to even
     else:
-        q = torch.floor(y + stochastic_uniforms(seed, y.numel()).view_as(y))
-    q = q.clamp(-qmax, qmax)
+        q = y.add_(stochastic_uniforms(seed, y.numel()).view_as(y)).floor_()
+    q = q.clamp_(-qmax, qmax)
     if fmt == "int8":
         return q.to(torch.int8).flatten()[:n], scale
-    nib = (q + 8).to(torch.uint8).flatten()  # (nb*bs,), even length: block_size is even
+    nib = q.add_(8).to(torch.uint8).flatten()  # (nb*bs,), even length: block_size is even
     packed = nib[0::2] | (nib[1::2] << 4)
     return packed[: codes_nbytes(fmt, n)].contiguous(), scale
 
 
+@functools.cache
+def _code_table(fmt: Format, device: torch.device) -> torch.Tensor:
+    """Value of every code byte: (256,) for fp8 (NaN for 0x7F/0xFF), (256, 2) for int4."""
+    b = torch.arange(256, dtype=torch.int32)
+    if fmt == "fp8":
+        table = b.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        table = torch.stack(((b & 0x0F).to(torch.float32) - 8, (b >> 4).to(torch.float32) - 8), 1)
+    return table.to(device)
+
+
 def code_values(codes: torch.Tensor, fmt: Format, numel: int) -> torch.Tensor:
-    """The float32 value of every code, before scaling: (numel,)."""
+    """The float32 value of every code, before scaling: (numel,). fp8 NaN codes give NaN.
+
+    fp8 and int4 decode through a 256-entry table: the fp8 table is torch's own
+    float8_e4m3fn -> float32 conversion of every byte, the int4 table holds both nibbles.
+    """
     if fmt == "int8":
         return codes.to(torch.float32)
-    if fmt == "fp8":
-        return codes.view(torch.float8_e4m3fn).to(torch.float32)
-    lo = (codes & 0x0F).to(torch.float32) - 8.0
-    hi = (codes >> 4).to(torch.float32) - 8.0
-    return torch.stack((lo, hi), dim=1).flatten()[:numel]
+    table = _code_table(fmt, codes.device)
+    vals = torch.index_select(table, 0, codes.to(torch.int64))
+    return vals if fmt == "fp8" else vals.flatten()[:numel]
 
 
 def dequantize(
@@ -297,9 +314,9 @@ def dequantize(
     Scales are not range-checked here; :func:`validate_scales` does that for payloads.
     """
     check_dequantize_input(codes, scales, fmt, block_size, numel, out_dtype)
-    if fmt == "fp8" and numel and bool(((codes & 0x7F) == 0x7F).any()):
-        raise NonFiniteInput("fp8 codes hold NaN (0x7F or 0xFF)")
     vals = code_values(codes, fmt, numel)  # (n,) float32
+    if fmt == "fp8" and bool(torch.isnan(vals).any()):
+        raise NonFiniteInput("fp8 codes hold NaN (0x7F or 0xFF)")
     s = scales.to(torch.float32)
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     nf = numel // block_size
