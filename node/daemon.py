@@ -279,7 +279,7 @@ class Daemon:
         with contextlib.suppress(DhtError):
             await self.membership.refresh()
         spawn(self.membership.refresh_loop(), "membership")
-        source: RttSource = next((c for c in self.components if isinstance(c, RttSource)), self.dht)  # type: ignore[misc]
+        source: RttSource = next((c for c in self.components if isinstance(c, RttSource)), self.dht)
         prober = Prober(
             self.config.prober, source, self.table, lambda: self.membership.stage, self.rng,
             on_sample=lambda peer, rtt: self.metrics.probes.labels("ok").inc(),

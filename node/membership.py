@@ -117,8 +117,13 @@ class Membership:
         )
 
     async def announce(self) -> bool:
-        """Store our record now (expiring after node.record_ttl). Raises DhtError on failure."""
-        expiration = self.wall_clock() + self.config.record_ttl
+        """Store our record now (expiring after node.record_ttl). Raises DhtError on failure.
+
+        Expirations only grow: hivemind refuses a sub-key value that does not expire later than
+        the one it holds, so after a backward step of the wall clock we keep counting from the
+        last one rather than being refused until the clock catches up.
+        """
+        expiration = max(self.wall_clock() + self.config.record_ttl, self._last_expiration + 0.001)
         rtts = RttRecord(peer_id=self.peer_id, rtts=self.table.measured_rtts(self.clock()))
         return await self._publish(self.own_record(), rtts, expiration)
 

@@ -12,7 +12,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,6 +49,7 @@ class ProberConfig(BaseModel):
         return self
 
 
+@runtime_checkable
 class RttSource(Protocol):
     """Anything that can time one round trip to a peer."""
 

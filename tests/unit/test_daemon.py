@@ -1,0 +1,209 @@
+"""The daemon's lifecycle with an in-memory DHT: join, the component seam, the one leave path,
+deadlines, hurrying, and failures that must end the daemon with status 1."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wanswarm.node.component import ComponentContext
+from wanswarm.node.config import NodeConfig, load_config, parse_assignment
+from wanswarm.node.control import ControlClient
+from wanswarm.node.daemon import Daemon
+from wanswarm.node.records import ServerRecord
+from wanswarm.transport.identity import Identity
+
+from .fake_dht import FakeDht
+
+OTHER = Identity.generate().peer_id
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="wsd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _config(state_dir: Path, *settings: str) -> NodeConfig:
+    defaults = ["node.shutdown_timeout=5", "node.drain_grace=0", "node.membership_period=0.05",
+                "prober.period=0.05", "prober.timeout=0.02"]
+    return load_config(environ={}, overrides=[parse_assignment(s) for s in [
+        f"node.state_dir={state_dir}", *defaults, *settings]])
+
+
+class Recorder:
+    """A component that records what the daemon asks of it."""
+
+    name = "recorder"
+
+    def __init__(self, drain_forever: bool = False, crash_loop: bool = False) -> None:
+        self.events: list[str] = []
+        self.drain_forever = drain_forever
+        self.crash_loop = crash_loop
+        self.deadline: float | None = None
+        self.drain_cancelled = False
+
+    async def start(self, ctx: ComponentContext) -> None:
+        self.events.append("start")
+        ctx.membership.update(stage=2, throughput=50.0)
+        ctx.spawn(self._loop(), "recorder-loop")
+
+    async def _loop(self) -> None:
+        self.events.append("loop")
+        if self.crash_loop:
+            raise RuntimeError("component bug")
+        await asyncio.Event().wait()
+
+    async def drain(self, deadline: float) -> None:
+        self.events.append("drain")
+        self.deadline = deadline
+        if self.drain_forever:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.drain_cancelled = True
+                raise
+
+    async def close(self) -> None:
+        self.events.append("close")
+
+    def status(self) -> dict[str, Any]:
+        return {"events": len(self.events)}
+
+
+class QuicPinger(Recorder):
+    """A component that measures RTTs itself (as the QUIC endpoint will)."""
+
+    name = "quic"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinged: list[str] = []
+
+    async def ping(self, peer_id: str, timeout: float) -> float:
+        self.pinged.append(peer_id)
+        return 0.003
+
+
+async def _until(predicate: Any, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def _run(daemon: Daemon, body: Any) -> int:
+    async def main() -> int:
+        task = asyncio.ensure_future(daemon.main())
+        try:
+            await body(task)
+            async with asyncio.timeout(15):
+                return await task
+        finally:
+            task.cancel()
+
+    return asyncio.run(main())
+
+
+def test_join_serve_and_leave_in_order(state_dir: Path) -> None:
+    identity = Identity.generate()
+    dht = FakeDht(identity.peer_id)
+    dht.servers[OTHER] = (ServerRecord(peer_id=OTHER, state="online", stage=1), 4e9)
+    component = Recorder()
+    daemon = Daemon(_config(state_dir), identity, dht, [component])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: daemon.state == "online")
+        await _until(lambda: daemon.table.get(OTHER) is not None and daemon.table.get(OTHER).rtt.srtt)  # type: ignore[union-attr]
+        report = await asyncio.to_thread(ControlClient(state_dir / "control.sock").status)
+        assert report.state == "online" and report.stage == 2 and report.peers[0].peer_id == OTHER
+        assert report.peers[0].rtt_ms == 2.0 and report.components == {"recorder": {"events": 2}}
+        assert report.dht_addrs == [f"/ip4/127.0.0.1/tcp/4000/p2p/{identity.peer_id}"]
+        online = dht.servers[identity.peer_id][0]
+        assert online.state == "online" and online.stage == 2 and online.throughput == 50.0
+        ack = daemon.request_leave("test")
+        assert ack.accepted and not ack.already_leaving
+
+    assert _run(daemon, body) == 0
+    assert component.events == ["start", "loop", "drain", "close"]
+    states = [record.state for record, _ in dht.published]
+    assert states[0] == "joining" and states[-2:] == ["draining", "left"]
+    expirations = [expiration for _, expiration in dht.published]
+    assert expirations == sorted(expirations)  # the tombstone outlives every record
+    assert dht.shut_down and not (state_dir / "control.sock").exists()
+
+
+def test_drain_is_bounded_by_shutdown_timeout(state_dir: Path) -> None:
+    identity = Identity.generate()
+    component = Recorder(drain_forever=True)
+    daemon = Daemon(_config(state_dir, "node.shutdown_timeout=0.5"), identity, FakeDht(identity.peer_id), [component])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: daemon.state == "online")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        daemon.request_leave("test")
+        await _until(lambda: task.done(), timeout=5)
+        assert component.deadline is not None and abs(component.deadline - (started + 0.5)) < 0.1
+        assert loop.time() - started < 3
+
+    assert _run(daemon, body) == 0
+    assert component.drain_cancelled and component.events[-1] == "close"
+
+
+def test_a_second_request_hurries_the_drain(state_dir: Path) -> None:
+    identity = Identity.generate()
+    component = Recorder(drain_forever=True)
+    config = _config(state_dir, "node.shutdown_timeout=60", "node.drain_grace=30")
+    daemon = Daemon(config, identity, FakeDht(identity.peer_id), [component])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: daemon.state == "online")
+        daemon.request_leave("first")
+        await _until(lambda: daemon.state == "draining" and component.deadline is not None)
+        assert daemon.request_leave("second").already_leaving
+        await _until(lambda: task.done(), timeout=5)  # not 60 s of drain nor 30 s of grace
+
+    assert _run(daemon, body) == 0
+
+
+def test_a_rtt_capable_component_replaces_the_dht_ping(state_dir: Path) -> None:
+    identity = Identity.generate()
+    dht = FakeDht(identity.peer_id)
+    dht.servers[OTHER] = (ServerRecord(peer_id=OTHER, state="online"), 4e9)
+    quic = QuicPinger()
+    daemon = Daemon(_config(state_dir), identity, dht, [quic])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: OTHER in quic.pinged)
+        daemon.request_leave("test")
+
+    assert _run(daemon, body) == 0
+    assert dht.pings == []
+
+
+@pytest.mark.parametrize("failure", ["join", "dht-dies", "component-crash"])
+def test_failures_end_the_daemon_with_status_1(state_dir: Path, failure: str, caplog: pytest.LogCaptureFixture) -> None:
+    identity = Identity.generate()
+    dht = FakeDht(identity.peer_id, join_error="none of the initial peers answered" if failure == "join" else None)
+    component = Recorder(crash_loop=failure == "component-crash")
+    daemon = Daemon(_config(state_dir), identity, dht, [component])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        if failure == "dht-dies":
+            await _until(lambda: daemon.state == "online")
+            dht.die()
+
+    assert _run(daemon, body) == 1
+    expected = {"join": "none of the initial peers answered", "dht-dies": "DHT process exited unexpectedly",
+                "component-crash": "component bug"}[failure]
+    assert expected in caplog.text
+    assert dht.shut_down and not (state_dir / "control.sock").exists()
+    if failure != "join":
+        assert component.events[-1] == "close"

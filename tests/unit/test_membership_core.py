@@ -1,0 +1,201 @@
+"""Membership, the peer table and the prober over an in-memory DHT: no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from wanswarm.node.config import NodeSection
+from wanswarm.node.errors import DhtError, ProbeError
+from wanswarm.node.membership import Membership
+from wanswarm.node.peers import PeerTable
+from wanswarm.node.prober import Prober, ProberConfig, choose_targets
+from wanswarm.node.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.transport.identity import Identity
+
+from .fake_dht import MemoryDht
+
+IDS = [Identity.generate().peer_id for _ in range(6)]
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.mono = 100.0
+        self.wall = 1_000_000.0
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.wall += seconds
+
+
+def _node(dht: MemoryDht, peer_id: str, clocks: Clocks, **config: object) -> Membership:
+    section = NodeSection.model_validate({"record_ttl": 30.0, **config})
+    return Membership(dht, section, peer_id, PeerTable(peer_id), random.Random(0),
+                      clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall)
+
+
+def test_announce_read_and_withdraw() -> None:
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a, b = _node(dht, IDS[0], clocks), _node(dht, IDS[1], clocks)
+
+    async def scenario() -> None:
+        a.update(stage=1, throughput=12.0, queue=2, quic=QuicAddress(host="127.0.0.1", port=4433))
+        a.set_state("online")
+        assert await a.announce()
+        assert await b.announce()
+        changes = await b.refresh()
+        assert changes.joined == (IDS[0],) and changes.left == ()
+        peer = b.table.get(IDS[0])
+        assert peer is not None and peer.stage == 1 and peer.record.quic == QuicAddress(host="127.0.0.1", port=4433)
+        assert (await a.refresh()).joined == (IDS[1],)
+        assert IDS[0] not in a.table  # never lists itself
+
+        # leave: draining first, then a tombstone that outlives the last record
+        a.set_state("draining")
+        assert await a.announce()
+        await b.refresh()
+        assert b.table.get(IDS[0]).record.state == "draining"  # type: ignore[union-attr]
+        last = dht.published[-1][1]
+        clocks.advance(1.0)
+        assert await a.withdraw()
+        tombstone, expiration = dht.servers[IDS[0]]
+        assert tombstone.state == "left" and last < expiration <= last + 0.01
+        assert (await b.refresh()).left == (IDS[0],)  # dropped at once, not after 30 s
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_store_still_counts_for_the_tombstone() -> None:
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a = _node(dht, IDS[0], clocks)
+
+    async def scenario() -> None:
+        await a.announce()
+        clocks.advance(5)
+        dht.down = True
+        with pytest.raises(DhtError):
+            await a.announce()  # may have landed on some replica: its expiration is remembered
+        dht.down = False
+        await a.withdraw()
+        assert dht.servers[IDS[0]][1] > clocks.wall + 30 - 0.01
+
+    asyncio.run(scenario())
+
+
+def test_expired_and_failed_reads() -> None:
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a, b = _node(dht, IDS[0], clocks, record_ttl=10.0), _node(dht, IDS[1], clocks)
+
+    async def scenario() -> None:
+        await a.announce()
+        await b.refresh()
+        assert IDS[0] in b.table
+        dht.down = True
+        with pytest.raises(DhtError):
+            await b.refresh()
+        assert IDS[0] in b.table  # a failed read changes nothing
+        dht.down = False
+        clocks.advance(10.5)  # a died without leaving: its record expires
+        assert (await b.refresh()).left == (IDS[0],)
+
+    asyncio.run(scenario())
+
+
+def test_announce_loop_reacts_to_changes_at_once() -> None:
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a = _node(dht, IDS[0], clocks, record_ttl=3600.0)
+
+    async def scenario() -> None:
+        loop_task = asyncio.ensure_future(a.announce_loop())
+        try:
+            async with asyncio.timeout(5):
+                while not dht.published:
+                    await asyncio.sleep(0)  # first announce happens at once
+                a.update(stage=3)  # a stage change must not wait for the 20-minute period
+                while dht.published[-1][0].stage != 3:
+                    await asyncio.sleep(0)
+        finally:
+            loop_task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_peer_table_publishes_measured_rtts_and_keeps_reports() -> None:
+    table = PeerTable(IDS[0], rtt_window=60)
+    servers = {pid: (ServerRecord(peer_id=pid, state="online", stage=i), 2e9) for i, pid in enumerate(IDS[1:4])}
+    report = RttRecord(peer_id=IDS[1], rtts={IDS[2]: RttEntry(srtt_ms=7.0, min_ms=5.0)})
+    table.apply(servers, {IDS[1]: report}, now=0.0, wall_now=1e9)
+    table.on_rtt_sample(IDS[1], 0.010, now=1.0)
+    table.on_rtt_sample(IDS[2], 0.020, now=2.0)
+    table.on_rtt_sample("unknown peer", 0.5, now=2.0)  # ignored
+    table.on_probe_failure(IDS[3])
+    measured = table.measured_rtts(now=2.0)
+    assert list(measured) == [IDS[2], IDS[1]]  # most recent first
+    assert measured[IDS[1]] == RttEntry(srtt_ms=10.0, min_ms=10.0)
+    assert table.get(IDS[1]).reported_rtts == {IDS[2]: RttEntry(srtt_ms=7.0, min_ms=5.0)}  # type: ignore[union-attr]
+    assert table.get(IDS[3]).rtt.consecutive_failures == 1  # type: ignore[union-attr]
+    assert [p.stage for p in table.peers()] == [0, 1, 2]
+    assert list(table.by_stage()) == [0, 1, 2]
+
+
+def test_choose_targets_prefers_neighbouring_stages() -> None:
+    table = PeerTable(IDS[0])
+    stages = {IDS[1]: 0, IDS[2]: 1, IDS[3]: 2, IDS[4]: 5, IDS[5]: None}
+    table.apply({p: (ServerRecord(peer_id=p, state="online", stage=s), 2e9) for p, s in stages.items()},
+                {}, now=0.0, wall_now=1e9)
+    for seed in range(20):
+        chosen = choose_targets(table.peers(), own_stage=1, limit=3, rng=random.Random(seed))
+        assert set(chosen) == {IDS[1], IDS[2], IDS[3]}
+    everyone = choose_targets(table.peers(), own_stage=None, limit=10, rng=random.Random(0))
+    assert sorted(everyone) == sorted(stages)
+
+
+class FakeSource:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    async def ping(self, peer_id: str, timeout: float) -> float:
+        self.calls.append((peer_id, timeout))
+        if peer_id == IDS[2]:
+            raise ProbeError("no answer")
+        if peer_id == IDS[3]:
+            await asyncio.Event().wait()  # never answers: the prober's own deadline must end it
+        return 0.004
+
+
+def test_probe_round_records_samples_failures_and_timeouts() -> None:
+    table = PeerTable(IDS[0])
+    table.apply({p: (ServerRecord(peer_id=p, state="online"), 2e9) for p in IDS[1:4]}, {}, now=0.0, wall_now=1e9)
+    source = FakeSource()
+    samples: list[str] = []
+    prober = Prober(ProberConfig(period=1.0, timeout=0.05), source, table, lambda: None, random.Random(1),
+                    clock=lambda: 5.0, on_sample=lambda peer, rtt: samples.append(peer))
+    results = asyncio.run(prober.probe_round())
+    assert results == {IDS[1]: 0.004, IDS[2]: None, IDS[3]: None}
+    assert samples == [IDS[1]]
+    assert table.get(IDS[1]).rtt.srtt == 0.004  # type: ignore[union-attr]
+    assert table.get(IDS[2]).rtt.consecutive_failures == 1  # type: ignore[union-attr]
+    assert table.get(IDS[3]).rtt.consecutive_failures == 1  # type: ignore[union-attr]
+    assert all(timeout == 0.05 for _, timeout in source.calls)
+
+
+def test_expirations_only_grow_even_when_the_clock_steps_back() -> None:
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a = _node(dht, IDS[0], clocks)
+
+    async def scenario() -> None:
+        assert await a.announce()
+        assert await a.announce()  # same instant: still accepted
+        clocks.wall -= 60  # NTP steps the clock back a minute
+        assert await a.announce()
+        expirations = [expiration for _, expiration in dht.published]
+        assert expirations == sorted(expirations) and len(set(expirations)) == 3
+
+    asyncio.run(scenario())
