@@ -8,8 +8,10 @@ is hivemind's collaborative Optimizer, with ``run_id = f"{run_name}_{run_id}_sta
 (hivemind run ids may not contain '.'). A peer that falls behind, or joins, downloads the
 stage's parameters and optimizer state from the others (``load_state_from_peers``).
 
-Threads. ``hivemind.Optimizer`` installs signal handlers, so it must be constructed on the
-main thread; ``step`` then runs on the stage server's device thread, after each backward.
+Threads and signals. ``hivemind.Optimizer`` touches signal handlers, so it must be
+constructed on the main thread (we restore the SIGINT disposition it overwrites); ``step``
+then runs on the stage server's device thread, after each backward. Its averagers are
+forked processes (hivemind's design), started by the constructor.
 
 Blocking or delayed steps. A blocking step stalls the device thread for matchmaking plus
 the all-reduce at every epoch boundary (several seconds over the WAN: measured here at
@@ -35,6 +37,7 @@ run, the in-process pipeline and tests): it accumulates to ``target_batch_size``
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Iterable
 from functools import partial
@@ -315,6 +318,9 @@ class CollaborativeOptimizer:
         self.config = config
         self._module = module
         delayed = config.delayed_updates
+        # hivemind's averagers set SIGINT to SIG_IGN in *this* process before forking their
+        # workers (averager.run_in_background); the daemon's own SIGINT handling must survive
+        sigint = signal.getsignal(signal.SIGINT)
         try:
             self._opt = hivemind.Optimizer(
                 dht=dht,
@@ -343,6 +349,9 @@ class CollaborativeOptimizer:
             )
         except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
             raise AveragingError(f"cannot start the optimizer of {self.run_id}: {exc}") from exc
+        finally:
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
         for p in module.parameters():
             p.grad = None
         self._shut = False

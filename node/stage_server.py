@@ -40,6 +40,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from collections import OrderedDict
@@ -641,7 +642,8 @@ class StageServer:
 
 
 def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> float:
-    """Samples/s of forward+backward of one micro-batch through ``module`` (no side effects).
+    """Samples/s of forward+backward of one micro-batch through ``module`` (median pass; no
+    side effects).
 
     Gradients go through ``torch.autograd.grad``, so nothing accumulates into ``.grad``.
     """
@@ -667,11 +669,13 @@ def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> floa
             torch.cuda.synchronize(device)
 
     once()  # warm-up: allocator, kernels, lazy imports
-    started = time.perf_counter()
+    times = []
     for _ in range(iterations):
+        started = time.perf_counter()
         once()
-    elapsed = max(time.perf_counter() - started, 1e-9)
-    return B * iterations / elapsed
+        times.append(time.perf_counter() - started)
+    # the median pass: robust to a transient stall of a shared machine
+    return B / max(statistics.median(times), 1e-9)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ same state. The solo LocalOptimizer is checked against a hand-written AdamW loop
 from __future__ import annotations
 
 import gc
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,10 @@ def test_collaborative_optimizer_refuses_worker_threads() -> None:
     assert len(errors) == 1 and "main thread" in str(errors[0])
 
 
+def _daemon_sigint(signum: int, frame: object) -> None:
+    """Stands for the daemon's SIGINT handler; never called."""
+
+
 # hivemind's libp2p daemon wrapper still calls importlib.resources.path (in the DHT process),
 # and its DHT/P2P clients in this process leave an event loop and control sockets to the
 # garbage collector after shutdown; we collect them inside the test (see the end) so that
@@ -127,7 +132,12 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         dhts.append(dht_b)
         initial = [p.detach().clone() for p in build_stage(SPEC, STAGE).parameters()]
         replicas = [build_stage(SPEC, STAGE) for _ in range(2)]
-        optimizers = [CollaborativeOptimizer(m, SPEC, STAGE, d, config) for m, d in zip(replicas, dhts)]
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            optimizers = [CollaborativeOptimizer(m, SPEC, STAGE, d, config) for m, d in zip(replicas, dhts)]
+            assert signal.getsignal(signal.SIGINT) is _daemon_sigint  # hivemind set SIG_IGN; restored
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
         deadline = time.monotonic() + 45.0
         both_visible = threading.Barrier(2, timeout=30.0)
