@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -47,11 +49,20 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is installed (checked without importing it)."""
+    found = importlib.util.find_spec("triton") is not None
+    if not found:
+        logger.info("triton is not installed: CUDA tensors use the pure-torch quantizers")
+    return found
+
+
 def resolve_impl(t: torch.Tensor, impl: Impl | None = None) -> Impl:
     """The implementation that will process ``t``: explicit > :func:`use_impl` > device."""
     chosen = impl if impl is not None else _forced.get()
     if chosen is None:
-        return "triton" if t.is_cuda else "reference"
+        return "triton" if t.is_cuda and triton_available() else "reference"
     if chosen == "triton" and not t.is_cuda and not triton_interpreted():
         raise UnsupportedInput(
             "the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"

@@ -209,13 +209,15 @@ def philox_uniform4x(seed: int, counters: torch.Tensor) -> torch.Tensor:
     return w.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
 
-def stochastic_uniforms(seed: int, numel: int) -> torch.Tensor:
+def stochastic_uniforms(
+    seed: int, numel: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The uniform draw of each element for stochastic rounding: ``(numel,)`` float32.
 
     Element ``i`` takes output ``i % 4`` of Philox counter ``i // 4``: one Philox
     evaluation serves four consecutive elements.
     """
-    counters = torch.arange(-(-numel // 4), dtype=torch.int64)
+    counters = torch.arange(-(-numel // 4), dtype=torch.int64, device=device)
     return philox_uniform4x(seed, counters).flatten()[:numel]
 
 
@@ -267,7 +269,7 @@ def quantize(
     if seed is None:
         q = y.round_()  # round half to even
     else:
-        q = y.add_(stochastic_uniforms(seed, y.numel()).view_as(y)).floor_()
+        q = y.add_(stochastic_uniforms(seed, y.numel(), y.device).view_as(y)).floor_()
     q = q.clamp_(-qmax, qmax)
     if fmt == "int8":
         return q.to(torch.int8).flatten()[:n], scale
