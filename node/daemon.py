@@ -201,8 +201,7 @@ class Daemon:
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
         self._leave, self._hurry = asyncio.Event(), asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        self._install_signal_handlers()
         for sig in self._early_signals:
             self._on_signal(sig)
         control = ControlServer(self.config.control, self.config.control_socket, self)
@@ -225,6 +224,11 @@ class Daemon:
         if code == 0:
             log.info("left the swarm")
         return code
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.request_leave(f"received {sig.name}")
@@ -298,6 +302,9 @@ class Daemon:
             log.info("starting %s", component.name)
             await component.start(ctx)
             self._started_components.append(component)
+            # hivemind's averager sets SIGINT to SIG_IGN in *our* process when it starts
+            # (DecentralizedAverager.run_in_background): take the leave signals back
+            self._install_signal_handlers()
         self.membership.set_state("online")
         self._set_state("online")
         await self._announce_logged()

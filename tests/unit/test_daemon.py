@@ -4,7 +4,9 @@ deadlines, hurrying, and failures that must end the daemon with status 1."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,3 +209,27 @@ def test_failures_end_the_daemon_with_status_1(state_dir: Path, failure: str, ca
     assert dht.shut_down and not (state_dir / "control.sock").exists()
     if failure != "join":
         assert component.events[-1] == "close"
+
+
+class SigintIgnorer(Recorder):
+    """Does what hivemind's DecentralizedAverager.run_in_background does to the calling process."""
+
+    name = "averager-like"
+
+    async def start(self, ctx: ComponentContext) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        await super().start(ctx)
+
+
+def test_sigint_leaves_even_after_a_component_ignored_it(state_dir: Path) -> None:
+    identity = Identity.generate()
+    dht = FakeDht(identity.peer_id)
+    daemon = Daemon(_config(state_dir), identity, dht, [SigintIgnorer()])
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: daemon.state == "online")
+        assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # handled by the daemon's loop: the graceful leave
+
+    assert _run(daemon, body) == 0
+    assert [record.state for record, _ in dht.published][-1] == "left"
