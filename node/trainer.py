@@ -212,10 +212,9 @@ class Trainer:
         self._stopping = True
         if self._task is None or self._task.done():
             return
-        try:
-            async with asyncio.timeout_at(deadline):
-                await asyncio.shield(self._task)
-        except TimeoutError:
+        remaining = deadline - asyncio.get_running_loop().time()
+        done, _ = await asyncio.wait({self._task}, timeout=max(0.0, remaining))
+        if not done:  # (a failure of the task is the daemon's TaskGroup's to report)
             self._task.cancel()
             log.warning("trainer: drain deadline reached; in-flight micro-batches abandoned")
 
@@ -273,11 +272,12 @@ class Trainer:
         async with asyncio.TaskGroup() as tg:
             while not self._stopping and (max_micro_batches is None or self.counters.started < max_micro_batches):
                 await slots.acquire()
-                if self._stopping:
+                await self._wait_for_every_stage()
+                batch = None if self._stopping else next(data, None)  # None: a finite source ran out
+                if batch is None:
                     slots.release()
                     break
-                await self._wait_for_every_stage()
-                inputs, targets = next(data)
+                inputs, targets = batch
                 mb = self._new_id()
                 self.counters.started += 1
                 task = tg.create_task(self._train_one(mb, inputs, targets), name=f"micro-batch {mb}")
