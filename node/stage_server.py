@@ -37,13 +37,8 @@ benchmark (forward+backward of one micro-batch) and cached in the state director
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import os
-import statistics
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -81,11 +76,12 @@ from .protocol import (
     to_header,
 )
 from .runspec import RunSpec
+from .stage_memory import AppliedLog, InputCache
+from .throughput import cached_throughput
 
 log = get_logger(__name__)
 
 ServerState = Literal["joining", "online", "draining"]
-THROUGHPUT_CACHE = "throughput.json"
 
 
 class StageServerConfig(BaseModel):
@@ -126,94 +122,6 @@ class StageServerConfig(BaseModel):
     benchmark_iterations: int = Field(
         default=3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
     )
-
-
-# ---------------------------------------------------------------------------- pure parts
-
-
-@dataclass
-class _CacheEntry:
-    tensor: torch.Tensor
-    nbytes: int
-    expires: float
-
-
-class InputCache:
-    """Forward inputs by key: LRU, bounded by entries and bytes, entries expire (pure)."""
-
-    def __init__(self, max_entries: int, max_bytes: int, ttl: float) -> None:
-        self.max_entries, self.max_bytes, self.ttl = max_entries, max_bytes, ttl
-        self._entries: OrderedDict[Hashable, _CacheEntry] = OrderedDict()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, key: Hashable, tensor: torch.Tensor, now: float) -> bool:
-        """Keep ``tensor`` until ``now + ttl``; False if it cannot fit at all."""
-        self.pop(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.max_entries == 0 or nbytes > self.max_bytes:
-            return False
-        self._expire(now)
-        self._entries[key] = _CacheEntry(tensor, nbytes, now + self.ttl)
-        self.nbytes += nbytes
-        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
-        return True
-
-    def get(self, key: Hashable, now: float) -> torch.Tensor | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if entry.expires <= now:
-            self.pop(key)
-            return None
-        self._entries.move_to_end(key)
-        return entry.tensor
-
-    def pop(self, key: Hashable) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-
-    def _expire(self, now: float) -> None:
-        for key in [k for k, e in self._entries.items() if e.expires <= now]:
-            self.pop(key)
-
-
-class AppliedLog:
-    """Keys whose gradients were applied, oldest forgotten first, with a few cached replies."""
-
-    def __init__(self, max_keys: int, max_replies: int) -> None:
-        self.max_keys, self.max_replies = max_keys, max_replies
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
-        self._replies: OrderedDict[Hashable, Response] = OrderedDict()
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, key: Hashable, reply: Response | None) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        while len(self._keys) > self.max_keys:
-            old, _ = self._keys.popitem(last=False)
-            self._replies.pop(old, None)
-        if reply is not None and self.max_replies > 0:
-            self._replies[key] = reply
-            while len(self._replies) > self.max_replies:
-                self._replies.popitem(last=False)
-
-    def reply(self, key: Hashable) -> Response | None:
-        return self._replies.get(key)
-
-    def keys(self) -> frozenset[Hashable]:
-        """The remembered keys (at most ``max_keys``, the most recent)."""
-        return frozenset(self._keys)
 
 
 @dataclass
@@ -316,7 +224,11 @@ class StageServer:
         log.info("stage %d: %s, epoch %d", self.stage,
                  "state loaded from peers" if loaded else "no peers to load state from",
                  self.optimizer.local_epoch)
-        self.throughput = await loop.run_in_executor(self._executor, self._measured_throughput)
+        self.throughput = await loop.run_in_executor(
+            self._executor,
+            cached_throughput,
+            self.module, self.spec, self.stage, self.device, self.state_dir, self.config.benchmark_iterations,
+        )
         self.state = "online"
         log.info("stage %d online: %.1f samples/s on %s", self.stage, self.throughput, self.device)
 
@@ -624,72 +536,3 @@ class StageServer:
             raise refuse(ErrorCode.INTERNAL, "the loss is not finite")
         self.counters.eval_loss += 1
         return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))
-
-    # ---- throughput ---------------------------------------------------------------
-
-    def _measured_throughput(self) -> float:
-        key = f"{self.spec.run_id}/{self.stage}/{self.device}"
-        cache = self.state_dir / THROUGHPUT_CACHE if self.state_dir is not None else None
-        known = _read_json(cache) if cache is not None else {}
-        value = known.get(key)
-        if isinstance(value, int | float) and math.isfinite(value) and value > 0:
-            return float(value)
-        measured = benchmark_stage(self.module, self.spec, self.config.benchmark_iterations)
-        if cache is not None:
-            known[key] = measured
-            _write_json(cache, known)
-        return measured
-
-
-def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> float:
-    """Samples/s of forward+backward of one micro-batch through ``module`` (median pass; no
-    side effects).
-
-    Gradients go through ``torch.autograd.grad``, so nothing accumulates into ``.grad``.
-    """
-    device = next(module.parameters()).device
-    gen = torch.Generator().manual_seed(0)
-    B, T, C = spec.batch.micro_batch_size, spec.model.seq_len, spec.model.d_model
-    if module.is_first:
-        x = torch.randint(0, spec.model.vocab_size, (B, T), generator=gen).to(device)
-    else:
-        x = torch.randn(B, T, C, generator=gen).to(device).requires_grad_(True)
-    targets = torch.randint(0, spec.model.vocab_size, (B, T), generator=gen).to(device)
-    grad_y = torch.randn(B, T, C, generator=gen).to(device)
-    params = [p for p in module.parameters() if p.requires_grad]
-    inputs = params if module.is_first else [*params, x]
-
-    def once() -> None:
-        with torch.enable_grad():
-            if module.is_last:
-                torch.autograd.grad(module.forward_loss(x, targets), inputs)
-            else:
-                torch.autograd.grad(module(x), inputs, grad_y)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    once()  # warm-up: allocator, kernels, lazy imports
-    times = []
-    for _ in range(iterations):
-        started = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - started)
-    # the median pass: robust to a transient stall of a shared machine
-    return B / max(statistics.median(times), 1e-9)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot cache the throughput in %s: %s", path, exc)

@@ -29,13 +29,9 @@ from wanswarm.node.protocol import (
     to_header,
 )
 from wanswarm.node.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
-from wanswarm.node.stage_server import (
-    THROUGHPUT_CACHE,
-    AppliedLog,
-    InputCache,
-    StageServer,
-    StageServerConfig,
-)
+from wanswarm.node.stage_memory import AppliedLog, InputCache
+from wanswarm.node.stage_server import StageServer, StageServerConfig
+from wanswarm.node.throughput import THROUGHPUT_CACHE
 from wanswarm.transport.codecs import EncodedTensor, decode
 from wanswarm.transport.endpoint import Handler, Request, Response
 from wanswarm.transport.errors import RemoteError
