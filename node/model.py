@@ -1,0 +1,240 @@
+"""The byte-level GPT and how it splits into pipeline stages.
+
+A pre-LayerNorm decoder (nanoGPT-style): token + learned position embeddings, ``n_layers``
+blocks of causal self-attention and a GELU MLP, a final LayerNorm and an untied LM head
+(tying would put one matrix on two stages). ``StageModule`` is one stage of it, as a
+stage server holds it; ``PipelineModel`` chains every stage in one process for the
+single-process reference and for tests.
+
+Parameters are initialized from a generator seeded by ``(spec.run_id, stage)`` so that
+every replica of a stage, on any machine, starts bit-identical; building a stage leaves
+the global RNG as it was.
+
+Shapes: B batch, T sequence length, C d_model, H heads, D = C // H, V vocabulary (256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .runspec import ModelSpec, RunSpec
+from .stage_layout import StageLayout
+
+INIT_STD = 0.02  # GPT-2's init scale for embeddings and projections
+
+
+class StageInputError(ValueError):
+    """A stage got an input of the wrong dtype, shape or range (e.g. from a remote peer)."""
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.n_heads
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: C -> mlp_hidden -> GELU -> C."""
+
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_mlp(x))  # (B, T, C)
+        return x
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its span of blocks, plus the embeddings (first) or head (last).
+
+    ``forward(x)`` takes token ids ``(B, T)`` int64 on the first stage and activations
+    ``(B, T, C)`` float32 elsewhere; it returns activations ``(B, T, C)``, or logits
+    ``(B, T, V)`` on the last stage. The last stage also has ``forward_loss``.
+    """
+
+    def __init__(self, spec: RunSpec, stage: int) -> None:
+        super().__init__()
+        cfg = spec.model
+        layout = StageLayout(spec.stages.blocks_per_stage)
+        layout.check_stage(stage)
+        self.cfg = cfg
+        self.stage = stage
+        self.block_indices = layout.blocks(stage)
+        self.is_first = layout.has_embedding(stage)
+        self.is_last = layout.has_head(stage)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if self.is_first else None
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if self.is_first else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in self.block_indices)
+        self.ln_f = nn.LayerNorm(cfg.d_model) if self.is_last else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise StageInputError unless ``x`` is a valid input of this stage."""
+        if self.is_first:
+            if x.dtype != torch.int64 or x.dim() != 2:
+                raise StageInputError(
+                    f"stage 0 takes int64 token ids (B, T), got {x.dtype} {tuple(x.shape)}"
+                )
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+                raise StageInputError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        elif x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] != self.cfg.d_model:
+            raise StageInputError(
+                f"stage {self.stage} takes float32 activations (B, T, {self.cfg.d_model}), "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
+        if x.shape[0] < 1 or not 1 <= x.shape[1] <= self.cfg.seq_len:
+            raise StageInputError(
+                f"need B >= 1 and 1 <= T <= {self.cfg.seq_len}, got {tuple(x.shape)}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None and self.pos_emb is not None:
+            T = x.shape[1]
+            pos = torch.arange(T, device=x.device)  # (T,)
+            h = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
+        else:
+            h = x  # (B, T, C)
+        for block in self.blocks:
+            h = block(h)  # (B, T, C)
+        if self.ln_f is not None and self.head is not None:
+            return self.head(self.ln_f(h))  # (B, T, V)
+        return h
+
+    def forward_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats per token) of the next bytes ``targets`` (B, T) int64."""
+        if not self.is_last:
+            raise StageInputError(f"stage {self.stage} is not the last stage; it has no loss")
+        logits = self.forward(x)  # (B, T, V)
+        if targets.shape != logits.shape[:2] or targets.dtype != torch.int64:
+            raise StageInputError(
+                f"targets must be int64 {tuple(logits.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}"
+            )
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # ()
+
+
+class PipelineModel(nn.Module):
+    """Every stage chained in one process: ``stages[-1](... stages[0](idx))``."""
+
+    def __init__(self, stages: list[StageModule]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = idx  # (B, T) token ids
+        for stage in self.stages:
+            h = stage(h)  # (B, T, C), finally (B, T, V)
+        return h
+
+    def forward_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats per token) of ``targets`` (B, T) given ``idx`` (B, T)."""
+        h = idx
+        for stage in self.stages[:-1]:
+            h = stage(h)  # (B, T, C)
+        last: StageModule = self.stages[-1]  # type: ignore[assignment]
+        return last.forward_loss(h, targets)
+
+
+def stage_seed(spec: RunSpec, stage: int) -> int:
+    """Seed of a stage's parameter init: a hash of ``(run_id, stage)``, 63 bits."""
+    digest = hashlib.sha256(f"wanswarm-init:{spec.run_id}:{stage}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@torch.no_grad()
+def _init_parameters(module: StageModule, generator: torch.Generator) -> None:
+    """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 n_layers)."""
+    residual_std = INIT_STD / math.sqrt(2 * module.cfg.n_layers)
+    for name, sub in module.named_modules():  # registration order: deterministic
+        if isinstance(sub, nn.LayerNorm):
+            sub.weight.fill_(1.0)
+            sub.bias.fill_(0.0)
+        elif isinstance(sub, nn.Linear):
+            std = residual_std if name.endswith(".proj") else INIT_STD
+            sub.weight.normal_(0.0, std, generator=generator)
+        elif isinstance(sub, nn.Embedding):
+            sub.weight.normal_(0.0, INIT_STD, generator=generator)
+
+
+def build_stage(spec: RunSpec, stage: int) -> StageModule:
+    """Stage ``stage`` of the run, on the CPU in float32, initialized from ``stage_seed``."""
+    seed = stage_seed(spec, stage)
+    # torch's default init draws from the global RNG: fork it (restored on exit, so building
+    # a stage has no side effect) and seed it, then overwrite every parameter explicitly.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = StageModule(spec, stage)
+    _init_parameters(module, torch.Generator().manual_seed(seed))
+    return module
+
+
+def build_full_model(spec: RunSpec) -> PipelineModel:
+    """All stages chained; its parameters equal those of ``build_stage`` for each stage."""
+    return PipelineModel([build_stage(spec, s) for s in range(spec.n_stages)])
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: matrices (dim >= 2) decay, norms and vectors do not."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Number of scalar parameters in ``module``."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def expected_stage_parameters(spec: RunSpec, stage: int) -> int:
+    """Parameter count of a stage from the spec alone (what ``build_stage`` must produce)."""
+    cfg = spec.model
+    C, V, hidden = cfg.d_model, cfg.vocab_size, cfg.mlp_hidden
+    per_block = 2 * (2 * C) + 3 * C * C + C * C + 2 * C * hidden  # two LNs, qkv, proj, MLP
+    layout = StageLayout(spec.stages.blocks_per_stage)
+    total = len(layout.blocks(stage)) * per_block
+    if layout.has_embedding(stage):
+        total += V * C + cfg.seq_len * C
+    if layout.has_head(stage):
+        total += 2 * C + C * V
+    return total

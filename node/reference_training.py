@@ -1,0 +1,215 @@
+"""Single-process reference: train the whole model the way the swarm would.
+
+Same model and init as the stages (``build_full_model``), same data (``TrainStream``),
+same micro-batch size, same step of ``target_batch_size`` samples (the gradient is the mean
+over the step's samples, as hivemind's gradient averaging gives), same AdamW, schedule and
+weight decay, and gradient clipping per stage (each stage steps on its own in the swarm).
+What it does not model: codec quantization on the wire and stale parameters in flight.
+
+Used to tune the default run and as the baseline of ``benchmarks/swarm.py``:
+``python -m wanswarm.node.reference_training --tokens 600000 --target 2.5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data import Corpus, TrainStream, load_corpus, validation_set
+from .model import PipelineModel, build_full_model, param_groups
+from .runspec import RunSpec, default_run_spec, load_run_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """Validation loss after ``tokens`` training tokens (``step`` optimizer steps)."""
+
+    tokens: int
+    step: int
+    train_seconds: float  # training compute so far, evaluation excluded
+    val_loss: float  # mean cross-entropy over the validation set, nats per byte
+    train_loss: float  # mean training loss of the steps since the previous point
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """Outcome of ``train_reference``."""
+
+    val_loss_start: float
+    val_loss_end: float
+    tokens: int  # training tokens processed
+    steps: int  # optimizer steps taken
+    seconds: float  # training compute time (evaluation excluded)
+    tokens_per_second: float
+    tokens_to_target: int | None  # first evaluated point with val loss < target, if any
+    curve: tuple[CurvePoint, ...]
+
+
+@torch.no_grad()
+def evaluate(
+    model: PipelineModel, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
+) -> float:
+    """Mean cross-entropy (nats per token) of ``model`` over ``(N, T)`` windows."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, inputs.shape[0], batch_size):
+        x, y = inputs[i : i + batch_size], targets[i : i + batch_size]  # (b, T)
+        total += float(model.forward_loss(x, y)) * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
+
+
+def clip_per_stage(model: PipelineModel, max_norm: float) -> None:
+    """Clip each stage's gradient to ``max_norm`` separately, as each stage server does."""
+    if max_norm <= 0:
+        return
+    for stage in model.stages:
+        torch.nn.utils.clip_grad_norm_(stage.parameters(), max_norm)
+
+
+def train_reference(
+    spec: RunSpec,
+    tokens: int,
+    seed: int = 0,
+    *,
+    log_every: int | None = None,
+    target_val_loss: float | None = None,
+    corpus: Corpus | None = None,
+    on_point: Callable[[CurvePoint], None] | None = None,
+) -> ReferenceResult:
+    """Train the full model for at least ``tokens`` training tokens (whole optimizer steps).
+
+    ``log_every`` (tokens, rounded to whole steps; default: about 20 points) sets how often
+    the validation loss is measured; training stops early at the first measured point
+    below ``target_val_loss`` when given. ``seed`` selects the trainer's data stream.
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    corpus = load_corpus(spec.data) if corpus is None else corpus
+    stream = TrainStream(spec, seed, corpus)
+    val_x, val_y = validation_set(spec, corpus)  # (N, T) each
+    eval_batch = max(spec.batch.micro_batch_size, 32)
+
+    model = build_full_model(spec)
+    model.train()
+    opt_spec = spec.optimizer
+    optimizer = torch.optim.AdamW(
+        param_groups(model, opt_spec.weight_decay), **opt_spec.adamw_kwargs()
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, opt_spec.lr_multiplier)
+
+    micro_per_step = spec.batch.micro_batches_per_step
+    tokens_per_step = spec.batch.target_batch_size * spec.model.seq_len
+    total_steps = math.ceil(tokens / tokens_per_step)
+    every = total_steps // 20 if log_every is None else log_every // tokens_per_step
+    every = max(1, every)
+
+    start_loss = evaluate(model, val_x, val_y, eval_batch)
+    curve = [CurvePoint(0, 0, 0.0, start_loss, float("nan"))]
+    if on_point is not None:
+        on_point(curve[0])
+    reached: int | None = None
+    train_seconds = 0.0
+    losses: list[float] = []
+    step = 0
+    while step < total_steps:
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(micro_per_step):
+            x, y = next(stream)  # (B, T) each
+            loss = model.forward_loss(x, y) / micro_per_step  # mean over the step's samples
+            loss.backward()
+            step_loss += float(loss.detach())
+        clip_per_stage(model, opt_spec.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        train_seconds += time.perf_counter() - began
+        losses.append(step_loss)
+        if step % every == 0 or step == total_steps:
+            val_loss = evaluate(model, val_x, val_y, eval_batch)
+            point = CurvePoint(
+                step * tokens_per_step, step, train_seconds, val_loss, sum(losses) / len(losses)
+            )
+            losses.clear()
+            curve.append(point)
+            logger.info("step %d tokens %d val_loss %.4f", step, point.tokens, val_loss)
+            if on_point is not None:
+                on_point(point)
+            if target_val_loss is not None and val_loss < target_val_loss:
+                reached = point.tokens
+                break
+    done = step * tokens_per_step
+    return ReferenceResult(
+        val_loss_start=start_loss,
+        val_loss_end=curve[-1].val_loss,
+        tokens=done,
+        steps=step,
+        seconds=train_seconds,
+        tokens_per_second=done / train_seconds if train_seconds > 0 else float("nan"),
+        tokens_to_target=reached,
+        curve=tuple(curve),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: train the reference and print the curve, then one JSON line."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--spec", type=Path, default=None, help="run spec TOML (default: embedded tiny run)"
+    )
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens")
+    parser.add_argument("--seed", type=int, default=0, help="trainer data seed")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (swarm daemons use 1)"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=None, help="tokens between validation points"
+    )
+    parser.add_argument(
+        "--target", type=float, default=None, help="stop below this validation loss"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = default_run_spec() if args.spec is None else load_run_spec(args.spec)
+
+    def show(point: CurvePoint) -> None:
+        print(
+            f"tokens {point.tokens:>9d}  step {point.step:>5d}  {point.train_seconds:7.1f} s  "
+            f"val {point.val_loss:.4f}  train {point.train_loss:.4f}",
+            flush=True,
+        )
+
+    result = train_reference(
+        spec,
+        args.tokens,
+        args.seed,
+        log_every=args.log_every,
+        target_val_loss=args.target,
+        on_point=show,
+    )
+    summary = asdict(result)
+    summary.pop("curve")
+    summary["run_id"] = spec.run_id
+    summary["curve"] = [[p.tokens, round(p.val_loss, 4)] for p in result.curve]
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""RunSpec: what one training run is (model shape, stage layout, optimizer, codecs, data).
+
+Every peer of a run must hold the same spec: it decides parameter shapes, how the model
+splits into stages, how gradients are combined and which bytes are trained on. The spec's
+``run_id`` is a short hash of its canonical JSON; the node publishes it under
+``{name}.spec`` and refuses to mix with peers whose ``run_id`` differs
+(``describe_mismatch`` names the fields that differ).
+
+Run specs are TOML files (``configs/runs/*.toml``); ``default_run_spec()`` is the embedded
+tiny run (package data ``runs/tiny.toml``, a byte-identical copy of
+``configs/runs/tiny.toml``). This module is pure: no torch, no I/O besides reading a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Bumped when the meaning of a field changes, so that old and new peers get different ids.
+RUN_SPEC_VERSION = 1
+VOCAB_SIZE = 256  # byte-level: one token per byte, nothing to download
+STDLIB_CORPUS = "stdlib"  # sentinel: the Python standard library's own *.py files
+
+
+class RunSpecError(ValueError):
+    """A run spec file is missing, not TOML, or names an unusable value (message says which)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Section):
+    """Shape of the byte-level GPT (pre-LN decoder, learned positions, untied head)."""
+
+    vocab_size: Literal[256] = Field(
+        default=256, description="Vocabulary size; byte-level, so always 256."
+    )
+    d_model: int = Field(
+        default=128, ge=8, le=16384, description="Width of the residual stream (C)."
+    )
+    n_heads: int = Field(
+        default=4, ge=1, le=256, description="Attention heads; must divide d_model."
+    )
+    n_layers: int = Field(
+        default=6, ge=1, le=512, description="Transformer blocks in the whole model."
+    )
+    seq_len: int = Field(
+        default=128, ge=2, le=65536, description="Tokens (bytes) per training window (T)."
+    )
+    mlp_ratio: float = Field(
+        default=4.0, gt=0.0, le=16.0, description="MLP hidden width as a multiple of d_model."
+    )
+    dropout: float = Field(
+        default=0.0,
+        description=(
+            "Dropout probability. Must be 0: backward requests recompute the forward on "
+            "whichever peer serves them, so the forward must be deterministic."
+        ),
+    )
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(
+                "set dropout = 0.0: servers recompute the forward pass on backward, "
+                "which must give the same activations"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSpec:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}); "
+                "change one of them"
+            )
+        return self
+
+    @property
+    def mlp_hidden(self) -> int:
+        """Hidden width of each MLP."""
+        return max(1, round(self.mlp_ratio * self.d_model))
+
+
+class StagesSpec(_Section):
+    """How the blocks split into pipeline stages (contiguous spans, in order)."""
+
+    blocks_per_stage: tuple[int, ...] = Field(
+        default=(2, 2, 2),
+        min_length=1,
+        max_length=256,
+        description=(
+            "Blocks held by each stage, in pipeline order; must sum to model.n_layers. "
+            "Stage 0 also holds the embeddings, the last stage the final norm, head and loss."
+        ),
+    )
+
+    @field_validator("blocks_per_stage")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        for stage, blocks in enumerate(value):
+            if blocks < 1:
+                raise ValueError(f"stage {stage} has {blocks} blocks; give every stage at least 1")
+        return value
+
+    @property
+    def n_stages(self) -> int:
+        """Number of pipeline stages."""
+        return len(self.blocks_per_stage)
+
+
+class BatchSpec(_Section):
+    """Micro-batches (what one request carries) and the collaborative batch."""
+
+    micro_batch_size: int = Field(
+        default=8,
+        ge=1,
+        le=65536,
+        description="Windows (samples) per micro-batch sent through the swarm.",
+    )
+    target_batch_size: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Samples per collaborative optimizer step of each stage (hivemind.Optimizer's "
+            "target_batch_size); a multiple of micro_batch_size."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _whole_micro_batches(self) -> BatchSpec:
+        if self.target_batch_size % self.micro_batch_size != 0:
+            raise ValueError(
+                f"target_batch_size ({self.target_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size}) so that a step is whole micro-batches"
+            )
+        return self
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches that make one optimizer step."""
+        return self.target_batch_size // self.micro_batch_size
+
+
+class OptimizerSpec(_Section):
+    """AdamW with linear warmup then a cosine or constant schedule, per-stage grad clipping."""
+
+    lr: float = Field(
+        default=1e-3, gt=0.0, le=10.0, description="Peak learning rate (after warmup)."
+    )
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1)."
+    )
+    eps: float = Field(default=1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=10.0,
+        description="Decoupled weight decay, applied to matrices only.",
+    )
+    warmup_steps: int = Field(
+        default=10, ge=0, description="Optimizer steps of linear warmup from lr/warmup_steps to lr."
+    )
+    schedule: Literal["cosine", "constant"] = Field(
+        default="cosine",
+        description="After warmup: 'cosine' decay to min_lr_ratio*lr, or 'constant'.",
+    )
+    decay_steps: int = Field(
+        default=1000,
+        ge=1,
+        description=(
+            "Optimizer step at which the cosine reaches its floor (counted from step 0, "
+            "warmup included); the lr stays at the floor afterwards. Unused by 'constant'."
+        ),
+    )
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr."
+    )
+    grad_clip: float = Field(
+        default=1.0,
+        ge=0.0,
+        description=(
+            "Clip each stage's gradient to this global L2 norm before its step (each stage "
+            "steps on its own in the swarm, so clipping is per stage); 0 disables clipping."
+        ),
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(value):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}] = {beta}; each beta must be in [0, 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> OptimizerSpec:
+        if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
+                f"({self.warmup_steps}) for the cosine schedule; raise decay_steps"
+            )
+        return self
+
+    def lr_multiplier(self, step: int) -> float:
+        """Learning-rate factor for optimizer step ``step`` (0-based), for torch's LambdaLR."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+
+    def adamw_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.optim.AdamW`` (weight decay goes in param groups)."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps}
+
+
+class CodecsSpec(_Section):
+    """Codec strings per direction, parsed by ``wanswarm.transport.codecs.parse_codec``."""
+
+    forward_activations: str = Field(
+        default="int8",
+        min_length=1,
+        max_length=64,
+        description="Codec of activations sent forward.",
+    )
+    backward_gradients: str = Field(
+        default="int8", min_length=1, max_length=64, description="Codec of gradients sent backward."
+    )
+
+    @field_validator("forward_activations", "backward_gradients")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError(f"codec {value!r} contains whitespace; write e.g. 'int8'")
+        return value
+
+
+class DataSpec(_Section):
+    """Where the training bytes come from and how validation is held out."""
+
+    corpus: tuple[str, ...] = Field(
+        default=(STDLIB_CORPUS,),
+        min_length=1,
+        description=(
+            "Files or glob patterns (relative ones resolve against the data root), or the "
+            "single entry 'stdlib' for this Python's own standard-library *.py sources."
+        ),
+    )
+    validation_fraction: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of files (chosen by a hash of their relative path) held out.",
+    )
+    validation_windows: int = Field(
+        default=64, ge=1, le=1_000_000, description="Fixed, seeded validation windows for val loss."
+    )
+
+    @field_validator("corpus")
+    @classmethod
+    def _entries(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not entry.strip():
+                raise ValueError("corpus has an empty entry; remove it")
+        if STDLIB_CORPUS in value and len(value) > 1:
+            raise ValueError(f"'{STDLIB_CORPUS}' must be the only corpus entry when used")
+        return value
+
+
+class RunSpec(_Section):
+    """One training run. Every peer of the run holds the same spec (same ``run_id``)."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description=(
+            "Run name, the DHT key prefix ('{name}.spec', '{name}.servers'); letters, digits, "
+            "'_' and '-' only (hivemind run ids may not contain '.')."
+        ),
+    )
+    seed: int = Field(
+        default=0, ge=0, lt=2**63, description="Seed of parameter init and validation set."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model shape.")
+    stages: StagesSpec = Field(default_factory=StagesSpec, description="Stage layout.")
+    batch: BatchSpec = Field(default_factory=BatchSpec, description="Micro-batch and step sizes.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer.")
+    codecs: CodecsSpec = Field(default_factory=CodecsSpec, description="Wire codecs.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Corpus and validation.")
+
+    @model_validator(mode="after")
+    def _layout_matches_model(self) -> RunSpec:
+        total = sum(self.stages.blocks_per_stage)
+        if total != self.model.n_layers:
+            raise ValueError(
+                f"stages.blocks_per_stage {list(self.stages.blocks_per_stage)} sums to {total} "
+                f"but model.n_layers = {self.model.n_layers}; make them agree"
+            )
+        return self
+
+    @property
+    def n_stages(self) -> int:
+        """Number of pipeline stages."""
+        return self.stages.n_stages
+
+    def canonical_json(self) -> str:
+        """The spec as canonical JSON (sorted keys, no spaces), prefixed by the format version."""
+        payload = {"run_spec_version": RUN_SPEC_VERSION, "spec": self.model_dump(mode="json")}
+        return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @property
+    def run_id(self) -> str:
+        """16 hex characters of the SHA-256 of ``canonical_json()``: equal iff specs equal."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def differing_fields(a: RunSpec, b: RunSpec) -> list[str]:
+    """Dotted names of the fields whose values differ between two specs, sorted."""
+    fa, fb = _flatten(a.model_dump(mode="json")), _flatten(b.model_dump(mode="json"))
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+
+
+def describe_mismatch(ours: RunSpec, theirs: RunSpec) -> str:
+    """One line naming each differing field with both values; '' when the specs are equal."""
+    fields = differing_fields(ours, theirs)
+    if not fields:
+        return ""
+    fa, fb = _flatten(ours.model_dump(mode="json")), _flatten(theirs.model_dump(mode="json"))
+    parts = [f"{k}: ours={fa.get(k)!r} theirs={fb.get(k)!r}" for k in fields]
+    return (
+        f"run spec mismatch (ours {ours.name}/{ours.run_id}, theirs {theirs.name}/"
+        f"{theirs.run_id}): " + "; ".join(parts)
+    )
+
+
+def _format_errors(error: ValidationError, source: str) -> str:
+    lines = [f"invalid run spec {source}:"]
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_run_spec(text: str, source: str = "<string>") -> RunSpec:
+    """Parse TOML text into a RunSpec; errors name the file and each offending field."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RunSpecError(f"run spec {source} is not valid TOML: {exc}") from exc
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise RunSpecError(_format_errors(exc, source)) from exc
+
+
+def load_run_spec(path: str | Path) -> RunSpec:
+    """Read and validate a run spec TOML file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RunSpecError(f"cannot read run spec {path}: {exc.strerror or exc}") from exc
+    return parse_run_spec(text, str(path))
+
+
+def default_run_spec() -> RunSpec:
+    """The embedded default run (package data ``runs/tiny.toml``)."""
+    text = (
+        resources.files("wanswarm.node").joinpath("runs", "tiny.toml").read_text(encoding="utf-8")
+    )
+    return parse_run_spec(text, "<embedded runs/tiny.toml>")

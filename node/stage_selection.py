@@ -1,0 +1,288 @@
+"""Stage selection: which stage a server joins, and when it moves (pure; SWARM §3.2).
+
+The swarm's training throughput is bounded by its worst-served stage, so the quantity to
+maximize is the **bottleneck**: ``min over stages of the summed throughput of the stage's
+servers``. Totals count ``online`` and ``joining`` servers (a joining server will serve
+soon, and counting it stops every newcomer piling onto the same stage); ``draining``
+servers are already gone.
+
+- **Join** (``choose_stage``): take the stage whose total is lowest (the join that raises
+  the bottleneck most), ties broken by the caller's seeded rng. Simultaneous joiners would
+  all see the same records and pick the same stage, so a joiner first waits
+  ``join_backoff(rng, ...)`` (uniform random), re-reads the records, then chooses.
+- **Rebalance** (``plan_rebalance``, ``rebalance_decision``): every jittered
+  ``period_s`` each server computes, from its view of the records, a deterministic
+  plan: repeatedly move the online server of the best-served stage whose move best
+  evens that stage with the worst-served one, while the pair's minimum strictly rises.
+  The plan's prefix with the best **amortized** bottleneck is kept if it beats the
+  current bottleneck by the factor ``1 + min_gain``; amortized means averaged over one
+  period in which each moved server contributes nothing for ``load_s`` seconds (it
+  downloads its new stage). A stage never loses its last online server. Each server
+  acts only on its own entry of the plan: servers with the same view compute the same
+  plan, so a move is made by exactly the server it names, and no two servers race for
+  the same gap. Ties between equal servers are broken by a hash of (peer id, view).
+
+Why it does not oscillate: a plan is accepted only if it raises the bottleneck by a
+factor, and only online servers move, so with a fixed membership the bottleneck rises
+with every accepted plan and can do so only finitely often; moved servers are
+``joining`` (unmovable) until loaded. ``docs/stage_selection.md`` has the details and
+the churn simulation (``benchmarks/rebalance_sim.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ServerState(StrEnum):
+    """Lifecycle of a stage server as announced in ``{run}.servers``."""
+
+    JOINING = "joining"  # chose a stage, loading its state; not serving yet
+    ONLINE = "online"
+    DRAINING = "draining"  # leaving; no longer counted
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What stage selection needs from one ``{run}.servers`` record."""
+
+    peer_id: str
+    stage: int
+    throughput: float  # samples/s this server processes at its stage
+    state: ServerState = ServerState.ONLINE
+
+
+@dataclass(frozen=True)
+class Move:
+    """A decision: ``peer_id`` should leave ``from_stage`` and load ``to_stage``."""
+
+    peer_id: str
+    from_stage: int
+    to_stage: int
+    throughput: float
+
+
+@dataclass(frozen=True)
+class RebalancePlan:
+    """Moves to make now (possibly none) and the bottlenecks they were judged by."""
+
+    moves: tuple[Move, ...]
+    bottleneck_before: float
+    bottleneck_after: float  # once every moved server has loaded its new stage
+    bottleneck_amortized: float  # averaged over one period, counting the loading time
+
+
+class RebalancePolicy(BaseModel):
+    """Settings of periodic rebalancing (a section of the node config)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    period_s: float = Field(
+        default=60.0, gt=0.0, description="Mean seconds between rebalance checks."
+    )
+    jitter: float = Field(
+        default=0.25,
+        ge=0.0,
+        lt=1.0,
+        description="Each wait is period_s * U(1 - jitter, 1 + jitter).",
+    )
+    min_gain: float = Field(
+        default=0.02,
+        ge=0.0,
+        le=10.0,
+        description="Move only if the amortized bottleneck rises by this factor (0.02 = 2%).",
+    )
+    load_s: float = Field(
+        default=20.0,
+        ge=0.0,
+        description="Seconds a moved server serves nothing while it downloads its new stage.",
+    )
+    max_moves: int = Field(default=16, ge=1, le=100_000, description="Most moves in one plan.")
+
+    @model_validator(mode="after")
+    def _load_shorter_than_period(self) -> RebalancePolicy:
+        if self.load_s >= self.period_s:
+            raise ValueError(
+                f"load_s ({self.load_s}) must be below period_s ({self.period_s}): a move "
+                "must be able to pay for its loading time within one period; raise period_s"
+            )
+        return self
+
+
+def _counted(server: ServerInfo, n_stages: int) -> bool:
+    return (
+        server.state != ServerState.DRAINING
+        and 0 <= server.stage < n_stages
+        and server.throughput > 0
+    )
+
+
+def stage_totals(servers: Iterable[ServerInfo], n_stages: int) -> list[float]:
+    """Summed throughput per stage of the joining and online servers."""
+    totals = [0.0] * n_stages
+    for server in servers:
+        if _counted(server, n_stages):
+            totals[server.stage] += server.throughput
+    return totals
+
+
+def bottleneck(servers: Iterable[ServerInfo], n_stages: int) -> float:
+    """The swarm's throughput bound: the lowest stage total."""
+    return min(stage_totals(servers, n_stages))
+
+
+def choose_stage(
+    servers: Iterable[ServerInfo],
+    n_stages: int,
+    own_throughput: float | Sequence[float],
+    rng: random.Random,
+    *,
+    exclude_peer: str | None = None,
+) -> int:
+    """The stage a joining server should take: the one whose join raises the bottleneck most.
+
+    ``own_throughput`` is this server's throughput, or one value per stage when stages
+    differ in cost. Among equally good stages the lowest current total wins, then the rng.
+    ``exclude_peer`` drops this server's own record (when it re-chooses).
+    """
+    if n_stages < 1:
+        raise ValueError("n_stages must be at least 1")
+    own = (
+        [float(own_throughput)] * n_stages
+        if isinstance(own_throughput, int | float)
+        else list(own_throughput)
+    )
+    if len(own) != n_stages:
+        raise ValueError(f"own_throughput has {len(own)} values for {n_stages} stages")
+    totals = stage_totals((s for s in servers if s.peer_id != exclude_peer), n_stages)
+
+    def key(stage: int) -> tuple[float, float]:
+        after = totals.copy()
+        after[stage] += own[stage]
+        return (min(after), -totals[stage])
+
+    keys = [key(s) for s in range(n_stages)]
+    best = max(keys)
+    return rng.choice([s for s in range(n_stages) if keys[s] == best])
+
+
+def join_backoff(rng: random.Random, max_delay_s: float) -> float:
+    """Seconds to wait before (re-)reading the records and choosing a stage.
+
+    Uniform in ``[0, max_delay_s)``: joiners that start together then read the records one
+    after another, each seeing the earlier ones' ``joining`` announcements. Choose
+    ``max_delay_s`` several times the time a record takes to become visible in the DHT.
+    """
+    if max_delay_s < 0:
+        raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
+    return rng.uniform(0.0, max_delay_s)
+
+
+def next_rebalance_delay(rng: random.Random, policy: RebalancePolicy) -> float:
+    """Seconds until the next rebalance check (jittered so that servers do not align)."""
+    return policy.period_s * rng.uniform(1.0 - policy.jitter, 1.0 + policy.jitter)
+
+
+def _view_digest(servers: Sequence[ServerInfo]) -> bytes:
+    h = hashlib.sha256()
+    for s in sorted(servers, key=lambda s: s.peer_id):
+        h.update(f"{s.peer_id}\0{s.stage}\0{s.throughput!r}\0{s.state.value}\n".encode())
+    return h.digest()
+
+
+def _tie_key(peer_id: str, digest: bytes) -> bytes:
+    return hashlib.sha256(digest + peer_id.encode()).digest()
+
+
+def plan_rebalance(
+    servers: Sequence[ServerInfo], n_stages: int, policy: RebalancePolicy
+) -> RebalancePlan:
+    """The moves the swarm should make now, computed identically by every server (pure)."""
+    counted = [s for s in servers if _counted(s, n_stages)]
+    totals = [0.0] * n_stages
+    for server in counted:
+        totals[server.stage] += server.throughput
+    before = min(totals)
+    initial_totals = tuple(totals)
+    movable: list[list[ServerInfo]] = [[] for _ in range(n_stages)]
+    online = [0] * n_stages
+    for server in counted:
+        if server.state == ServerState.ONLINE:
+            movable[server.stage].append(server)
+            online[server.stage] += 1
+    digest: bytes | None = None  # of the whole view; computed only if a tie must be broken
+    tie_keys: dict[str, bytes] = {}
+
+    def tie_key(peer_id: str) -> bytes:
+        nonlocal digest
+        if digest is None:
+            digest = _view_digest(counted)
+        if peer_id not in tie_keys:
+            tie_keys[peer_id] = _tie_key(peer_id, digest)
+        return tie_keys[peer_id]
+
+    moves: list[Move] = []
+    while len(moves) < policy.max_moves:
+        worst = min(range(n_stages), key=lambda s: (totals[s], s))
+        donors = [s for s in range(n_stages) if s != worst and online[s] >= 2 and movable[s]]
+        donors.sort(key=lambda s: (-totals[s], s))  # best-served first
+        donor, best_index = -1, -1
+        for candidate in donors:
+            # The donor's server whose move leaves the pair (donor, worst) most even; the
+            # pair's minimum must strictly rise, or the move only shuffles the imbalance.
+            best_pair_min = low = totals[worst]
+            high = totals[candidate]
+            for i, server in enumerate(movable[candidate]):
+                t = server.throughput
+                pair_min = min(low + t, high - t)
+                if pair_min > best_pair_min or (
+                    pair_min == best_pair_min
+                    and best_index >= 0
+                    and tie_key(server.peer_id) < tie_key(movable[candidate][best_index].peer_id)
+                ):
+                    best_index, best_pair_min = i, pair_min
+            if best_index >= 0:
+                donor = candidate
+                break
+        if best_index < 0:
+            break
+        server = movable[donor].pop(best_index)
+        online[donor] -= 1
+        totals[donor] -= server.throughput
+        totals[worst] += server.throughput
+        moves.append(Move(server.peer_id, donor, worst, server.throughput))
+
+    # Keep the prefix with the best amortized bottleneck: during loading the moved servers
+    # count nowhere (gone from their old stage, not yet serving the new one).
+    best_k, best_amortized, best_after = 0, before, before
+    after_totals = list(initial_totals)
+    loading = [0.0] * n_stages
+    share = policy.load_s / policy.period_s
+    for k, move in enumerate(moves, start=1):
+        after_totals[move.from_stage] -= move.throughput
+        after_totals[move.to_stage] += move.throughput
+        loading[move.to_stage] += move.throughput
+        after = min(after_totals)
+        during = min(t - l for t, l in zip(after_totals, loading, strict=True))
+        amortized = share * during + (1.0 - share) * after
+        if amortized > best_amortized:
+            best_k, best_amortized, best_after = k, amortized, after
+    if best_k == 0 or best_amortized < before * (1.0 + policy.min_gain) or best_amortized <= before:
+        return RebalancePlan((), before, before, before)
+    return RebalancePlan(tuple(moves[:best_k]), before, best_after, best_amortized)
+
+
+def rebalance_decision(
+    servers: Sequence[ServerInfo], n_stages: int, peer_id: str, policy: RebalancePolicy
+) -> Move | None:
+    """This server's part of the current plan: where to move, or None to stay."""
+    for move in plan_rebalance(servers, n_stages, policy).moves:
+        if move.peer_id == peer_id:
+            return move
+    return None
