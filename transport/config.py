@@ -37,6 +37,13 @@ class LimitsConfig(_Section):
         le=16 * 1024 * 1024,
         description="Largest FEC transfer control frame (repair request, completion), bytes.",
     )
+    max_inflight_bytes: int = Field(
+        default=2 << 30,
+        ge=1024,
+        description="Most payload bytes one connection may have announced to us and not yet "
+        "finished, all its messages together (FEC receivers allocate a payload up front); "
+        "a message beyond it is answered 'busy'.",
+    )
 
 
 class FecConfig(_Section):

@@ -390,11 +390,16 @@ class Endpoint:
         done = False
         try:
             with link.expecting_traffic():
-                outgoing = await send_message(
-                    stream, hub, self.config, type="request", request_id=request_id,
-                    kind=kind, header=header, encoded=encoded, end=False,
-                )
-                senders = {t.transfer_id: t for t in outgoing.transfers}
+                try:
+                    outgoing = await send_message(
+                        stream, hub, self.config, type="request", request_id=request_id,
+                        kind=kind, header=header, encoded=encoded, end=False,
+                    )
+                except ConnectError:
+                    if link.is_closed or not stream.can_receive:
+                        raise
+                    # the server stopped our upload (STOP_SENDING): its answer says why
+                senders = {t.transfer_id: t for t in outgoing.transfers} if outgoing else {}
                 inbound = Inbound(stream, hub, self.config, "response", senders)
                 message = await inbound.message()
             stream.end()  # after the completions of the response's transfers

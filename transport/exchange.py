@@ -135,6 +135,7 @@ class Inbound:
         self._header: asyncio.Future[Message] = loop.create_future()
         self._transfers: dict[int, asyncio.Future[bytearray]] = {}
         self._transfer_ids: list[int] = []
+        self._reserved = 0  # payload bytes counted against the connection's budget
         self.task: asyncio.Task[None] = loop.create_task(self._pump())
         self.task.add_done_callback(self._settle)
 
@@ -171,6 +172,8 @@ class Inbound:
         for transfer_id in self._transfer_ids:
             self.hub.abandon(transfer_id)
         self._transfer_ids.clear()
+        self.hub.release(self._reserved)
+        self._reserved = 0
 
     def _settle(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -192,6 +195,8 @@ class Inbound:
                 elif isinstance(event, HeaderReceived):
                     if event.header.type not in self._allowed:
                         raise FramingError(f"expected a {self._allowed[0]}, got {event.header.type}")
+                    self.hub.reserve(total := sum(p.spec.nbytes for p in event.plans))
+                    self._reserved = total
                     message = Message(event.header, event.plans)
                     waiting = 0
                     for index, plan in enumerate(event.plans):

@@ -24,17 +24,25 @@ the end of the handshake, which only the two endpoints can compute.
 Sizes. Packets are sized for a 1500-byte path MTU: ``max_udp_payload_bytes`` (1452 = 1500
 - 40 IPv6 - 8 UDP) is aioquic's ``max_datagram_size``. Flow-control windows start at the
 bandwidth-delay product of the configured path (aioquic then doubles them as they fill).
+
+Congestion control. ``congestion.algorithm`` "wanswarm" runs congestion.py's loss-tolerant,
+rate-based controller behind aioquic's callbacks (congestion_adapter.py), and aioquic's
+pacer follows the controller's pacing rate; "reno" and "cubic" are aioquic's own. Either
+way a meter counts packets sent and lost and the delivery rate for the link's stats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
+import os
+import random
 import socket
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -49,11 +57,12 @@ from aioquic.quic.congestion.base import (
 )
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import QuicPacketType, encode_quic_version_negotiation, pull_quic_header
-from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.recovery import QuicPacketPacer
 from aioquic.tls import hkdf_expand_label, load_pem_private_key, load_pem_x509_certificates
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from .config import TransportConfig
+from .config import CongestionConfig, TransportConfig
+from .congestion_adapter import CongestionControl, ControllerAdapter, Meter
 from .errors import AuthenticationError, ConfigError, ConnectError, IdentityError
 from .handshake import ChannelBinding
 from .identity import Identity, peer_id_from_certificate
@@ -83,105 +92,82 @@ class CloseCode(enum.IntEnum):
     INTERNAL = 0x105
 
 
-# -- congestion control metering --------------------------------------------------------
+# -- congestion control -----------------------------------------------------------------
 
 
-class _MeteredCongestionControl(QuicCongestionControl):
-    """Delegates to the configured algorithm; counts sends, losses and delivery rate.
+class _ControllerPacer(QuicPacketPacer):
+    """aioquic's pacer at our controller's pacing rate instead of cwnd / smoothed RTT.
 
-    Delivery rate: acknowledged bytes over sampling intervals of at least 50 ms and two
-    RTTs, smoothed by an EWMA (1/4); an interval that spans an idle gap is dropped.
+    aioquic recomputes the pacer after ACKs and losses from (cwnd, srtt); we hand it the
+    window that, over the same RTT, gives the controller's rate, so its token bucket
+    (burst allowance of cwnd/4, between 2 and 16 packets) keeps working unchanged.
     """
 
-    def __init__(self, inner: QuicCongestionControl) -> None:
-        self._inner = inner
-        self.packets_sent = 0
-        self.packets_lost = 0
-        self.delivery_rate_bps = 0.0
-        self._rtt = 0.0
-        self._interval_start: float | None = None
-        self._interval_bytes = 0
-        self._last_ack = 0.0
+    def __init__(self, *, max_datagram_size: int, adapter: ControllerAdapter) -> None:
+        super().__init__(max_datagram_size=max_datagram_size)
+        self._adapter = adapter
 
-    @property
-    def congestion_window(self) -> int:
-        return self._inner.congestion_window
-
-    @congestion_window.setter
-    def congestion_window(self, value: int) -> None:
-        self._inner.congestion_window = value
-
-    @property
-    def bytes_in_flight(self) -> int:
-        return self._inner.bytes_in_flight
-
-    @bytes_in_flight.setter
-    def bytes_in_flight(self, value: int) -> None:
-        self._inner.bytes_in_flight = value
-
-    @property
-    def ssthresh(self) -> int | None:
-        return self._inner.ssthresh
-
-    @ssthresh.setter
-    def ssthresh(self, value: int | None) -> None:
-        self._inner.ssthresh = value
-
-    def on_packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
-        self._inner.on_packet_acked(now=now, packet=packet)
-        interval = max(0.05, 2 * self._rtt)
-        if self._interval_start is None or now - self._last_ack > interval:
-            self._interval_start, self._interval_bytes = now, 0
-        self._last_ack = now
-        self._interval_bytes += packet.sent_bytes
-        elapsed = now - self._interval_start
-        if elapsed >= interval:
-            sample = 8 * self._interval_bytes / elapsed
-            old = self.delivery_rate_bps
-            self.delivery_rate_bps = sample if old == 0 else 0.75 * old + 0.25 * sample
-            self._interval_start, self._interval_bytes = now, 0
-
-    def on_packet_sent(self, *, packet: QuicSentPacket) -> None:
-        self._inner.on_packet_sent(packet=packet)
-        self.packets_sent += 1
-
-    def on_packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
-        self._inner.on_packets_expired(packets=packets)
-
-    def on_packets_lost(self, *, now: float, packets: Iterable[QuicSentPacket]) -> None:
-        packets = list(packets)
-        self.packets_lost += len(packets)
-        self._inner.on_packets_lost(now=now, packets=packets)
-
-    def on_persistent_congestion(self) -> None:
-        self._inner.on_persistent_congestion()
-
-    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
-        self._rtt = rtt
-        self._inner.on_rtt_measurement(now=now, rtt=rtt)
-
-    def get_log_data(self) -> dict[str, Any]:
-        return self._inner.get_log_data()
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        rate = self._adapter.pacing_rate
+        rtt = max(smoothed_rtt, 1e-3)
+        if rate > 0:
+            congestion_window = max(1, int(rate * rtt))
+        super().update_rate(congestion_window=congestion_window, smoothed_rtt=rtt)
 
 
-_metered: set[str] = set()
+_registered: set[str] = set()
 
 
-def _metered_algorithm(algorithm: str, max_datagram_size: int) -> str:
-    """Register (once) the metered wrapper of ``algorithm``; return its name."""
-    try:
-        create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
-    except Exception as exc:  # aioquic raises a bare Exception for unknown names
-        raise ConfigError(f"unknown congestion control algorithm {algorithm!r}") from exc
-    name = f"wanswarm-metered-{algorithm}"
-    if name not in _metered:
+def _new_rng() -> random.Random:
+    return random.Random(int.from_bytes(os.urandom(8), "big"))
+
+
+def register_wanswarm_congestion_control() -> None:
+    """Register our controller with aioquic as "wanswarm" (default settings)."""
+    if "wanswarm" not in _registered:
 
         def factory(*, max_datagram_size: int) -> QuicCongestionControl:
-            inner = create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
-            return _MeteredCongestionControl(inner)
+            adapter = ControllerAdapter(
+                CongestionConfig(), max_datagram_size=max_datagram_size, rng=_new_rng()
+            )
+            return cast(QuicCongestionControl, adapter)
+
+        register_congestion_control("wanswarm", factory)
+        _registered.add("wanswarm")
+
+
+def _congestion_algorithm(config: CongestionConfig, max_datagram_size: int) -> str:
+    """Register (once per distinct settings) the metered controller that ``config``
+    selects, and return the name aioquic knows it by."""
+    register_wanswarm_congestion_control()
+    algorithm = config.algorithm
+    if algorithm == "wanswarm":
+        digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:16]
+        name = f"wanswarm-metered-{digest}"
+
+        def inner(max_datagram_size: int) -> CongestionControl:
+            return ControllerAdapter(config, max_datagram_size=max_datagram_size, rng=_new_rng())
+
+    else:
+        try:
+            create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
+        except Exception as exc:  # aioquic raises a bare Exception for unknown names
+            raise ConfigError(
+                f"unknown congestion control algorithm {algorithm!r}: use 'wanswarm', "
+                "'reno' or 'cubic'"
+            ) from exc
+        name = f"wanswarm-metered-{algorithm}"
+
+        def inner(max_datagram_size: int) -> CongestionControl:
+            return create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
+
+    if name not in _registered:
+
+        def factory(*, max_datagram_size: int) -> QuicCongestionControl:
+            return cast(QuicCongestionControl, Meter(inner(max_datagram_size)))
 
         register_congestion_control(name, factory)
-        _metered.add(name)
+        _registered.add(name)
     return name
 
 
@@ -208,8 +194,8 @@ def build_configuration(
         max_stream_data=window,
         max_datagram_size=config.max_udp_payload_bytes,
         max_datagram_frame_size=65536,  # RFC 9221 §3; what we send is bounded by a packet
-        congestion_control_algorithm=_metered_algorithm(
-            config.congestion.algorithm, config.max_udp_payload_bytes
+        congestion_control_algorithm=_congestion_algorithm(
+            config.congestion, config.max_udp_payload_bytes
         ),
         verify_mode=ssl.CERT_NONE,  # no CA: the key is checked against the peer id
     )
@@ -280,6 +266,11 @@ class QuicLink:
         self._owner = owner
         self._quic = quic
         self._loop = asyncio.get_running_loop()
+        cc = quic._loss._cc
+        if isinstance(cc, Meter) and isinstance(cc.inner, ControllerAdapter):
+            quic._loss._pacer = _ControllerPacer(
+                max_datagram_size=config.max_udp_payload_bytes, adapter=cc.inner
+            )
         self.remote_address = addr
         self.is_client = is_client
         self.peer_id: str | None = None
@@ -331,7 +322,7 @@ class QuicLink:
     def stats(self) -> LinkStats:
         loss = self._quic._loss
         cc = loss._cc
-        metered = cc if isinstance(cc, _MeteredCongestionControl) else None
+        metered = cc if isinstance(cc, Meter) else None
         return LinkStats(
             smoothed_rtt=loss._rtt_smoothed,
             min_rtt=loss._rtt_min if loss._rtt_initialized else 0.0,
@@ -447,16 +438,21 @@ class QuicLink:
     # the pump
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
+        if self.is_closed:
+            return
         self.bytes_received += len(data)
         self.last_received_at = now = self._loop.time()
-        self._quic.receive_datagram(data, addr, now=now)
-        self._process_events()
-        # one transmit for all the datagrams that arrived in this loop iteration
-        self.schedule_transmit()
-        self._check_closing()
-        for stream_id, waiter in list(self._blocked.items()):
-            if not waiter.done() and self._unacked(stream_id) < self._window // 2:
-                waiter.set_result(None)
+        try:
+            self._quic.receive_datagram(data, addr, now=now)
+            self._process_events()
+            # one transmit for all the datagrams that arrived in this loop iteration
+            self.schedule_transmit()
+            self._check_closing()
+            for stream_id, waiter in list(self._blocked.items()):
+                if not waiter.done() and self._unacked(stream_id) < self._window // 2:
+                    waiter.set_result(None)
+        except Exception:
+            self._fail("receiving a packet")
 
     def transmit(self) -> None:
         """Send what aioquic has; then top up datagrams to the window and send again
@@ -464,11 +460,28 @@ class QuicLink:
         self._transmit_handle = None
         if self.is_closed:
             return
-        now = self._loop.time()
-        self._send_packets(now)
-        if self._sources and self._feed_datagrams():
+        try:
+            now = self._loop.time()
             self._send_packets(now)
-        self._arm_timer()
+            if self._sources and self._feed_datagrams():
+                self._send_packets(now)
+            self._arm_timer()
+        except Exception:
+            self._fail("sending")
+
+    def _fail(self, doing: str) -> None:
+        """A bug below us (aioquic, a controller) left the connection's state unknown:
+        end that connection, keep the socket and every other connection."""
+        logger.exception("connection to %s failed while %s; closing it",
+                         self.peer_id or self.remote_address, doing)
+        if self.is_closed:
+            return
+        try:
+            self._quic.close(error_code=int(CloseCode.INTERNAL), reason_phrase="internal error")
+            self._send_packets(self._loop.time())
+        except Exception:
+            logger.debug("could not send the close", exc_info=True)
+        self._terminate(int(CloseCode.INTERNAL), "internal error", by_peer=False)
 
     def _arm_timer(self) -> None:
         # An early wake-up is harmless (aioquic acts only on what is due), so an armed
@@ -523,10 +536,15 @@ class QuicLink:
     def _handle_timer(self) -> None:
         now = max(self._timer_at or 0.0, self._loop.time())
         self._timer = self._timer_at = None
-        self._quic.handle_timer(now=now)
-        self._process_events()
-        self.transmit()
-        self._check_closing()
+        if self.is_closed:
+            return
+        try:
+            self._quic.handle_timer(now=now)
+            self._process_events()
+            self.transmit()
+            self._check_closing()
+        except Exception:
+            self._fail("handling a timer")
 
     def _check_closing(self) -> None:
         """End the link as soon as the connection is closing, not after its draining
@@ -566,8 +584,9 @@ class QuicLink:
             elif isinstance(event, events.ConnectionIdRetired):
                 self._owner.unregister_cid(event.connection_id)
             elif isinstance(event, events.ConnectionTerminated):
-                by_peer = self.close_code is None
-                self._terminate(event.error_code, event.reason_phrase, by_peer=by_peer)
+                # a peer's close ended the link already (_check_closing): this is the end
+                # of our own close, or a local verdict such as the idle timeout
+                self._terminate(event.error_code, event.reason_phrase, by_peer=False)
 
     def _on_stream_data(self, event: events.StreamDataReceived) -> None:
         stream = self._streams.get(event.stream_id)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 from .config import TransportConfig
 from .datagram_router import DatagramRouter
@@ -66,10 +65,26 @@ class TransferHub:
         self._incoming: dict[int, _Incoming] = {}
         self._sources: dict[int, _Source] = {}
         self._next_id = 0
+        self._inflight = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         link.on_datagram = self._on_datagram
         link.on_closed.append(self._on_link_closed)
+
+    def reserve(self, nbytes: int) -> None:
+        """Count a message's payload against the connection's in-flight budget
+        (``limits.max_inflight_bytes``); FramingError with code ``busy`` beyond it."""
+        limit = self.config.limits.max_inflight_bytes
+        if self._inflight + nbytes > limit:
+            raise FramingError(
+                f"{self._inflight} payload bytes already in flight on this connection, "
+                f"{nbytes} more exceed max_inflight_bytes={limit}",
+                code="busy",
+            )
+        self._inflight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self._inflight = max(0, self._inflight - nbytes)
 
     def rtt(self) -> float:
         rtt = self.link.stats().smoothed_rtt
@@ -226,4 +241,4 @@ class TransferHub:
 
 def fec_worthwhile(nbytes: int, config: TransportConfig) -> bool:
     """Whether a payload of ``nbytes`` should travel as an FEC transfer."""
-    return config.fec.enabled and nbytes >= max(1, config.fec.threshold_bytes) and math.isfinite(nbytes)
+    return config.fec.enabled and nbytes >= max(1, config.fec.threshold_bytes)

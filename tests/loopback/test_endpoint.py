@@ -275,3 +275,49 @@ def test_fec_transfer_through_a_lossy_wan() -> None:
             assert stats is not None and stats.loss_rate > 0
 
     run(main(), timeout=90)
+
+
+def test_a_failure_below_the_pump_closes_only_that_connection() -> None:
+    """If aioquic (or a congestion controller) raises while handling a packet, that
+    connection's state is unknown: it is closed; the socket and other peers go on."""
+
+    async def main() -> None:
+        async with endpoint() as server, endpoint() as first, endpoint() as second:
+            server.register("echo", _echo)
+            await first.request(address(server), "echo", {}, timeout=10)
+            (doomed,) = server._connections.links()
+            broken = asyncio.get_running_loop().create_future()
+
+            def explode(*args: object, **kwargs: object) -> None:
+                if not broken.done():
+                    broken.set_result(None)
+                raise RuntimeError("bug below the pump")
+
+            doomed._quic.receive_datagram = explode  # type: ignore[method-assign]
+            (old_link,) = first._connections.links()
+            # the server closes that connection (INTERNAL); the request, which got no
+            # byte of reply, is re-sent once on a new connection
+            reply = await first.request(address(server), "echo", {"n": 1}, timeout=10)
+            assert reply.header == {"n": 1}
+            assert broken.done() and doomed.is_closed and doomed.close_code == 0x105
+            assert old_link.is_closed and first._connections.links() != [old_link]
+            reply = await second.request(address(server), "echo", {"n": 2}, timeout=10)
+            assert reply.header == {"n": 2}
+
+    run(main())
+
+
+def test_inflight_budget_answers_busy() -> None:
+    async def main() -> None:
+        from wanswarm.transport.config import LimitsConfig
+
+        tight = config(limits=LimitsConfig(max_inflight_bytes=4096))
+        async with endpoint(tight) as server, endpoint() as client:
+            server.register("echo", _echo)
+            with pytest.raises(RemoteError) as info:
+                await client.request(address(server), "echo", {}, [torch.randn(4096)], timeout=10)
+            assert info.value.code == "busy"
+            reply = await client.request(address(server), "echo", {}, [torch.randn(16)], timeout=10)
+            assert reply.header == {}
+
+    run(main())
