@@ -181,8 +181,162 @@ class CongestionConfig(_Section):
     """The loss-tolerant, rate-based congestion controller registered with aioquic."""
 
     algorithm: str = Field(
-        "wanswarm", description="'wanswarm' (loss-tolerant, rate-based) or aioquic's 'reno'/'cubic'."
+        default="wanswarm",
+        description="'wanswarm' (loss-tolerant, rate-based) or aioquic's 'reno'/'cubic'.",
     )
+    initial_window_packets: int = Field(
+        default=10, ge=2, le=1000, description="Congestion window before any ACK, packets."
+    )
+    min_window_packets: int = Field(
+        default=4, ge=2, le=100, description="The congestion window never goes below this, packets."
+    )
+    initial_rtt_s: float = Field(
+        default=0.1,
+        gt=0.0,
+        le=10.0,
+        description="RTT assumed for the first pacing rate, before any RTT sample, seconds.",
+    )
+    startup_gain: float = Field(
+        default=2.885,
+        gt=1.0,
+        le=4.0,
+        description="STARTUP pacing gain (2/ln 2: doubles the delivery rate each round).",
+    )
+    startup_cwnd_gain: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=4.0,
+        description="STARTUP window as a multiple of the estimated BDP (BBRv2: 2, so STARTUP "
+        "queues at most about one BDP).",
+    )
+    drain_gain: float = Field(
+        default=0.347,
+        gt=0.0,
+        lt=1.0,
+        description="DRAIN pacing gain, drains the queue STARTUP built (1/startup_gain).",
+    )
+    cwnd_gain: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=4.0,
+        description="PROBE_BW congestion window as a multiple of the estimated BDP (covers delayed "
+        "and aggregated ACKs).",
+    )
+    probe_bw_gains: tuple[float, ...] = Field(
+        default=(1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0),
+        min_length=2,
+        max_length=32,
+        description="PROBE_BW pacing gain cycle, one phase per min RTT: probe up, drain, cruise.",
+    )
+    cwnd_extra_packets: int = Field(
+        default=3, ge=0, le=64, description="Packets added to the BDP-based window (send quanta)."
+    )
+    bw_window_rounds: int = Field(
+        default=10,
+        ge=2,
+        le=100,
+        description="Bottleneck bandwidth is the max delivery rate over this many round trips.",
+    )
+    min_rtt_window_s: float = Field(
+        default=10.0,
+        ge=0.5,
+        le=300.0,
+        description="Propagation RTT is the min RTT over this window; when it expires, PROBE_RTT.",
+    )
+    probe_rtt_duration_s: float = Field(
+        default=0.2, gt=0.0, le=5.0, description="Time PROBE_RTT holds the small window, seconds."
+    )
+    probe_rtt_cwnd_gain: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="PROBE_RTT window as a fraction of the BDP (BBRv2; v1 used 4 packets).",
+    )
+    full_bw_growth: float = Field(
+        default=1.25,
+        gt=1.0,
+        le=4.0,
+        description="Bandwidth 'grows' in a round when it rises by this factor; STARTUP ends after "
+        "full_bw_rounds rounds without such growth.",
+    )
+    full_bw_rounds: int = Field(
+        default=3, ge=1, le=20, description="Rounds without bandwidth growth that end STARTUP."
+    )
+    loss_threshold: float = Field(
+        default=0.15,
+        gt=0.0,
+        le=1.0,
+        description="A round without bandwidth growth losing at least this fraction of its "
+        "packets is congestion. Random loss below it (what FEC repairs) leaves the rate alone.",
+    )
+    inflated_loss_threshold: float = Field(
+        default=0.05,
+        gt=0.0,
+        le=1.0,
+        description="Lower loss threshold that applies when the round's minimum RTT shows a "
+        "standing queue (above rtt_inflation x min RTT).",
+    )
+    rtt_inflation: float = Field(
+        default=1.5,
+        gt=1.0,
+        le=10.0,
+        description="A round whose smallest RTT exceeds this multiple of the min RTT has a "
+        "standing queue.",
+    )
+    standing_queue_fraction: float = Field(
+        default=0.1,
+        gt=0.0,
+        le=10.0,
+        description="A round whose smallest RTT exceeds the min RTT by this fraction (plus "
+        "standing_queue_min_s) kept a standing queue all round: the flows sharing the path "
+        "send more than it delivers. The estimate falls to what the round delivered.",
+    )
+    standing_queue_min_s: float = Field(
+        default=0.002,
+        ge=0.0,
+        le=1.0,
+        description="Absolute margin of the standing-queue test, seconds (short paths, jitter).",
+    )
+    min_lost_packets: int = Field(
+        default=8,
+        ge=1,
+        le=1000,
+        description="A round needs at least this many lost packets to count as congestion (a "
+        "short round losing one or two packets says nothing).",
+    )
+    random_loss_backoff: float = Field(
+        default=0.85,
+        gt=0.0,
+        le=1.0,
+        description="On congestion without a standing queue (shallow buffer or heavy random "
+        "loss) the bandwidth estimate falls at most to this fraction per round, instead of to "
+        "the round's delivery rate.",
+    )
+    pacing_margin: float = Field(
+        default=0.01,
+        ge=0.0,
+        lt=0.5,
+        description="Pace this fraction below the estimated rate, so queues drain (BBR: 1%).",
+    )
+    app_limited_gap_s: float = Field(
+        default=0.005,
+        gt=0.0,
+        le=1.0,
+        description="A send after the window had room this long (and over 4 packet times) "
+        "marks the flow application-limited: its rate samples then only raise the estimate.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CongestionConfig:
+        if self.min_window_packets > self.initial_window_packets:
+            raise ValueError("min_window_packets must not exceed initial_window_packets")
+        if self.inflated_loss_threshold > self.loss_threshold:
+            raise ValueError("inflated_loss_threshold must not exceed loss_threshold")
+        if max(self.probe_bw_gains) <= 1.0 or min(self.probe_bw_gains) <= 0.0:
+            raise ValueError(
+                "probe_bw_gains needs a phase above 1 (to find new bandwidth) and all gains > 0"
+            )
+        return self
 
 
 class TransportConfig(_Section):

@@ -258,6 +258,21 @@ class LinkEmulator(Generic[T]):
         self._due: list[tuple[float, int, float, int, T]] = []
         self._seq = 0
 
+    @property
+    def rate_bps(self) -> float | None:
+        """The link rate now, bits per second (None: unlimited)."""
+        return self._byte_rate * 8.0 if self._byte_rate is not None else None
+
+    def set_rate(self, rate_bps: float) -> None:
+        """Change the rate of a rate-limited link (a route change, a competing burst on a
+        shared access link). Packets already queued keep their schedule; the ones offered
+        from now on are serialized at the new rate."""
+        if self._byte_rate is None:
+            raise ValueError("only a rate-limited link can change its rate")
+        if not rate_bps > 0.0:
+            raise ValueError("rate_bps must be positive")
+        self._byte_rate = rate_bps / 8.0
+
     def queue_bytes(self, now: float) -> int:
         """Bytes queued or on the wire at ``now``."""
         self._expire_backlog(now)
