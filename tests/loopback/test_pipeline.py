@@ -75,11 +75,14 @@ async def _scenario(spec: RunSpec) -> None:
     victim, survivor = servers[1], servers[2]
 
     def view() -> dict[int, list[ServerInfo]]:
+        # what the DHT would say: every server online with the same announced throughput
+        # (the benchmarks of a shared CI machine are noisy; equal figures make the two
+        # middle replicas equally likely picks, so the dead one does get tried)
         out: dict[int, list[ServerInfo]] = {}
         for server, ep in zip(servers, endpoints):
             host, port = ep.address
             out.setdefault(server.stage, []).append(
-                ServerInfo(ep.peer_id, host, port, server.throughput, server.queue_len, "online", None)
+                ServerInfo(ep.peer_id, host, port, 20.0, server.queue_len, "online", None)
             )
         return out
 
@@ -152,5 +155,6 @@ async def _scenario(spec: RunSpec) -> None:
         f"\nval loss {val_before:.3f} -> {val_after:.3f}; retried hops {c.retried_hops}; "
         f"errors {dict(c.errors)}; stage-1 applied victim={len(on_victim)} survivor={len(on_survivor)} "
         f"both={len(on_victim & on_survivor)}; hops {dict(c.hops)}; "
-        f"payload bytes sent {c.payload_bytes_sent} received {c.payload_bytes_received}"
+        f"payload bytes sent {c.payload_bytes_sent} received {c.payload_bytes_received}; "
+        f"{trainer.status()['tokens_per_s_overall']} tokens/s"
     )
