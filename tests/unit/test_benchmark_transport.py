@@ -1,0 +1,123 @@
+"""benchmarks/transport.py on plain loopback (no emulator, no child processes): every
+variant moves a small payload intact, the loopback measurement runs, and the report's
+last line is the JSON object of the documented shape."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark() -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:  # the script imports its baseline helper by name
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("bench_transport", BENCHMARKS / "transport.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_benchmark()
+
+SIZE_MB = 0.25  # 256 KiB: above the FEC threshold, so the wanswarm variant uses datagrams
+REPEATS = 2
+RESULT_KEYS = {"profile", "size_mb", "variant", "link_mbps", "goodput_mbps", "p50_s", "p95_s",
+               "completed", "attempted"}
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+async def _variants_on_loopback() -> list[Any]:
+    servers = await bench.start_servers([bench.MIB])
+    payload = bench.Payload.random(int(SIZE_MB * bench.MIB), seed=3)
+    cells = []
+    try:
+        for variant in bench.VARIANTS:
+            cell = bench.Cell("lan", SIZE_MB, variant, payload.nbytes, 1e9, 0.001, timeout_s=15.0)
+            target = (bench.HOST, servers.port(variant, bench.MIB))
+            await bench.run_transfers(
+                cell,
+                lambda v=variant, t=target: bench.make_client(v, t, servers.peer_id, bench.MIB),
+                payload,
+                REPEATS,
+                max_failures=1,
+                gap_s=0.0,
+                budget=bench.Budget(None),
+            )
+            cells.append(cell)
+    finally:
+        await servers.close()
+    return cells
+
+
+def test_every_variant_moves_the_payload_intact_and_the_report_is_json(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cells = run(_variants_on_loopback())
+    for cell in cells:
+        # a wrong count or CRC in the acknowledgement would count as not completed
+        assert (cell.completed, cell.attempted) == (REPEATS, REPEATS), (cell.variant, cell.errors)
+        assert cell.p50_s is not None and cell.p50_s > 0 and cell.goodput_mbps > 0
+    wanswarm = cells[-1]
+    assert wanswarm.diagnostics["totals"]["bytes_out"] > REPEATS * wanswarm.nbytes
+
+    loopback = run(bench.run_loopback(SIZE_MB, REPEATS, 15.0, seed=4, budget=bench.Budget(None)))
+    assert (loopback["completed"], loopback["attempted"]) == (REPEATS, REPEATS)
+    assert loopback["goodput_mbps"] > 0 and loopback["cpu_s_per_gb"] > 0
+    reference = loopback["reference_aioquic_tuned"]
+    assert (reference["completed"], reference["attempted"]) == (REPEATS, REPEATS)
+
+    report = {
+        "results": [c.result() for c in cells],
+        "loopback": loopback,
+        "targets": bench.evaluate_targets(cells, loopback, REPEATS),
+        "diagnostics": [],
+        "meta": {"loadavg_start": [0.0], "loadavg_end": [0.0], "cpus": 1, "layout": "test"},
+    }
+    bench.write_report(report, cells)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("aioquic_tuned" in line for line in lines[:-1])  # the table
+    parsed = json.loads(lines[-1])
+    assert {"results", "loopback"} <= set(parsed)
+    assert [r["variant"] for r in parsed["results"]] == list(bench.VARIANTS)
+    for result in parsed["results"]:
+        assert set(result) == RESULT_KEYS
+        assert result["completed"] == result["attempted"] == REPEATS
+    assert {"goodput_mbps", "cpu_s_per_gb"} <= set(parsed["loopback"])
+
+
+def test_cell_statistics_count_a_timeout_as_infinitely_slow() -> None:
+    cell = bench.Cell("wan", 1.0, "wanswarm", bench.MIB, 100e6, 0.1, timeout_s=10.0)
+    cell.times = [1.0, 2.0, None]
+    assert cell.p50_s == 2.0 and cell.p95_s is None and cell.completed == 2
+    cell.times = [1.0, None]
+    assert cell.p50_s is None and cell.goodput_mbps is None
+    assert cell.goodput_bound_mbps == pytest.approx(bench.MIB * 8 / 10.0 / 1e6)
+
+
+def test_a_wrong_acknowledgement_is_corruption() -> None:
+    payload = bench.Payload.random(1000, seed=1)
+    payload.check(1000, payload.crc)
+    with pytest.raises(bench.Corrupt):
+        payload.check(1000, payload.crc ^ 1)
+    with pytest.raises(bench.Corrupt):
+        payload.check(999, payload.crc)
