@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,12 @@ from wanswarm.transport.pacing import Pacer
 MSS = 1200
 
 
-def _greedy(pacer: Pacer, start: float, end: float, poll_every: float | None) -> list[float]:
+class _Paces(Protocol):
+    def next_send_time(self, now: float) -> float | None: ...
+    def on_packet_sent(self, size: int, now: float) -> None: ...
+
+
+def _greedy(pacer: _Paces, start: float, end: float, poll_every: float | None) -> list[float]:
     """A sender that always has data: it sends whenever the pacer allows, woken at the
     pacer's next send time, or (``poll_every``) by events such as ACKs at that period."""
     sent: list[float] = []
@@ -45,6 +51,40 @@ def test_ack_clocking_does_not_override_the_rate() -> None:
     pacer.set_rate(4e6, 0.0)
     sent = _greedy(pacer, 0.0, 1.0, 0.0001)
     assert len(sent) * MSS == pytest.approx(4e6 + pacer.burst, rel=0.01)
+
+
+class _AioquicBucket:
+    """aioquic 1.7's QuicPacketPacer (quic/recovery.py) line for line, set to a rate."""
+
+    def __init__(self, rate: float) -> None:
+        self.packet_time = MSS / rate
+        self.bucket_max = max(2 * MSS, 16 * MSS) / rate
+        self.bucket_time = 0.0
+        self.evaluation_time = 0.0
+
+    def next_send_time(self, now: float) -> float | None:
+        self._update_bucket(now)
+        return now + self.packet_time if self.bucket_time <= 0 else None
+
+    def on_packet_sent(self, size: int, now: float) -> None:
+        self._update_bucket(now)
+        if self.bucket_time < self.packet_time:
+            self.bucket_time = 0.0  # the debt is forgiven
+        else:
+            self.bucket_time -= self.packet_time
+
+    def _update_bucket(self, now: float) -> None:
+        if now > self.evaluation_time:
+            self.bucket_time = min(self.bucket_time + now - self.evaluation_time, self.bucket_max)
+            self.evaluation_time = now
+
+
+def test_aioquic_pacer_follows_the_ack_rate_instead() -> None:
+    """Why this module exists: with events every 0.1 ms, aioquic's bucket lets one
+    packet go per event, three times the rate it was set to."""
+    bucket = _AioquicBucket(4e6)
+    sent = _greedy(bucket, 0.0, 1.0, 0.0001)
+    assert len(sent) * MSS > 2.5 * 4e6
 
 
 def test_burst_after_idle_is_bounded() -> None:
