@@ -140,6 +140,12 @@ def main() -> int:
     parser.add_argument("--echo", action="store_true", help="target echoes: load both directions")
     parser.add_argument("--relay-cpu", type=int, default=None, help="pin the relay to this CPU")
     parser.add_argument(
+        "--relay-nice",
+        type=int,
+        default=0,
+        help="niceness of the relay process (negative, as root, on a busy machine)",
+    )
+    parser.add_argument(
         "--role", choices=["bench", "target"], default="bench", help=argparse.SUPPRESS
     )
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
@@ -170,6 +176,8 @@ def main() -> int:
     ]
     if args.relay_cpu is not None:
         relay_cmd += ["--cpu", str(args.relay_cpu)]
+    if args.relay_nice:
+        relay_cmd = ["nice", "-n", str(args.relay_nice), *relay_cmd]
     relay = subprocess.Popen(relay_cmd, stdout=subprocess.PIPE, text=True)
     assert relay.stdout is not None
     hello = json.loads(relay.stdout.readline())
