@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wanswarm.transport.codecs import CodecSpec, encode
+from wanswarm.transport.config import CongestionConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
 from wanswarm.transport.errors import ConnectError, RemoteError, RequestTimeout
 from wanswarm.transport.identity import Identity
@@ -259,7 +260,7 @@ def test_close_waits_for_in_flight_handlers() -> None:
 
 def test_fec_transfer_through_a_lossy_wan() -> None:
     async def main() -> None:
-        cfg = config(fec=fec(threshold_bytes=32 * 1024))
+        cfg = config(fec=fec(threshold_bytes=32 * 1024), congestion=CongestionConfig())
         profile = WanProfile.symmetric(
             "lossy", rate_bps=100e6, rtt_s=0.02, loss=BernoulliLoss(rate=0.03)
         )
