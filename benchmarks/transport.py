@@ -12,13 +12,15 @@ Variants (one request = one payload of N bytes, answered by a small acknowledgem
   handler answering (count, CRC-32) in the response header. The Endpoint runs with
   ``TransportConfig`` defaults (host aside): its congestion controller, windows, FEC.
 
-Path: client -> WAN emulator -> server, the emulator (``python -m wanswarm.transport.wan``)
-a child process of its own, one per (profile, size, variant) cell, applying the profile
-in both directions and reporting its counters when stopped. Processes: the clients run
-in this process (uvloop); the three servers run together in one child process (uvloop),
-one per profile; so client, server and emulator each get a core's worth of scheduling
-where the machine has one (on a machine with 2 cores and other work they share them:
-the load average and every process's CPU time are in the output).
+Path: client -> WAN emulator -> server. The emulator (``python -m wanswarm.transport.wan``)
+is a child process of its own, one per (profile, size, variant) cell, applying the
+profile in both directions and printing its counters when stopped. The clients run in
+this process; every server (plain default, plain tuned per window, wanswarm) runs in one
+child process; uvloop everywhere (``--loop asyncio`` for the stock loop). So client,
+server and emulator each get a core's worth of scheduling where the machine has the
+cores; where it does not (other work, or 2 cores for 3 busy processes) every process's
+CPU seconds and run-queue wait (Linux schedstat: time runnable but not running) are in
+the diagnostics, with the load average, to tell a CPU-starved run from a slow transport.
 
 Method. Each cell opens one fresh connection and warms it up with one request of 1 KiB
 (the QUIC/TLS handshake is excluded from every time), then runs ``--repeats`` transfers
@@ -27,7 +29,8 @@ BDP, drains) so that every transfer starts on an empty path; the congestion cont
 state carries over from one transfer to the next, as on a long-lived connection. A
 transfer's time runs from the request call (payload handed to the transport) to the
 acknowledgement's receipt, so it includes one RTT beyond the payload's own delivery;
-goodput = payload bits / median time. A transfer that does not complete within
+goodput = payload bits / median time; the link rate counts UDP payload bytes (what the
+emulator serializes). A transfer that does not complete within
 min(--timeout, max(10 s, 20 x ideal)) (ideal = payload / link rate + RTT), fails, or is
 acknowledged with a wrong count or CRC does not count as completed: its connection is
 closed and the next repeat opens a new one (warmed up again); after ``--max-failures``
@@ -35,11 +38,16 @@ of them the cell stops (attempted < repeats says so). p50 is the median over att
 transfers (a transfer that did not complete counts as infinitely slow, so a median
 that falls on one is reported as null, its goodput as an upper bound only); p95 is
 the nearest-rank 95th percentile. Sizes are MiB (2^20 bytes); Mb/s are 10^6 bits/s.
+``--budget`` bounds the whole run: a transfer whose timeout would end past it is not
+started (reported as skipped); cells run wanswarm first, then aioquic_tuned, then
+aioquic_default, so a budget cuts the baselines first.
 
-Loopback (no emulator): the wanswarm variant with 16 MiB payloads, client and server
-endpoints in this one process and event loop (so both ends share one core), its goodput
-and CPU seconds (``time.process_time``, all threads) per GB (10^9 payload bytes) moved.
-Packets are at most ``max_udp_payload_bytes`` = 1452 bytes (1500-byte path MTU).
+Loopback (no emulator, after the emulated cells): the wanswarm variant with 16 MiB
+payloads, client and server endpoints in this one process and event loop (so both ends
+share one core), its goodput and CPU seconds (``time.process_time``, all threads) per GB
+(10^9 payload bytes) moved; then aioquic_tuned measured the same way, as a reference for
+what plain QUIC costs on the same machine at the same time. Packets are at most
+``max_udp_payload_bytes`` = 1452 bytes (1500-byte path MTU), 1452 for aioquic_tuned too.
 
 Output: a table, target checks and, as the last line of stdout, one JSON object
 ``{"results": [...], "loopback": {...}, "targets": [...], "diagnostics": [...], "meta":
@@ -94,6 +102,7 @@ MIN_TIMEOUT_S = 10.0
 TIMEOUT_IDEAL_FACTOR = 20.0
 LOOPBACK_SIZE_MB = 16.0
 LOOPBACK_TARGET_MBPS = 300.0
+QUICK_BUDGET_S = 155.0  # + imports (torch: ~10 s on a busy machine) and teardown < 3 min
 HOST = "127.0.0.1"
 
 Address = tuple[str, int]
@@ -630,8 +639,8 @@ async def run_emulated(
     logger.info("starting the server process")
     server = await start_server_process(children, sorted(set(windows.values())), args.loop)
     payloads = {s: Payload.random(int(s * MIB), args.seed) for s in args.sizes}
-    # ours first: when the time budget runs out, it cuts the baselines
-    order = sorted(args.variants, key=lambda v: v != "wanswarm")
+    # when the time budget runs out, it cuts the baselines first
+    order = [v for v in ("wanswarm", "aioquic_tuned", "aioquic_default") if v in args.variants]
     cells: list[Cell] = []
     try:
         for profile in args.profiles:
@@ -698,6 +707,10 @@ async def run_emulated_cell(
         if b is not None and a is not None:  # CPU used, and time spent waiting for a CPU
             d[f"{name}_cpu_s"] = round(a[0] - b[0], 2)
             d[f"{name}_runqueue_wait_s"] = round(a[1] - b[1], 2)
+            if name != "emulator" and cell.completed == cell.attempted > 0 and a[0] > b[0]:
+                # the goodput this end would sustain on a whole core at the CPU it used
+                bits = cell.completed * cell.nbytes * 8
+                d[f"{name}_cpu_ceiling_mbps"] = round(bits / (a[0] - b[0]) / 1e6, 1)
     d["emulator"] = _emulator_summary(stats)
     uplink = stats.get("uplink", {})
     if uplink.get("offered_bytes"):
@@ -717,7 +730,9 @@ def _log_cell(cell: Cell) -> None:
     down = d.get("emulator", {}).get("downlink", {})
 
     def proc(name: str) -> str:
-        return f"{name} {d.get(name + '_cpu_s')}/{d.get(name + '_runqueue_wait_s')}"
+        ceiling = d.get(name + "_cpu_ceiling_mbps")
+        return (f"{name} {d.get(name + '_cpu_s')}/{d.get(name + '_runqueue_wait_s')}"
+                + (f" (whole-core ceiling {ceiling} Mb/s)" if ceiling else ""))
 
     logger.info(
         "%s %gMB %s: %d/%d done, p50 %s s, %s s wall, load %s | CPU/run-queue wait s: %s, %s, "
@@ -986,8 +1001,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
         epilog="Defaults: every profile, sizes 1 4 16, 5 repeats, 60 s timeout cap, no "
-               "budget. --quick: wan and bad, 16 MiB, 3 repeats, 15 s timeout cap, 170 s "
-               "budget (each can still be set).",
+               "budget. --quick: wan and bad, 16 MiB, 3 repeats, 20 s timeout cap, "
+               f"{QUICK_BUDGET_S:g} s budget (each can still be set).",
     )
     parser.add_argument("--quick", action="store_true", help="a run of under 3 minutes")
     parser.add_argument("--profiles", nargs="+", choices=sorted(PROFILES), default=None)
@@ -1021,9 +1036,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.variants is None:
         args.variants = list(VARIANTS)
     if args.timeout is None:
-        args.timeout = 15.0 if quick else 60.0
+        args.timeout = 20.0 if quick else 60.0
     if args.budget is None and quick:
-        args.budget = 170.0
+        args.budget = QUICK_BUDGET_S
     if args.repeats < 1 or args.max_failures < 1 or args.timeout <= 0:
         parser.error("--repeats and --max-failures must be >= 1, --timeout > 0")
     if any(s <= 0 for s in args.sizes):
