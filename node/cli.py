@@ -178,8 +178,9 @@ def _load(args: argparse.Namespace) -> NodeConfig:
 def _join(args: argparse.Namespace) -> int:
     config = _load(args)
     from .daemon import run_daemon  # imports hivemind and torch: only for 'join'
+    from .swarm_node import build_components
 
-    return run_daemon(config)
+    return run_daemon(config, build_components(config))
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -43,6 +43,9 @@ from .errors import ConfigError
 from .logs import LogConfig
 from .metrics import MetricsConfig
 from .prober import ProberConfig
+from .averaging import AveragingConfig
+from .stage_server import StageServerConfig
+from .trainer import TrainerConfig
 
 ENV_PREFIX = "WANSWARM__"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
@@ -60,7 +63,9 @@ def check_host(value: str) -> str:
     try:
         ipaddress.ip_address(value)
     except ValueError:
-        raise ValueError(f"must be an IPv4 or IPv6 address such as 0.0.0.0 or 127.0.0.1 (got {value!r})")
+        raise ValueError(
+            f"must be an IPv4 or IPv6 address such as 0.0.0.0 or 127.0.0.1 (got {value!r})"
+        ) from None
     return value
 
 
@@ -119,6 +124,32 @@ class NodeSection(_Section):
         gt=0,
         le=3600,
         description="Seconds between reads of the swarm's records (the peer list).",
+    )
+    run_spec: Path | None = Field(
+        default=None,
+        description=(
+            "Run spec TOML (model, stages, batch, optimizer, codecs, data; see configs/runs/). "
+            "Unset: the embedded default tiny run. Every peer of a run must use the same spec."
+        ),
+    )
+    announce_host: str = Field(
+        default="",
+        description=(
+            "QUIC host announced to peers; empty: the bound address (or 127.0.0.1 when bound to "
+            "0.0.0.0). Set it when peers reach us through another address (NAT, a WAN emulator)."
+        ),
+    )
+    announce_port: int = Field(
+        default=0, ge=0, le=65535, description="QUIC port announced to peers; 0: the bound port."
+    )
+    join_backoff: float = Field(
+        default=3.0,
+        ge=0,
+        le=600,
+        description=(
+            "Longest random wait, seconds, before a server re-reads the records and claims a stage, "
+            "so that servers starting together spread over the stages."
+        ),
     )
 
     @model_validator(mode="after")
@@ -210,6 +241,9 @@ class NodeConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig)
     prober: ProberConfig = Field(default_factory=ProberConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
+    stage_server: StageServerConfig = Field(default_factory=StageServerConfig)
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
     @property
     def state_dir(self) -> Path:

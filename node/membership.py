@@ -65,6 +65,7 @@ class Membership:
         self.stage: int | None = None
         self.throughput = 0.0
         self.queue = 0
+        self.run_id = ""
         self.quic: QuicAddress | None = None
         self.published = 0
         self.last_announce_ok: bool | None = None
@@ -81,6 +82,7 @@ class Membership:
         throughput: float | object = _UNSET,
         queue: int | object = _UNSET,
         quic: QuicAddress | None | object = _UNSET,
+        run_id: str | object = _UNSET,
     ) -> None:
         """Change announced fields; a stage or address change is announced at once."""
         urgent = False
@@ -90,6 +92,9 @@ class Membership:
             urgent = True
         if quic is not _UNSET and quic != self.quic:
             self.quic = quic  # type: ignore[assignment]
+            urgent = True
+        if isinstance(run_id, str) and run_id != self.run_id:
+            self.run_id = run_id
             urgent = True
         if isinstance(throughput, int | float):
             self.throughput = float(throughput)
@@ -114,6 +119,7 @@ class Membership:
             queue=self.queue,
             quic=self.quic,
             version=__version__,
+            run_id=self.run_id,
         )
 
     async def announce(self) -> bool:

@@ -78,6 +78,8 @@ class ServerRecord(OwnedRecord):
     queue: int = Field(default=0, ge=0, le=1_000_000)
     quic: QuicAddress | None = None
     version: Annotated[str, StringConstraints(max_length=32)] = ""
+    # the run spec's hash (runspec.RunSpec.run_id); empty: not announced yet
+    run_id: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{16})?$")] = ""
 
 
 class RttEntry(_Record):

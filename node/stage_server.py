@@ -37,6 +37,7 @@ benchmark (forward+backward of one micro-batch) and cached in the state director
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable
@@ -206,6 +207,7 @@ class StageServer:
         self._idle.set()
         self._membership: Any = None
         self._closed = False
+        self._digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
         for kind, handler in (
             (Kind.FORWARD, self._on_forward),
             (Kind.FORWARD_LOSS, self._on_forward_loss),
@@ -235,7 +237,9 @@ class StageServer:
     async def start(self, ctx: Any) -> None:
         """Component seam: ``open`` then announce our stage and throughput."""
         self._membership = ctx.membership
-        ctx.membership.update(stage=self.stage, throughput=0.0, queue=0)
+        # (the throughput announced so far, if any, stands until the benchmark replaces it:
+        # servers choosing their stage meanwhile count this one)
+        ctx.membership.update(stage=self.stage, queue=0)
         await self.open()
         ctx.membership.update(throughput=self.throughput, queue=self._pending)
 
@@ -270,6 +274,8 @@ class StageServer:
             "samples_accumulated": self.optimizer.samples_accumulated,
             "synchronized": self.optimizer.is_synchronized(),
             "cache": len(self._cache),
+            "digest_epoch": self._digest[0],
+            "param_digest": self._digest[1],
             **asdict(self.counters),
         }
 
@@ -523,7 +529,20 @@ class StageServer:
         self.counters.applied += 1
         self.counters.samples_accumulated += batch
         self.optimizer.step(batch)
+        if self.optimizer.local_epoch != self._digest[0]:
+            self._digest = (self.optimizer.local_epoch, self.param_digest())
         return reply
+
+    def param_digest(self) -> str:
+        """SHA-256 (16 hex) of the stage's parameters and buffers, in state_dict order.
+
+        Call on the device thread (or while no job runs): replicas of a stage at the same
+        epoch hold equal digests when averaging leaves them bit-identical."""
+        h = hashlib.sha256()
+        for name, tensor in self.module.state_dict().items():
+            h.update(name.encode())
+            h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def _eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
