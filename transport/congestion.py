@@ -57,6 +57,11 @@ from .config import CongestionConfig
 
 __all__ = ["CongestionController", "CongestionState", "WindowedMax"]
 
+# The smallest RTT sample we believe (RFC 9002 §6.1.2's kGranularity, which aioquic uses
+# too): event-loop clocks tick in whole milliseconds, so a loopback sample can read 0.0,
+# and a zero min RTT would make every "per min RTT" interval empty.
+RTT_FLOOR_S = 0.001
+
 logger = logging.getLogger(__name__)
 
 
@@ -296,7 +301,7 @@ class CongestionController:
             self._next_round_delivered = self._delivered
             self._round_count += 1
             self._end_round(now)
-        rtt = now - p.sent_time
+        rtt = max(now - p.sent_time, RTT_FLOOR_S)
         min_rtt_expired = self._update_min_rtt(rtt, now)
         self._round_min_rtt = min(self._round_min_rtt, rtt)
         self._check_standing_queue(rtt, p.app_limited, now)
@@ -344,6 +349,7 @@ class CongestionController:
 
     def on_rtt_measurement(self, latest_rtt: float, now: float) -> None:
         """An RTT sample from the transport's own estimator (the newest ACKed packet)."""
+        latest_rtt = max(latest_rtt, RTT_FLOOR_S)
         first = math.isinf(self._min_rtt)
         if latest_rtt <= self._min_rtt:  # expiry is the ACK path's business (PROBE_RTT)
             self._min_rtt = latest_rtt

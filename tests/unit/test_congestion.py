@@ -270,3 +270,22 @@ def test_probe_rtt_drains_and_returns() -> None:
     assert 0.038 <= cc.min_rtt <= 0.041
     stats = sim.flows[0].stats
     assert stats.rate_bps(1.0, 4.0) > 0.85 * 10 * Mbps
+
+
+def test_zero_rtt_samples_from_a_millisecond_clock_do_not_break_the_controller() -> None:
+    """uvloop's clock ticks in whole milliseconds: on loopback a packet can be sent and
+    acknowledged at the same reading. Such samples are floored at 1 ms (RFC 9002
+    kGranularity) rather than making the min RTT zero."""
+    from wanswarm.transport.config import CongestionConfig
+    from wanswarm.transport.congestion import RTT_FLOOR_S, CongestionController
+
+    cc = CongestionController(CongestionConfig(), max_datagram_size=1452, rng=random.Random(1))
+    now = 1.0
+    for n in range(20_000):
+        cc.on_packet_sent(n, 1452, now)
+        cc.on_rtt_measurement(0.0, now)
+        cc.on_packet_acked(n, now)  # same clock reading: a zero RTT
+        if n % 4 == 0:
+            now += 0.001
+    assert cc.min_rtt == RTT_FLOOR_S
+    assert cc.pacing_rate > 0 and cc.congestion_window > 0
