@@ -66,6 +66,14 @@ examples:
 Exits 0 once the daemon has exited, 1 when no daemon is running or it outlives --timeout.
 """
 
+DEMO_EPILOG = """\
+examples:
+  wanswarm demo                           # 3 stages x 2 replicas on loopback, the default tiny run
+  wanswarm demo --wan wan                 # every QUIC link through a 100 ms, 1%-loss emulated WAN
+  wanswarm demo --replicas 1 --tokens 200000 --json   # short; ends with one JSON line
+  wanswarm demo --duration 60 --keep      # keep the daemons' state dirs and logs
+Ctrl-C stops every daemon gracefully (SIGTERM, then SIGKILL after the shutdown timeout).
+"""
 CONFIG_EPILOG = """\
 examples:
   wanswarm config --defaults > node.toml    # every setting with its description
@@ -138,6 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     leave.add_argument("--no-wait", action="store_true", help="return once the daemon accepted the request")
 
+    demo = sub.add_parser(
+        "demo", help="train the default run on a local swarm of daemons and show its progress",
+        epilog=DEMO_EPILOG, formatter_class=fmt,
+        description=(
+            "Start replicas x stages daemons on 127.0.0.1 (optionally behind the WAN emulator), "
+            "measure validation loss through the swarm, train until --tokens or --duration, "
+            "measure again, print per-stage figures, stop every daemon."
+        ),
+    )
+    demo.add_argument("--replicas", type=int, default=2, metavar="N", help="daemons per stage (default 2)")
+    demo.add_argument("--duration", type=float, default=480.0, metavar="SECONDS",
+                      help="stop training after this long (default 480)")
+    demo.add_argument("--tokens", type=int, default=1_500_000, metavar="N",
+                      help="stop once the trainers completed this many tokens (default 1500000)")
+    demo.add_argument("--wan", choices=["lan", "home", "wan", "bad"], help="put a WAN emulator before every QUIC port")
+    demo.add_argument("--eval-windows", type=int, default=64, metavar="N", help="validation windows evaluated (default 64)")
+    demo.add_argument("--json", action="store_true", help="end with one JSON line of results (progress on stderr)")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary state dirs and logs")
+    demo.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="a config setting for every daemon, e.g. --set trainer.max_in_flight=4 (repeatable)")
     config = sub.add_parser(
         "config", help="print the effective settings, or every default with its description",
         epilog=CONFIG_EPILOG, formatter_class=fmt,
@@ -219,7 +247,20 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"join": _join, "status": _status, "leave": _leave, "config": _config}
+def _demo(args: argparse.Namespace) -> int:
+    for item in args.set:
+        parse_assignment(item)  # a usage error now, not six daemons failing later
+    if args.replicas < 1 or args.duration <= 0 or args.tokens < 1 or args.eval_windows < 1:
+        raise ConfigError("--replicas, --tokens and --eval-windows must be >= 1, --duration > 0")
+    from .demo import DemoOptions, run_demo  # imports torch: only for 'demo'
+
+    return run_demo(DemoOptions(
+        replicas=args.replicas, duration_s=args.duration, tokens=args.tokens, wan=args.wan,
+        json=args.json, keep=args.keep, eval_windows=args.eval_windows, extra=tuple(args.set),
+    ))
+
+
+COMMANDS = {"join": _join, "status": _status, "leave": _leave, "config": _config, "demo": _demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

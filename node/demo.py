@@ -1,0 +1,402 @@
+"""``wanswarm demo``: a local swarm of real daemons training the embedded default run.
+
+Starts ``replicas x stages`` daemons as subprocesses (``wanswarm join`` on 127.0.0.1, ports
+0, each with its own temporary state directory and log file). The first bootstraps the DHT;
+the others join through its address, one after the other once the previous one has claimed
+a stage, so that claims spread over the stages. With ``--wan PROFILE`` every daemon gets a
+WAN emulator process in front of its QUIC port and announces the emulator's address, so every
+link into it crosses the emulated WAN.
+
+While the swarm trains, a progress line (optimizer epoch, trainer loss, tokens/s, elapsed)
+is redrawn in place on a TTY, printed every few seconds otherwise. Validation loss is measured
+through the swarm at the start and the end by an evaluation client in this process (its own
+QUIC endpoint and identity; servers taken from the daemons' status). The run stops at the
+token budget or the duration, whichever comes first, or on Ctrl-C; every daemon then gets
+SIGTERM (the graceful leave), then SIGKILL if it outlives the shutdown timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from .control import ControlClient
+from .errors import NodeError
+from .logs import get_logger
+
+log = get_logger(__name__)
+
+PROGRESS_PERIOD_S = 2.0  # status polls
+PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
+STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
+SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
+
+
+class DemoError(NodeError):
+    """The demo swarm could not start or lost its daemons."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    replicas: int = 2
+    duration_s: float = 480.0
+    tokens: int = 1_500_000
+    wan: str | None = None
+    json: bool = False
+    keep: bool = False
+    root: Path | None = None
+    eval_windows: int = 64
+    extra: tuple[str, ...] = ()  # --set items passed to every daemon
+
+
+@dataclass
+class _Node:
+    index: int
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_file: Path
+    emulator: subprocess.Popen[bytes] | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def client(self) -> ControlClient:
+        return ControlClient(self.state_dir / "control.sock", timeout=5.0)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Demo:
+    def __init__(self, options: DemoOptions, out: TextIO = sys.stdout) -> None:
+        from .runspec import default_run_spec
+
+        self.options = options
+        self.out = out
+        self.spec = default_run_spec()
+        self.n_daemons = options.replicas * self.spec.n_stages
+        self.root = Path(tempfile.mkdtemp(prefix="wanswarm-demo-", dir=options.root))
+        self.nodes: list[_Node] = []
+        self.stop = asyncio.Event()
+        self.tty = out.isatty() and not options.json
+
+    # ---- output -------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        if not self.options.json:
+            self.out.write(text + "\n")
+            self.out.flush()
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    # ---- processes ----------------------------------------------------------------
+
+    def _spawn_daemon(self, index: int, initial: list[str]) -> _Node:
+        state_dir = self.root / f"node{index}"
+        state_dir.mkdir(mode=0o700)
+        log_file = self.root / f"node{index}.log"
+        emulator = None
+        quic_port = 0
+        sets = [
+            f"node.shutdown_timeout={SHUTDOWN_TIMEOUT_S}",
+            "node.join_backoff=0",
+            "node.record_ttl=15",
+            "node.membership_period=2",
+        ]
+        if self.options.wan is not None:
+            quic_port = _free_udp_port()
+            emulator = subprocess.Popen(
+                [sys.executable, "-m", "wanswarm.transport.wan", "--profile", self.options.wan,
+                 "--target", f"127.0.0.1:{quic_port}", "--listen", "127.0.0.1:0", "--seed", str(index)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+            assert emulator.stdout is not None
+            line = emulator.stdout.readline().decode()  # its first line: the bound address
+            try:
+                host, _, port = json.loads(line)["address"].rpartition(":")
+            except (ValueError, KeyError) as exc:
+                emulator.kill()
+                raise DemoError(f"WAN emulator did not start: {line!r}") from exc
+            sets += [f"node.announce_host={host}", f"node.announce_port={port}"]
+        cmd = [
+            sys.executable, "-m", "wanswarm.node.cli", "join", "--state-dir", str(state_dir),
+            "--host", "127.0.0.1", "--dht-port", "0", "--quic-port", str(quic_port), "--run", "demo",
+        ]
+        for item in [*sets, *self.options.extra]:
+            cmd += ["--set", item]
+        if initial:
+            cmd += ["--initial-peers", *initial]
+        with open(log_file, "wb") as sink:
+            proc = subprocess.Popen(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        node = _Node(index, state_dir, proc, log_file, emulator)
+        self.nodes.append(node)
+        return node
+
+    async def _poll(self, node: _Node) -> dict[str, Any] | None:
+        if node.proc.poll() is not None:
+            return None
+        try:
+            report = await asyncio.to_thread(lambda: node.client.status())
+        except NodeError:
+            return None
+        node.status = report.model_dump(mode="json")
+        return node.status
+
+    async def _until(self, what: str, check: Any, timeout: float) -> Any:
+        """Poll ``check()`` (async, returns a value or None) until it answers; DemoError on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._check_alive()
+            value = await check()
+            if value is not None:
+                return value
+            if loop.time() > deadline:
+                raise DemoError(f"timed out after {timeout:.0f}s waiting for {what}")
+            if self.stop.is_set():
+                raise DemoError("interrupted")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 0.5)
+
+    def _check_alive(self) -> None:
+        for node in self.nodes:
+            code = node.proc.poll()
+            if code is not None:
+                tail = node.log_file.read_text(errors="replace").strip().splitlines()[-5:]
+                raise DemoError(f"daemon {node.index} exited with status {code}; its log ends:\n  " + "\n  ".join(tail))
+
+    async def start_swarm(self) -> None:
+        wan = f" behind WAN emulators ({self.options.wan})" if self.options.wan else ""
+        self.say(f"starting {self.n_daemons} daemons ({self.spec.n_stages} stages x {self.options.replicas}){wan} "
+                 f"on run {self.spec.name} ({self.spec.run_id}); logs in {self.root}")
+        first = self._spawn_daemon(0, [])
+
+        async def bootstrap() -> list[str] | None:
+            status = await self._poll(first)
+            return status["dht_addrs"] if status and status["dht_addrs"] else None
+
+        initial = await self._until("the first daemon's DHT", bootstrap, STARTUP_TIMEOUT_S)
+        previous = first
+        for index in range(1, self.n_daemons):
+            await self._until(f"daemon {previous.index} to claim a stage", self._claimed(previous), STARTUP_TIMEOUT_S)
+            previous = self._spawn_daemon(index, initial)
+        await self._until("every daemon online", self._all_online, STARTUP_TIMEOUT_S)
+        stages = sorted(n.status["stage"] for n in self.nodes)
+        self.say(f"swarm online: stages {stages}")
+
+    def _claimed(self, node: _Node) -> Any:
+        async def check() -> bool | None:
+            status = await self._poll(node)
+            return True if status and status["stage"] is not None else None
+        return check
+
+    async def _all_online(self) -> bool | None:
+        statuses = await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        if any(s is None or s["state"] != "online" for s in statuses):
+            return None
+        served = {s["stage"] for s in statuses if s.get("components", {}).get("stage_server", {}).get("state") == "online"}
+        return True if served >= set(range(self.spec.n_stages)) else None
+
+    async def shutdown(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 15
+        for node in self.nodes:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.to_thread(node.proc.wait, left)
+            except subprocess.TimeoutExpired:
+                self.say(f"daemon {node.index} did not leave in time: killing it")
+                node.proc.kill()
+                await asyncio.to_thread(node.proc.wait, 10)
+            if node.emulator is not None and node.emulator.poll() is None:
+                node.emulator.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.to_thread(node.emulator.wait, 10)
+                except subprocess.TimeoutExpired:
+                    node.emulator.kill()
+
+    # ---- evaluation ---------------------------------------------------------------
+
+    def _servers(self) -> dict[int, list[Any]]:
+        from .trainer import ServerInfo
+
+        out: dict[int, list[Any]] = {}
+        for node in self.nodes:
+            status = node.status
+            server = status.get("components", {}).get("stage_server", {})
+            addr = status.get("quic_addr")
+            if not server or addr is None or node.proc.poll() is not None:
+                continue
+            host, _, port = addr.rpartition(":")
+            out.setdefault(server["stage"], []).append(ServerInfo(
+                peer_id=status["peer_id"], host=host.strip("[]"), port=int(port),
+                throughput=server["throughput"], queue_len=server["queue"], state=server["state"], rtt=None,
+            ))
+        return out
+
+    async def evaluate(self) -> float:
+        """Mean validation loss (nats/byte) through the swarm, from a client of our own."""
+        from ..transport.config import TransportConfig
+        from ..transport.endpoint import Endpoint
+        from ..transport.identity import Identity
+        from .data import validation_set
+        from .trainer import Trainer, TrainerConfig
+
+        await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        inputs, targets = await asyncio.to_thread(validation_set, self.spec)
+        n = min(self.options.eval_windows, int(inputs.shape[0]))
+        servers = self._servers()
+        async with Endpoint(Identity.generate(), TransportConfig(host="127.0.0.1", port=0)) as endpoint:
+            trainer = Trainer(self.spec, TrainerConfig(), endpoint=endpoint, servers=lambda: servers)
+            return await trainer.evaluate((inputs[:n], targets[:n]))
+
+    # ---- training -----------------------------------------------------------------
+
+    def _totals(self) -> dict[str, Any]:
+        trainers = [n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status]
+        servers = [n.status.get("components", {}).get("stage_server", {}) for n in self.nodes if n.status]
+        losses = [t["loss_ewma"] for t in trainers if t.get("loss_ewma") is not None]
+        return {
+            "tokens": sum(t.get("tokens", 0) for t in trainers),
+            "tokens_per_s": sum(t.get("tokens_per_s", 0.0) for t in trainers),
+            "loss": sum(losses) / len(losses) if losses else None,
+            "epoch": max((s.get("epoch", 0) for s in servers), default=0),
+            "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in trainers),
+            "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
+        }
+
+    async def train(self) -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        last_line = -math.inf
+        base = self._totals()["tokens"]
+        while not self.stop.is_set():
+            self._check_alive()
+            await asyncio.gather(*(self._poll(n) for n in self.nodes))
+            t = self._totals()
+            elapsed = loop.time() - started
+            loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
+            line = (f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
+                    f"{t['tokens'] / 1e3:>7.0f}k tokens  {t['completed']} micro-batches ({t['failed']} failed)  "
+                    f"{elapsed:>5.0f}s / {self.options.duration_s:.0f}s")
+            if self.tty:
+                self.out.write("\r" + line + "\x1b[K")
+                self.out.flush()
+            elif elapsed - last_line >= PLAIN_LINE_PERIOD_S:
+                self.say(line)
+                last_line = elapsed
+            if t["tokens"] - base >= self.options.tokens or elapsed >= self.options.duration_s:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), PROGRESS_PERIOD_S)
+        if self.tty:
+            self.out.write("\n")
+        return loop.time() - started
+
+    def stage_table(self) -> list[dict[str, Any]]:
+        rows = []
+        for stage in range(self.spec.n_stages):
+            members = [n for n in self.nodes if n.status.get("stage") == stage]
+            ids = {n.status["peer_id"] for n in members}
+            rtts = [p["rtt_ms"] for n in self.nodes for p in n.status.get("peers", [])
+                    if p["peer_id"] in ids and p.get("rtt_ms") is not None]
+            comp = [n.status.get("components", {}) for n in members]
+            rows.append({
+                "stage": stage,
+                "peers": len(members),
+                "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
+                "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
+                "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
+                "epoch": max((c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0),
+            })
+        return rows
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._interrupt)
+        code = 1
+        try:
+            await self.start_swarm()
+            val_start = await self.evaluate()
+            self.say(f"validation loss at start: {val_start:.3f} nats/byte")
+            start_tokens = self._totals()["tokens"]
+            elapsed = await self.train()
+            await asyncio.gather(*(self._poll(n) for n in self.nodes))
+            totals = self._totals()
+            val_end = await self.evaluate()
+            self.say(f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
+                     f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}")
+            rows = self.stage_table()
+            self.say(f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} {'epoch':>6}")
+            for r in rows:
+                rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
+                self.say(f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} {_bytes(r['bytes_sent']):>12} "
+                         f"{rtt:>10} {r['epoch']:>6}")
+            if self.options.json:
+                self.out.write(json.dumps({
+                    "val_loss_start": round(val_start, 4),
+                    "val_loss_end": round(val_end, 4),
+                    "tokens": totals["tokens"],
+                    "tokens_per_s": round((totals["tokens"] - start_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+                    "daemons": self.n_daemons,
+                    "stages": rows,
+                    "elapsed_s": round(elapsed, 1),
+                    "epoch": totals["epoch"],
+                }) + "\n")
+                self.out.flush()
+            code = 0 if not self.stop.is_set() else 130
+        except DemoError as exc:
+            self.say(f"wanswarm demo: {exc}")
+            code = 130 if self.stop.is_set() else 1
+        finally:
+            self.say("stopping the daemons (SIGTERM)...")
+            await self.shutdown()
+            if self.options.keep:
+                self.say(f"kept state dirs and logs in {self.root}")
+            else:
+                shutil.rmtree(self.root, ignore_errors=True)
+        return code
+
+    def _interrupt(self) -> None:
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        self.say("\ninterrupted: stopping")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def run_demo(options: DemoOptions) -> int:
+    """Run the demo to the end; returns the exit status (0 done, 1 failure, 130 interrupted)."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return asyncio.run(Demo(options).run())
+
+
+__all__ = ["DemoOptions", "run_demo"]
