@@ -1073,8 +1073,10 @@ async def _server_role(windows: Sequence[int]) -> None:
 
 
 class _Elapsed(logging.Formatter):
+    """Seconds since the start, then the message (and its traceback, if any)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return f"[{record.relativeCreated / 1000:7.1f}s] {record.getMessage()}"
+        return f"[{record.relativeCreated / 1000:7.1f}s] {super().format(record)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
