@@ -711,6 +711,9 @@ async def run_emulated_cell(
                 # the goodput this end would sustain on a whole core at the CPU it used
                 bits = cell.completed * cell.nbytes * 8
                 d[f"{name}_cpu_ceiling_mbps"] = round(bits / (a[0] - b[0]) / 1e6, 1)
+    waits = [d[f"{name}_runqueue_wait_s"] for name in pids if f"{name}_runqueue_wait_s" in d]
+    if waits and wall > 0:  # how CPU-starved the most starved of the three processes was
+        d["max_runqueue_wait_fraction"] = round(max(waits) / wall, 3)
     d["emulator"] = _emulator_summary(stats)
     uplink = stats.get("uplink", {})
     if uplink.get("offered_bytes"):
@@ -724,7 +727,7 @@ async def run_emulated_cell(
 
 def _log_cell(cell: Cell) -> None:
     d = cell.diagnostics
-    if "wall_s" not in d:
+    if "wall_s" not in d or not cell.attempted:
         return
     up = d.get("emulator", {}).get("uplink", {})
     down = d.get("emulator", {}).get("downlink", {})
@@ -902,12 +905,14 @@ def evaluate_targets(cells: list[Cell], loopback: dict[str, Any] | None,
 def write_report(report: dict[str, Any], cells: list[Cell]) -> None:
     """The benchmark's output: the table, target checks, then the JSON line (stdout)."""
     header = ("profile", "size MB", "variant", "link Mb/s", "goodput Mb/s", "% of link",
-              "p50 s", "p95 s", "done", "ideal s")
+              "p50 s", "p95 s", "done", "ideal s", "rq wait")
     rows = [header]
     for c in cells:
         link = None if c.link_bps is None else c.link_bps / 1e6
         goodput = c.goodput_mbps
         censored = f">{c.timeout_s:.0f}" if c.attempted else "-"
+        wait = c.diagnostics.get("max_runqueue_wait_fraction")
+        starved = "-" if wait is None or not c.attempted else f"{wait:.0%}"
         if goodput is not None:
             shown, share = f"{goodput:.1f}", "-" if link is None else f"{goodput / link:.1%}"
         elif c.attempted:
@@ -919,7 +924,7 @@ def write_report(report: dict[str, Any], cells: list[Cell]) -> None:
             c.profile, f"{c.size_mb:g}", c.variant, _fmt(link, 0), shown, share,
             _fmt(c.p50_s, 3) if c.p50_s is not None else censored,
             _fmt(c.p95_s, 3) if c.p95_s is not None else censored,
-            f"{c.completed}/{c.attempted}", _fmt(c.ideal_s, 3),
+            f"{c.completed}/{c.attempted}", _fmt(c.ideal_s, 3), starved,
         ))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
@@ -941,6 +946,8 @@ def write_report(report: dict[str, Any], cells: list[Cell]) -> None:
                 f"{ref['completed']}/{ref['attempted']} completed"
             )
     meta = report["meta"]
+    lines.append("rq wait: the largest share of the cell's wall time that client, server or "
+                 "emulator spent runnable but waiting for a CPU (0% on an idle machine)")
     lines.append(f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
                  f"on {meta['cpus']} CPUs; {meta['layout']}")
     for t in report["targets"]:
