@@ -89,7 +89,7 @@ def test_every_variant_moves_the_payload_intact_and_the_report_is_json(
     report = {
         "results": [c.result() for c in cells],
         "loopback": loopback,
-        "targets": bench.evaluate_targets(cells, loopback, REPEATS),
+        "targets": bench.evaluate_targets(cells, loopback),
         "diagnostics": [],
         "meta": {"loadavg_start": [0.0], "loadavg_end": [0.0], "cpus": 1, "layout": "test"},
     }
@@ -121,3 +121,42 @@ def test_a_wrong_acknowledgement_is_corruption() -> None:
         payload.check(1000, payload.crc ^ 1)
     with pytest.raises(bench.Corrupt):
         payload.check(999, payload.crc)
+
+
+def _cell(profile: str, variant: str, times: list[float | None], link: float, rtt: float,
+          timeout: float = 60.0, skipped: int = 0) -> Any:
+    cell = bench.Cell(profile, 16.0, variant, 16 * bench.MIB, link, rtt, timeout_s=timeout)
+    cell.times, cell.skipped = times, skipped
+    return cell
+
+
+def _status(targets: list[dict[str, Any]], name: str) -> str:
+    (status,) = [t["status"] for t in targets if t["target"].startswith(name)]
+    return str(status)
+
+
+def test_targets_are_judged_on_what_ran() -> None:
+    bits = 16 * bench.MIB * 8
+    fast = bits / 85e6  # 85 Mb/s on a 100 Mb/s link
+    cells = [
+        _cell("wan", "wanswarm", [fast] * 3, 100e6, 0.1),
+        _cell("wan", "aioquic_tuned", [bits / 10e6] * 3, 100e6, 0.1),
+        _cell("bad", "wanswarm", [bits / 13e6, bits / 13e6], 20e6, 0.2, skipped=1),
+    ]
+    targets = bench.evaluate_targets(cells, None)
+    assert _status(targets, "wan 16 MB: wanswarm goodput >= 80%") == "PASS"
+    assert _status(targets, "wan 16 MB: wanswarm goodput >= 5x") == "PASS"  # 8.5x
+    assert _status(targets, "bad 16 MB: wanswarm completes") == "UNDECIDED"  # one skipped
+    assert _status(targets, "bad 16 MB: wanswarm goodput") == "PASS"  # 65%
+    assert _status(targets, "loopback") == "NOT RUN"
+
+    # the tuned baseline's median timed out: only a bound, 5x above it or undecided
+    cells[1] = _cell("wan", "aioquic_tuned", [None], 100e6, 0.1, timeout=60.0)
+    assert _status(bench.evaluate_targets(cells, None), "wan 16 MB: wanswarm goodput >= 5x") \
+        == "PASS"  # 85 >= 5 x 2.24
+    cells[0] = _cell("wan", "wanswarm", [bits / 30e6] * 3, 100e6, 0.1)
+    cells[1] = _cell("wan", "aioquic_tuned", [None], 100e6, 0.1, timeout=20.0)
+    assert _status(bench.evaluate_targets(cells, None), "wan 16 MB: wanswarm goodput >= 5x") \
+        == "UNDECIDED"  # 30 < 5 x 6.7
+    cells[2] = _cell("bad", "wanswarm", [1.0, None], 20e6, 0.2)
+    assert _status(bench.evaluate_targets(cells, None), "bad 16 MB: wanswarm completes") == "MISS"
