@@ -2,8 +2,9 @@
 
 Starts ``replicas x stages`` daemons as subprocesses (``wanswarm join`` on 127.0.0.1, ports
 0, each with its own temporary state directory and log file). The first bootstraps the DHT;
-the others join through its address, one after the other once the previous one has claimed
-a stage, so that claims spread over the stages. With ``--wan PROFILE`` every daemon gets a
+the others start together once it is up and join through its address. Daemon ``i`` serves
+stage ``i mod S`` (``node.stage``): the demo knows its layout, so it pins it rather than
+waiting for each claim in turn (a swarm of volunteers uses stage_selection instead). With ``--wan PROFILE`` every daemon gets a
 WAN emulator process in front of its QUIC port and announces the emulator's address, so every
 link into it crosses the emulated WAN.
 
@@ -43,6 +44,7 @@ PROGRESS_PERIOD_S = 2.0  # status polls
 PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
 STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
 SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
+DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see _spawn_daemon)
 
 
 class DemoError(NodeError):
@@ -115,9 +117,16 @@ class Demo:
         quic_port = 0
         sets = [
             f"node.shutdown_timeout={SHUTDOWN_TIMEOUT_S}",
-            "node.join_backoff=0",
+            # the layout is known here: daemon i serves stage i mod S, so every stage gets its
+            # replicas and all daemons but the first start at once (no claim to wait for)
+            f"node.stage={index % self.spec.n_stages}",
             "node.record_ttl=15",
             "node.membership_period=2",
+            # micro-batches in flight over the whole swarm make gradients stale by about
+            # (in flight / micro-batches per step) epochs, plus one for delayed updates: with
+            # the tiny run's 6 micro-batches per step, one per trainer keeps that near 2
+            f"trainer.max_in_flight={DEMO_MAX_IN_FLIGHT}",
+            "averaging.matchmaking_time=2",  # loopback: peers answer at once
         ]
         if self.options.wan is not None:
             quic_port = _free_udp_port()
@@ -142,9 +151,12 @@ class Demo:
             cmd += ["--set", item]
         if initial:
             cmd += ["--initial-peers", *initial]
+        # one compute thread per daemon: several daemons share the machine's cores
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with open(log_file, "wb") as sink:
             proc = subprocess.Popen(
-                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=env,
             )
         node = _Node(index, state_dir, proc, log_file, emulator)
         self.nodes.append(node)
@@ -194,19 +206,11 @@ class Demo:
             return status["dht_addrs"] if status and status["dht_addrs"] else None
 
         initial = await self._until("the first daemon's DHT", bootstrap, STARTUP_TIMEOUT_S)
-        previous = first
         for index in range(1, self.n_daemons):
-            await self._until(f"daemon {previous.index} to claim a stage", self._claimed(previous), STARTUP_TIMEOUT_S)
-            previous = self._spawn_daemon(index, initial)
+            self._spawn_daemon(index, initial)
         await self._until("every daemon online", self._all_online, STARTUP_TIMEOUT_S)
         stages = sorted(n.status["stage"] for n in self.nodes)
         self.say(f"swarm online: stages {stages}")
-
-    def _claimed(self, node: _Node) -> Any:
-        async def check() -> bool | None:
-            status = await self._poll(node)
-            return True if status and status["stage"] is not None else None
-        return check
 
     async def _all_online(self) -> bool | None:
         statuses = await asyncio.gather(*(self._poll(n) for n in self.nodes))
@@ -268,7 +272,15 @@ class Demo:
         servers = self._servers()
         async with Endpoint(Identity.generate(), TransportConfig(host="127.0.0.1", port=0)) as endpoint:
             trainer = Trainer(self.spec, TrainerConfig(), endpoint=endpoint, servers=lambda: servers)
-            return await trainer.evaluate((inputs[:n], targets[:n]))
+            try:
+                return await trainer.evaluate((inputs[:n], targets[:n]))
+            except NodeError as exc:
+                raise DemoError(f"validation through the swarm failed: {exc}") from None
+            except ExceptionGroup as group:
+                first = group.exceptions[0]
+                while isinstance(first, ExceptionGroup):
+                    first = first.exceptions[0]
+                raise DemoError(f"validation through the swarm failed: {first}") from None
 
     # ---- training -----------------------------------------------------------------
 
