@@ -118,7 +118,51 @@ def render_text(report: StatusReport) -> str:
                 f"  {stage:<6} {short_peer(peer.peer_id):<11} {peer.state:<9} "
                 f"{_ms(peer.rtt_ms):>9} {_ms(peer.min_rtt_ms):>9}  {peer.quic_addr or '-'}{fails}"
             )
+    lines.extend(_training_lines(report))
     for name, fields in sorted(report.components.items()):
+        if name in _SUMMARISED:
+            continue
         summary = "  ".join(f"{k}={v}" for k, v in sorted(fields.items()))
         lines.append(f"{name:<9} {summary}")
     return "\n".join(lines) + "\n"
+
+
+_SUMMARISED = frozenset({"stage_server", "trainer", "endpoint"})
+
+
+def _training_lines(report: StatusReport) -> list[str]:
+    """Replicas per stage, the server's work and optimizer step, the trainer's loss and rate."""
+    comps = report.components
+    lines = []
+    replicas: dict[int, int] = {}
+    for peer in report.peers:
+        if peer.stage is not None and peer.state != "draining":
+            replicas[peer.stage] = replicas.get(peer.stage, 0) + 1
+    if report.stage is not None and report.server:
+        replicas[report.stage] = replicas.get(report.stage, 0) + 1
+    if replicas:
+        lines.append("stages    " + "   ".join(f"{s}: {n} replica{'s' if n != 1 else ''}"
+                                                for s, n in sorted(replicas.items())))
+    server = comps.get("stage_server")
+    if server:
+        lines.append(
+            f"server    stage {server.get('stage')} ({server.get('state')})   "
+            f"{server.get('applied', 0)} micro-batches served   optimizer step {server.get('epoch', 0)}   "
+            f"queue {server.get('queue', 0)}   {server.get('throughput', 0)} samples/s"
+        )
+    trainer = comps.get("trainer")
+    if trainer:
+        mb = trainer.get("micro_batches", {})
+        loss = trainer.get("loss_ewma")
+        ratios = trainer.get("wire_compression") or {}
+        wire = "   ".join(f"{k} {v}x" for k, v in ratios.items())
+        lines.append(
+            f"trainer   loss {'-' if loss is None else f'{loss:.3f}'}   {trainer.get('tokens_per_s', 0)} tokens/s   "
+            f"{mb.get('completed', 0)} micro-batches done, {mb.get('failed', 0)} failed"
+            + (f"   wire compression {wire}" if wire else "")
+        )
+    endpoint = comps.get("endpoint")
+    if endpoint:
+        lines.append(f"endpoint  run {endpoint.get('run_id')}   {endpoint.get('requests_served', 0)} requests served, "
+                     f"{endpoint.get('requests_sent', 0)} sent")
+    return lines

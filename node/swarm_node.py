@@ -237,6 +237,7 @@ class TrainerComponent:
         self.server = server
         self.rng = rng
         self.trainer: Trainer | None = None
+        self._ratios: dict[str, float] = {}
 
     async def start(self, ctx: ComponentContext) -> None:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
@@ -249,6 +250,7 @@ class TrainerComponent:
             return view
 
         self.trainer = Trainer(self.spec, self.config.trainer, endpoint=self.endpoint.endpoint, servers=servers, rng=self.rng)
+        self._ratios = await asyncio.to_thread(codec_ratios, self.spec)
         await self.trainer.start(ctx)
 
     async def drain(self, deadline: float) -> None:
@@ -260,7 +262,23 @@ class TrainerComponent:
             await self.trainer.close()
 
     def status(self) -> dict[str, Any]:
-        return {} if self.trainer is None else self.trainer.status()
+        if self.trainer is None:
+            return {}
+        return {**self.trainer.status(), "wire_compression": self._ratios}
+
+
+def codec_ratios(spec: RunSpec) -> dict[str, float]:
+    """float32 bytes / encoded bytes of one micro-batch's activation under the run's codecs."""
+    import torch
+
+    from ..transport.codecs import encode, parse_codec
+
+    x = torch.randn(spec.batch.micro_batch_size, spec.model.seq_len, spec.model.d_model)  # (B, T, C)
+    raw = x.numel() * x.element_size()
+    return {
+        "forward": round(raw / len(encode(x, parse_codec(spec.codecs.forward_activations)).payload), 2),
+        "backward": round(raw / len(encode(x, parse_codec(spec.codecs.backward_gradients)).payload), 2),
+    }
 
 
 def build_components(config: NodeConfig) -> list[Component]:
