@@ -70,7 +70,7 @@ class Pacer:
     def next_send_time(self, now: float) -> float | None:
         """None when a packet may go at ``now``; otherwise when one may."""
         self._refill(now)
-        if self._tokens >= -_EPSILON_BYTES:
+        if self._tokens >= -_EPSILON_BYTES or math.isinf(self._rate):
             return None
         return now + -self._tokens / self._rate
 

@@ -37,6 +37,7 @@ import asyncio
 import enum
 import hashlib
 import logging
+import math
 import os
 import random
 import socket
@@ -66,6 +67,7 @@ from .congestion_adapter import CongestionControl, ControllerAdapter, Meter
 from .errors import AuthenticationError, ConfigError, ConnectError, IdentityError
 from .handshake import ChannelBinding
 from .identity import Identity, peer_id_from_certificate
+from .pacing import Pacer
 from .stream import QuicStream, StreamCode
 
 logger = logging.getLogger(__name__)
@@ -96,23 +98,37 @@ class CloseCode(enum.IntEnum):
 
 
 class _ControllerPacer(QuicPacketPacer):
-    """aioquic's pacer at our controller's pacing rate instead of cwnd / smoothed RTT.
+    """aioquic's pacer slot, driven by our controller's pacing rate through our own bucket.
 
-    aioquic recomputes the pacer after ACKs and losses from (cwnd, srtt); we hand it the
-    window that, over the same RTT, gives the controller's rate, so its token bucket
-    (burst allowance of cwnd/4, between 2 and 16 packets) keeps working unchanged.
+    aioquic's ``QuicPacketPacer`` lets a packet go whenever its bucket holds any credit and
+    forgives the debt of a send it could not pay for, so every ACK releases a packet: a flow
+    can never be paced below its ACK rate, which breaks DRAIN and PROBE_BW's 0.75 phase
+    (see transport/pacing.py). We keep aioquic's call sites (``next_send_time`` before
+    building packets, ``update_after_send`` after each) and answer them from
+    :class:`~.pacing.Pacer`, reading the controller's rate at every send.
     """
 
     def __init__(self, *, max_datagram_size: int, adapter: ControllerAdapter) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
         self._adapter = adapter
+        self._mss = max_datagram_size
+        self._bucket = Pacer(max_datagram_size=max_datagram_size)
+
+    def _follow(self, now: float) -> None:
+        rate = self._adapter.pacing_rate
+        if rate > 0.0 and math.isfinite(rate) and rate != self._bucket.rate:
+            self._bucket.set_rate(rate, now)
+
+    # aioquic annotates float but returns None for "send now", as we do
+    def next_send_time(self, now: float) -> float | None:  # type: ignore[override]
+        self._follow(now)
+        return self._bucket.next_send_time(now)
+
+    def update_after_send(self, now: float) -> None:
+        self._bucket.on_packet_sent(self._mss, now)
 
     def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
-        rate = self._adapter.pacing_rate
-        rtt = max(smoothed_rtt, 1e-3)
-        if rate > 0:
-            congestion_window = max(1, int(rate * rtt))
-        super().update_rate(congestion_window=congestion_window, smoothed_rtt=rtt)
+        """Ignored: the rate is read from the controller at each send, not from cwnd/srtt."""
 
 
 _registered: set[str] = set()

@@ -6,7 +6,6 @@ import random
 from dataclasses import dataclass
 
 import pytest
-
 from wanswarm.transport.config import CongestionConfig
 from wanswarm.transport.congestion_adapter import ControllerAdapter, Meter
 from wanswarm.transport.quic import _congestion_algorithm, _ControllerPacer
@@ -98,14 +97,19 @@ class _Rate:
 
 def test_pacer_follows_the_controller_rate() -> None:
     pacer = _ControllerPacer(max_datagram_size=MSS, adapter=_Rate())  # type: ignore[arg-type]
-    pacer.update_rate(congestion_window=10 * MSS, smoothed_rtt=0.05)
-    assert pacer.packet_time == pytest.approx(MSS / 1e6, rel=1e-3)
-    # without a rate yet, aioquic's own cwnd / srtt
+    pacer.update_rate(congestion_window=10 * MSS, smoothed_rtt=0.05)  # ignored: rate is ours
+    now = 0.0
+    while pacer.next_send_time(now) is None:  # spend the burst allowance
+        pacer.update_after_send(now)
+    # then one packet per MSS / rate
+    assert pacer.next_send_time(now) == pytest.approx(now + MSS / 1e6, rel=1e-3, abs=1e-9)
+    # without a rate from the controller yet, nothing is held back
     rate = _Rate()
     rate.pacing_rate = 0.0
-    fallback = _ControllerPacer(max_datagram_size=MSS, adapter=rate)  # type: ignore[arg-type]
-    fallback.update_rate(congestion_window=10 * MSS, smoothed_rtt=0.05)
-    assert fallback.packet_time == pytest.approx(0.005, rel=1e-3)
+    idle = _ControllerPacer(max_datagram_size=MSS, adapter=rate)  # type: ignore[arg-type]
+    for _ in range(100):
+        assert idle.next_send_time(0.0) is None
+        idle.update_after_send(0.0)
 
 
 def test_algorithms_are_registered_per_setting() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import pytest
 from hypothesis import given, settings
@@ -130,3 +130,25 @@ def test_never_more_than_rate_times_time_plus_burst(
         allowance += rate * span
         now += span
         assert sent <= allowance + 16 * MSS + MSS
+
+
+def test_quic_pacer_slot_paces_at_the_controller_rate_below_the_ack_rate() -> None:
+    """The pacer installed into aioquic's recovery follows the controller's rate even when
+    ACK events arrive far more often than the pacing interval (aioquic's own pacer would
+    release a packet at each of them)."""
+    from wanswarm.transport.quic import _ControllerPacer
+
+    class _Rate:
+        pacing_rate = 1_000_000.0  # bytes/s: 1452-byte packets every 1.452 ms
+
+    pacer = _ControllerPacer(max_datagram_size=1452, adapter=cast(Any, _Rate()))
+    now, sent = 0.0, 0
+    for _ in range(10_000):  # an "ACK" (a chance to send) every 0.1 ms for one second
+        pacer.update_rate(congestion_window=10**9, smoothed_rtt=0.001)  # must not matter
+        if pacer.next_send_time(now) is None:
+            pacer.update_after_send(now)
+            sent += 1452
+        now += 0.0001
+    # at most rate * 1 s plus the burst allowance (16 packets) and one packet of debt
+    assert sent <= 1_000_000 + 17 * 1452
+    assert sent >= 0.95 * 1_000_000
