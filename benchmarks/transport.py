@@ -144,9 +144,15 @@ class Payload:
             )
 
 
-def wanswarm_config() -> TransportConfig:
-    """What the wanswarm variant runs with: the shipped defaults, bound to loopback."""
-    return TransportConfig(host=HOST)
+def wanswarm_config(congestion: str | None = None) -> TransportConfig:
+    """What the wanswarm variant runs with: the shipped defaults, bound to loopback
+    (``congestion`` swaps the congestion control algorithm, for diagnosis only)."""
+    config = TransportConfig(host=HOST)
+    if congestion is not None:
+        config = config.model_copy(
+            update={"congestion": config.congestion.model_copy(update={"algorithm": congestion})}
+        )
+    return config
 
 
 async def _sink(request: Request) -> Response:
@@ -186,11 +192,11 @@ class Servers:
         await self.endpoint.close()
 
 
-async def start_servers(tuned_windows: Sequence[int]) -> Servers:
+async def start_servers(tuned_windows: Sequence[int], config: TransportConfig) -> Servers:
     creds = plain.credentials()
     default = await plain.serve(HOST, None, creds)
     tuned = {w: await plain.serve(HOST, w, creds) for w in sorted(set(tuned_windows))}
-    endpoint = Endpoint(Identity.generate(), wanswarm_config())
+    endpoint = Endpoint(Identity.generate(), config)
     endpoint.register(KIND, _sink)
     await endpoint.start(HOST, 0)
     return Servers(endpoint.peer_id, default.port, {w: t.port for w, t in tuned.items()},
@@ -240,9 +246,9 @@ class PlainVariant:
 
 
 class WanswarmVariant:
-    def __init__(self, target: Address, peer_id: str) -> None:
+    def __init__(self, target: Address, peer_id: str, config: TransportConfig) -> None:
         self._peer = PeerAddress(peer_id, target[0], target[1])
-        self._endpoint = Endpoint(Identity.generate(), wanswarm_config())
+        self._endpoint = Endpoint(Identity.generate(), config)
         self._codec = CodecSpec("none")
 
     async def open(self) -> None:
@@ -271,12 +277,14 @@ class WanswarmVariant:
         return out
 
 
-def make_client(variant: str, target: Address, peer_id: str, window: int) -> Client:
+def make_client(
+    variant: str, target: Address, peer_id: str, window: int, config: TransportConfig
+) -> Client:
     if variant == "aioquic_default":
         return PlainVariant(target, None)
     if variant == "aioquic_tuned":
         return PlainVariant(target, window)
-    return WanswarmVariant(target, peer_id)
+    return WanswarmVariant(target, peer_id, config)
 
 
 # -- one cell: repeats of one variant on one path ---------------------------------------
@@ -573,10 +581,12 @@ class ServerProcess:
 
 
 async def start_server_process(
-    children: Children, windows: Sequence[int], loop_kind: str
+    children: Children, windows: Sequence[int], args: argparse.Namespace
 ) -> ServerProcess:
-    argv = [sys.executable, os.path.abspath(__file__), "--role", "server", "--loop", loop_kind,
+    argv = [sys.executable, os.path.abspath(__file__), "--role", "server", "--loop", args.loop,
             "--tuned-windows", *map(str, windows)]
+    if args.wanswarm_congestion is not None:
+        argv += ["--wanswarm-congestion", args.wanswarm_congestion]
     proc = children.spawn(argv, stdin=True)
     hello = await asyncio.to_thread(_read_json_line, proc, READY_TIMEOUT_S)
     return ServerProcess(proc, hello)
@@ -637,7 +647,7 @@ async def run_emulated(
 ) -> list[Cell]:
     windows = {profile: tuned_window(profile) for profile in args.profiles}
     logger.info("starting the server process")
-    server = await start_server_process(children, sorted(set(windows.values())), args.loop)
+    server = await start_server_process(children, sorted(set(windows.values())), args)
     payloads = {s: Payload.random(int(s * MIB), args.seed) for s in args.sizes}
     # when the time budget runs out, it cuts the baselines first
     order = [v for v in ("wanswarm", "aioquic_tuned", "aioquic_default") if v in args.variants]
@@ -688,7 +698,8 @@ async def run_emulated_cell(
     try:
         await run_transfers(
             cell,
-            lambda: make_client(cell.variant, emulator.address, server.peer_id, window),
+            lambda: make_client(cell.variant, emulator.address, server.peer_id, window,
+                                wanswarm_config(args.wanswarm_congestion)),
             payload,
             args.repeats,
             max_failures=args.max_failures,
@@ -762,18 +773,20 @@ async def run_loopback(
     seed: int,
     *,
     budget: Budget,
+    config: TransportConfig,
     reference: bool = True,
 ) -> dict[str, Any]:
     """The wanswarm variant on plain loopback, both ends in this process (one core); with
     ``reference``, aioquic_tuned measured the same way, for the CPU cost of plain QUIC
     on this machine at this moment."""
     payload = Payload.random(int(size_mb * MIB), seed)
-    servers = await start_servers([MIB])
+    servers = await start_servers([MIB], config)
     try:
-        out = await _loopback_variant("wanswarm", servers, payload, repeats, timeout, budget)
+        out = await _loopback_variant("wanswarm", servers, payload, repeats, timeout, budget,
+                                      config)
         if reference:
             out["reference_aioquic_tuned"] = await _loopback_variant(
-                "aioquic_tuned", servers, payload, repeats, timeout, budget
+                "aioquic_tuned", servers, payload, repeats, timeout, budget, config
             )
     finally:
         await servers.close()
@@ -781,9 +794,16 @@ async def run_loopback(
 
 
 async def _loopback_variant(
-    variant: str, servers: Servers, payload: Payload, repeats: int, timeout: float, budget: Budget
+    variant: str,
+    servers: Servers,
+    payload: Payload,
+    repeats: int,
+    timeout: float,
+    budget: Budget,
+    config: TransportConfig,
 ) -> dict[str, Any]:
-    client = make_client(variant, (HOST, servers.port(variant, MIB)), servers.peer_id, MIB)
+    target = (HOST, servers.port(variant, MIB))
+    client = make_client(variant, target, servers.peer_id, MIB, config)
     cell = Cell("loopback", payload.nbytes / MIB, variant, payload.nbytes, None, 0.0, timeout)
     cpu = wall = waited = 0.0
     counters: dict[str, Any] = {}
@@ -980,7 +1000,8 @@ async def run_benchmark(args: argparse.Namespace, children: Children) -> dict[st
     if args.loopback in ("on", "only"):
         logger.info("loopback: %g MB x %d, no emulator", LOOPBACK_SIZE_MB, args.repeats)
         loopback = await run_loopback(LOOPBACK_SIZE_MB, args.repeats, args.timeout, args.seed,
-                                      budget=budget)
+                                      budget=budget,
+                                      config=wanswarm_config(args.wanswarm_congestion))
     report: dict[str, Any] = {
         "results": [c.result() for c in cells],
         "loopback": loopback or {"goodput_mbps": None, "cpu_s_per_gb": None},
@@ -996,6 +1017,7 @@ async def run_benchmark(args: argparse.Namespace, children: Children) -> dict[st
             "cpus": os.cpu_count(),
             "layout": LAYOUT,
             "event_loop": args.loop,
+            "wanswarm_congestion": wanswarm_config(args.wanswarm_congestion).congestion.algorithm,
             "repeats": args.repeats,
             "max_failures": args.max_failures,
             "seed": args.seed,
@@ -1032,6 +1054,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                         help="event loop of the clients and servers")
     parser.add_argument("--seed", type=int, default=1, help="payload and emulator loss seed")
+    parser.add_argument("--wanswarm-congestion", choices=("wanswarm", "reno", "cubic"),
+                        default=None, help="diagnosis only: run the wanswarm variant with "
+                        "another congestion controller (default: the shipped setting)")
     parser.add_argument("--role", choices=("bench", "server"), default="bench",
                         help=argparse.SUPPRESS)
     parser.add_argument("--tuned-windows", nargs="+", type=int, default=[MIB],
@@ -1060,7 +1085,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-async def _server_role(windows: Sequence[int]) -> None:
+async def _server_role(windows: Sequence[int], config: TransportConfig) -> None:
     """Child process: serve every variant until stdin closes or a signal comes."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -1073,7 +1098,7 @@ async def _server_role(windows: Sequence[int]) -> None:
             stop.set()
 
     loop.add_reader(stdin, on_stdin)
-    servers = await start_servers(windows)
+    servers = await start_servers(windows, config)
     try:
         sys.stdout.write(json.dumps(servers.describe()) + "\n")
         sys.stdout.flush()
@@ -1097,7 +1122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     run = uvloop.run if args.loop == "uvloop" else asyncio.run
     if args.role == "server":
-        run(_server_role(args.tuned_windows))
+        run(_server_role(args.tuned_windows, wanswarm_config(args.wanswarm_congestion)))
         return 0
     logger.setLevel(logging.INFO)
     children = Children()

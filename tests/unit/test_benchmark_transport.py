@@ -47,7 +47,8 @@ def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
 
 
 async def _variants_on_loopback() -> list[Any]:
-    servers = await bench.start_servers([bench.MIB])
+    config = bench.wanswarm_config()
+    servers = await bench.start_servers([bench.MIB], config)
     payload = bench.Payload.random(int(SIZE_MB * bench.MIB), seed=3)
     cells = []
     try:
@@ -56,7 +57,7 @@ async def _variants_on_loopback() -> list[Any]:
             target = (bench.HOST, servers.port(variant, bench.MIB))
             await bench.run_transfers(
                 cell,
-                lambda v=variant, t=target: bench.make_client(v, t, servers.peer_id, bench.MIB),
+                lambda v=variant, t=target: bench.make_client(v, t, servers.peer_id, bench.MIB, config),
                 payload,
                 REPEATS,
                 max_failures=1,
@@ -80,7 +81,9 @@ def test_every_variant_moves_the_payload_intact_and_the_report_is_json(
     wanswarm = cells[-1]
     assert wanswarm.diagnostics["totals"]["bytes_out"] > REPEATS * wanswarm.nbytes
 
-    loopback = run(bench.run_loopback(SIZE_MB, REPEATS, 15.0, seed=4, budget=bench.Budget(None)))
+    loopback = run(bench.run_loopback(
+        SIZE_MB, REPEATS, 15.0, seed=4, budget=bench.Budget(None), config=bench.wanswarm_config()
+    ))
     assert (loopback["completed"], loopback["attempted"]) == (REPEATS, REPEATS)
     assert loopback["goodput_mbps"] > 0 and loopback["cpu_s_per_gb"] > 0
     reference = loopback["reference_aioquic_tuned"]
