@@ -11,13 +11,17 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .config import NodeConfig, Override, load_config, parse_assignment
-from .config_template import render_template, render_values
+from .config_layers import Override, parse_assignment
 from .control import ControlClient
 from .errors import ConfigError, NodeError
+from .sections import ClientConfig, load_client_config
 from .status import render_text
+
+if TYPE_CHECKING:
+    from .config import NodeConfig
 
 PROG = "wanswarm"
 
@@ -200,7 +204,14 @@ def _overrides(args: argparse.Namespace) -> list[Override]:
 
 
 def _load(args: argparse.Namespace) -> NodeConfig:
+    from .config import load_config  # composes every section, torch-importing owners included
+
     return load_config(file=args.config, environ=os.environ, overrides=_overrides(args))
+
+
+def _load_client(args: argparse.Namespace) -> ClientConfig:
+    """What 'status' and 'leave' need (state dir, socket), without importing hivemind or torch."""
+    return load_client_config(file=args.config, environ=os.environ, overrides=_overrides(args))
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -212,7 +223,7 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    config = _load(args)
+    config = _load_client(args)
     report = ControlClient(config.control_socket, timeout=config.control.request_timeout).status()
     if args.json:
         print(report.model_dump_json(indent=2))
@@ -222,7 +233,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _leave(args: argparse.Namespace) -> int:
-    config = _load(args)
+    config = _load_client(args)
     client = ControlClient(config.control_socket, timeout=config.control.request_timeout)
     ack = client.leave()
     if ack.already_leaving:
@@ -240,6 +251,9 @@ def _leave(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    from .config import NodeConfig
+    from .config_template import render_template, render_values
+
     if args.defaults:
         print(render_template(NodeConfig), end="")
         return 0

@@ -42,7 +42,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from ..transport.identity import Identity, verify_signature
-from .config import DhtConfig
+from .sections import DhtConfig
 from .errors import DhtError, DhtTimeout, JoinError, NodeError, ProbeError, RecordError, UnsupportedRecordVersion
 from .logs import get_logger
 from .records import (
@@ -210,6 +210,7 @@ async def _in_dht_visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
 # ----------------------------------------------------------------- the adapter
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_READY_SLICE = 0.25  # seconds a thread waits on the DHT's ready-future at a time
 
 
 class _DhtProcess(DHT):
@@ -252,6 +253,14 @@ class Dht:
         """Fork the DHT process (call before starting the event loop: forking a process that
         runs threads and a loop is how hivemind's race reports begin). Does not wait for it."""
         validator = OwnedRecordValidator(run, identity)
+        # hivemind's MPFuture binds to asyncio.get_event_loop(), which outside a running loop
+        # would create (and leak) a default loop: give it one that we close right after the fork
+        scratch = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            scratch = asyncio.new_event_loop()
+            asyncio.set_event_loop(scratch)
         try:
             process = _DhtProcess(
                 initial_peers=list(config.initial_peers) or None,
@@ -273,6 +282,10 @@ class Dht:
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise JoinError(f"cannot start the DHT process: {exc}") from None
+        finally:
+            if scratch is not None:
+                asyncio.set_event_loop(None)
+                scratch.close()
         return cls(process, config, run, identity.peer_id, validator)
 
     @property
@@ -292,14 +305,19 @@ class Dht:
         """Wait until the DHT process has started and bootstrapped; JoinError otherwise."""
         loop = asyncio.get_running_loop()
         timeout = self.config.bootstrap_timeout
-        try:
-            # the ready-future was made before the loop existed, so wait on it from a thread;
-            # the thread returns by the deadline (result(timeout)), never lingers
-            await loop.run_in_executor(None, self._process.wait_until_ready, timeout)
-        except TimeoutError:
-            raise JoinError(f"the DHT did not start within dht.bootstrap_timeout={timeout}s") from None
-        except Exception as exc:
-            raise JoinError(_describe_join_failure(exc)) from None
+        deadline = loop.time() + timeout
+        # The ready-future was made before the loop existed, so it is waited on from a thread,
+        # in short slices: a cancelled join (a leave during start-up) leaves no thread behind
+        # that the loop's shutdown would have to wait for.
+        while True:
+            try:
+                await loop.run_in_executor(None, self._process.wait_until_ready, _READY_SLICE)
+                return
+            except TimeoutError:
+                if loop.time() >= deadline:
+                    raise JoinError(f"the DHT did not start within dht.bootstrap_timeout={timeout}s") from None
+            except Exception as exc:
+                raise JoinError(_describe_join_failure(exc)) from None
 
     async def _call(self, fn: Callable[..., Any], timeout: float, what: str) -> Any:
         if not self._process.is_alive():
@@ -408,7 +426,7 @@ class Dht:
 
 def _describe_join_failure(exc: BaseException) -> str:
     text = str(exc)
-    if "bootstrap failed" in text:
+    if "bootstrap failed" in text or "failed to connect to bootstrap peers" in text:
         return "none of the initial peers answered; check dht.initial_peers (or omit them to start a new swarm)"
     if "already taken" in text:
         return "this node's identity is already in use by another running peer (same state dir copied?)"

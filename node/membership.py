@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from . import __version__
-from .config import NodeSection
+from .sections import NodeSection
 from .errors import DhtError, RecordError
 from .logs import get_logger, set_log_context, short_peer
 from .metrics import NodeMetrics

@@ -49,6 +49,9 @@ FAST: tuple[str, ...] = (
     "--set", "dht.request_timeout=5",
 )
 
+# Membership only: the QUIC endpoint, but no stage server or trainer (no model, no training).
+NO_TRAINING: tuple[str, ...] = ("--set", "node.server=false", "--set", "node.trainer=false")
+
 WANSWARM = [sys.executable, "-m", "wanswarm.node.cli"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from .helpers import FAST, DaemonProcess, LocalSwarm, short_tmpdir, wait_for
+from .helpers import FAST, NO_TRAINING, DaemonProcess, LocalSwarm, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +44,8 @@ class Module:
 
     def start_member(self) -> DaemonProcess:
         addrs = self.boot.wait_online().dht_addrs
-        node = DaemonProcess("member", self.swarm.base_dir / "member", [*FAST, "--initial-peers", *addrs],
-                             self.notify_env).start()
+        node = DaemonProcess("member", self.swarm.base_dir / "member",
+                             [*FAST, *NO_TRAINING, "--initial-peers", *addrs], self.notify_env).start()
         self.swarm.nodes.append(node)
         self.member = node
         node.wait_online()
@@ -67,7 +68,7 @@ def module() -> Iterator[Module]:
     notify.settimeout(30)
     env = dict(os.environ, NOTIFY_SOCKET=str(notify_dir / "notify.sock"), WATCHDOG_USEC="1000000")
     metrics_port = _free_port()
-    swarm = LocalSwarm(n=0)
+    swarm = LocalSwarm(n=0, extra_args=[*FAST, *NO_TRAINING])
     try:
         boot = swarm.add("boot", initial_peers=(), extra_args=["--set", f"metrics.port={metrics_port}"])
         yield Module(swarm, boot, metrics_port, notify, env)
@@ -106,10 +107,12 @@ def test_join_status_rtt_and_metrics(module: Module, member: DaemonProcess) -> N
 
     report = wait_for(measured, 15, "an RTT to the bootstrap node", explain=module.swarm.explain)
     assert report["peer_id"] == member_id and report["run"] == "demo" and report["state"] == "online"
-    assert report["stage"] is None and report["quic_addr"] is None
+    assert report["stage"] is None  # no stage server
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", report["quic_addr"])  # type: ignore[arg-type]
     assert report["dht_addrs"] and all(a.endswith(f"/p2p/{member_id}") for a in report["dht_addrs"])  # type: ignore[union-attr]
     peer = next(p for p in report["peers"] if p["peer_id"] == boot_id)  # type: ignore[union-attr]
     assert 0 < peer["rtt_ms"] < 1000 and peer["stage"] is None
+    assert peer["quic_addr"] == boot.wait_online().quic_addr
 
     text = member.cli("status", timeout=20)
     assert text.returncode == 0 and member_id in text.stdout and "peers     1 known" in text.stdout

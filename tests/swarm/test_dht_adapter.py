@@ -1,0 +1,76 @@
+"""The DHT adapter against real hivemind DHT processes: identity, typed records, ping, join failure."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from wanswarm.node.config import DhtConfig
+from wanswarm.node.errors import JoinError, ProbeError
+from wanswarm.node.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.node.statedir import load_identity
+
+dht_module = pytest.importorskip("wanswarm.node.dht")
+pytestmark = pytest.mark.slow
+
+CONFIG = DhtConfig(host="127.0.0.1", bootstrap_timeout=20, rpc_timeout=3, request_timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_share_typed_records_and_ping(tmp_path: Path) -> None:
+    alice, alice_key = load_identity(tmp_path / "a")
+    bob, bob_key = load_identity(tmp_path / "b")
+    first = dht_module.Dht.spawn(CONFIG, "demo", alice, alice_key)
+    try:
+        asyncio.run(first.wait_ready())
+        addrs = asyncio.run(first.visible_maddrs())
+        # the key file is hivemind's identity: the DHT's peer id is the node's peer id
+        assert addrs and all(addr.endswith(f"/p2p/{alice.peer_id}") for addr in addrs)
+        second = dht_module.Dht.spawn(CONFIG.model_copy(update={"initial_peers": tuple(addrs)}), "demo", bob, bob_key)
+        try:
+            async def scenario() -> None:
+                await second.wait_ready()
+                expiration = time.time() + 30
+                server = ServerRecord(peer_id=bob.peer_id, state="online", stage=1, throughput=3.5,
+                                      quic=QuicAddress(host="127.0.0.1", port=4433), version="0.1.0")
+                rtt = RttRecord(peer_id=bob.peer_id, rtts={alice.peer_id: RttEntry(srtt_ms=1.5, min_ms=1.0)})
+                assert await second.publish(server, rtt, expiration)
+                read = await first.read_membership()
+                assert read.servers[bob.peer_id] == (server, pytest.approx(expiration))
+                assert read.rtts[bob.peer_id] == rtt and read.dropped == []
+                seconds = await first.ping(bob.peer_id, timeout=3)
+                assert 0 < seconds < 1
+                with pytest.raises(ProbeError):
+                    await first.ping("not-a-peer-id", timeout=1)
+                await second.shutdown(timeout=10)
+                await first.shutdown(timeout=10)
+
+            asyncio.run(scenario())
+        finally:
+            if second.is_alive():
+                second.hivemind_dht.shutdown()
+    finally:
+        if first.is_alive():
+            first.hivemind_dht.shutdown()
+    assert not first.is_alive() and not second.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_initial_peers_fail_the_join_clearly(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nobody listens there
+    identity, key = load_identity(tmp_path)
+    ghost, _ = load_identity(tmp_path / "ghost")
+    config = CONFIG.model_copy(update={"initial_peers": (f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost.peer_id}",)})
+    node = dht_module.Dht.spawn(config, "demo", identity, key)
+    try:
+        with pytest.raises(JoinError, match="none of the initial peers answered"):
+            asyncio.run(node.wait_ready())
+    finally:
+        if node.is_alive():
+            node.hivemind_dht.shutdown()
