@@ -32,9 +32,9 @@ from typing import Any
 
 import uvloop
 
-from . import __version__
 from ..transport.errors import TransportError
 from ..transport.identity import Identity
+from . import __version__
 from .component import Component, ComponentContext, TrafficSource
 from .config import NodeConfig
 from .control import ControlServer, LeaveAck
@@ -363,7 +363,7 @@ class Daemon:
             pass
         finally:
             hurry.cancel()
-        for component, drain in zip(self._started_components, drains):
+        for component, drain in zip(self._started_components, drains, strict=True):
             if not drain.done():
                 log.warning("%s did not finish draining in time; abandoning its in-flight work", component.name)
                 drain.cancel()

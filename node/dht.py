@@ -42,8 +42,15 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from ..transport.identity import Identity, verify_signature
-from .sections import DhtConfig
-from .errors import DhtError, DhtTimeout, JoinError, NodeError, ProbeError, RecordError, UnsupportedRecordVersion
+from .errors import (
+    DhtError,
+    DhtTimeout,
+    JoinError,
+    NodeError,
+    ProbeError,
+    RecordError,
+    UnsupportedRecordVersion,
+)
 from .logs import get_logger
 from .records import (
     MembershipRead,
@@ -57,6 +64,7 @@ from .records import (
     signing_message,
     unseal,
 )
+from .sections import DhtConfig
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -163,14 +171,14 @@ class OwnedRecordValidator(RecordValidatorBase):
 async def _in_dht_store(
     _dht: DHT, node: DHTNode, items: list[tuple[str, str, bytes, float]], timeout: float
 ) -> tuple[str, list[bool]]:
-    keys, subkeys, values, expirations = (list(column) for column in zip(*items))
+    keys, subkeys, values, expirations = (list(column) for column in zip(*items, strict=True))
     try:
         result = await asyncio.wait_for(
             node.store_many(keys, values, expirations, subkeys=subkeys), timeout
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return "timeout", []
-    return "ok", [bool(result.get((key, subkey))) for key, subkey in zip(keys, subkeys)]
+    return "ok", [bool(result.get((key, subkey))) for key, subkey in zip(keys, subkeys, strict=True)]
 
 
 async def _in_dht_get_dictionaries(
@@ -179,7 +187,7 @@ async def _in_dht_get_dictionaries(
     try:
         # latest: traverse the whole beam and merge every replica's sub-keys, not the first found
         found = await asyncio.wait_for(node.get_many(keys, sufficient_expiration_time=float("inf")), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return "timeout", {}
     out: dict[str, Any] = {}
     for key in keys:
@@ -198,7 +206,7 @@ async def _in_dht_ping(_dht: DHT, node: DHTNode, peer_id: str, timeout: float) -
     start = time.perf_counter()
     try:
         answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return None
     return time.perf_counter() - start if answered is not None else None
 

@@ -15,7 +15,15 @@ import time
 from collections.abc import Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Info, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Info,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, field_validator

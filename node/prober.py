@@ -109,7 +109,7 @@ class Prober:
         targets = choose_targets(self.table.peers(), self.own_stage(), self.config.max_peers, self.rng)
         results = await asyncio.gather(*(self._probe(peer_id) for peer_id in targets))
         self.rounds += 1
-        return dict(zip(targets, results))
+        return dict(zip(targets, results, strict=True))
 
     async def _probe(self, peer_id: str) -> float | None:
         try:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.config import DhtConfig
 from wanswarm.node.errors import JoinError, ProbeError
 from wanswarm.node.records import QuicAddress, RttEntry, RttRecord, ServerRecord

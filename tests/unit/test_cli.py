@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.cli import main
 from wanswarm.node.config import NodeConfig
 from wanswarm.node.config_template import render_template

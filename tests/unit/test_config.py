@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
 from wanswarm.node.config import NodeConfig, Override, env_overrides, load_config, parse_assignment
 from wanswarm.node.config_template import render_template, render_values
 from wanswarm.node.errors import ConfigError

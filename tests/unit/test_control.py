@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.control import ControlClient, ControlConfig, ControlServer, LeaveAck
 from wanswarm.node.errors import ControlProtocolError, DaemonNotRunning, StateDirError
 from wanswarm.node.status import StatusReport, render_text

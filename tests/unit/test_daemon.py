@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from wanswarm.node.component import ComponentContext
 from wanswarm.node.config import NodeConfig, load_config, parse_assignment
 from wanswarm.node.control import ControlClient

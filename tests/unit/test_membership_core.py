@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-
 from wanswarm.node.config import NodeSection
 from wanswarm.node.errors import DhtError, ProbeError
 from wanswarm.node.membership import Membership

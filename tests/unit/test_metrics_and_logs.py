@@ -9,7 +9,6 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-
 from wanswarm.node.logs import LogConfig, get_logger, log_context, set_log_context, setup_logging
 from wanswarm.node.metrics import NodeMetrics
 from wanswarm.node.peers import PeerTable

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.config import NodeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

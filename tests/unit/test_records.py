@@ -8,7 +8,6 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from wanswarm.node.errors import RecordError, UnsupportedRecordVersion
 from wanswarm.node.records import (
     MAX_RECORD_BYTES,

@@ -7,7 +7,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from wanswarm.node.rtt import RttEstimator, WindowedMin
 
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.sdnotify import notifier_from_env
 
 

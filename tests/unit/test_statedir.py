@@ -7,7 +7,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from wanswarm.node.errors import StateDirError
 from wanswarm.node.statedir import StateDirLock, load_identity, prepare_state_dir
 
