@@ -10,7 +10,8 @@ Variants (one request = one payload of N bytes, answered by a small acknowledgem
 - ``wanswarm``: ``Endpoint.request`` carrying the payload as one uint8 tensor with codec
   ``none`` (above the FEC threshold it travels as FEC-protected DATAGRAM frames), the
   handler answering (count, CRC-32) in the response header. The Endpoint runs with
-  ``TransportConfig`` defaults (host aside): its congestion controller, windows, FEC.
+  ``TransportConfig`` defaults (host aside): its congestion controller, windows, FEC
+  (``--wanswarm-congestion reno`` swaps the controller, to tell its share in a result).
 
 Path: client -> WAN emulator -> server. The emulator (``python -m wanswarm.transport.wan``)
 is a child process of its own, one per (profile, size, variant) cell, applying the

@@ -32,7 +32,7 @@ def load_benchmark() -> ModuleType:
 
 bench = load_benchmark()
 
-SIZE_MB = 0.25  # 256 KiB: above the FEC threshold, so the wanswarm variant uses datagrams
+SIZE_MB = 0.125  # 128 KiB: above the FEC threshold, so the wanswarm variant uses datagrams
 REPEATS = 2
 RESULT_KEYS = {"profile", "size_mb", "variant", "link_mbps", "goodput_mbps", "p50_s", "p95_s",
                "completed", "attempted"}
