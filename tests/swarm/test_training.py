@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.swarm.helpers import FAST, WANSWARM, LocalSwarm, wait_for
+from tests.swarm.helpers import FAST, NO_TRAINING, WANSWARM, LocalSwarm, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
+SMALL_SPEC = Path(__file__).resolve().parents[2] / "configs" / "runs" / "small.toml"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 TRAINING: tuple[str, ...] = (
@@ -104,5 +106,20 @@ def test_kill_middle_replica_and_replicas_agree() -> None:
         assert t1["micro_batches"]["completed"] <= applied2 <= t2["micro_batches"]["started"], (t1, applied2, t2)
         assert t2["micro_batches"]["failed"] == 0, t2
         assert mid_a.running() and trainer.running()
+    finally:
+        swarm.close()
+
+
+def test_other_run_spec_under_the_same_name_refuses_to_join() -> None:
+    swarm = LocalSwarm(0, extra_args=(*FAST, *NO_TRAINING), env=ENV)
+    try:
+        first = swarm.add("a", ())
+        other = swarm.add("b", first.status().dht_addrs, wait=False,
+                          extra_args=("--set", f"node.run_spec={SMALL_SPEC}"))
+        assert other.wait_exit(90) == 1, other.log_tail()
+        log = other.log_path.read_text(errors="replace")
+        assert "refusing to join run 'demo'" in log and "run spec mismatch" in log, other.log_tail()
+        assert "model." in log, other.log_tail()  # the differing fields are named
+        assert first.running()
     finally:
         swarm.close()
