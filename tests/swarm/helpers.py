@@ -117,7 +117,7 @@ class DaemonProcess:
         except ControlError:
             return None
 
-    def wait_online(self, timeout: float = 30.0) -> StatusReport:
+    def wait_online(self, timeout: float = 60.0) -> StatusReport:
         def online() -> StatusReport | None:
             if not self.running():
                 raise AssertionError(f"{self.name} exited with {self.proc and self.proc.returncode}\n{self.log_tail()}")
