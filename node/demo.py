@@ -54,7 +54,7 @@ class DemoError(NodeError):
 @dataclass(frozen=True)
 class DemoOptions:
     replicas: int = 2
-    duration_s: float = 480.0
+    duration_s: float = 420.0
     tokens: int = 1_500_000
     wan: str | None = None
     json: bool = False
@@ -216,7 +216,8 @@ class Demo:
         statuses = await asyncio.gather(*(self._poll(n) for n in self.nodes))
         if any(s is None or s["state"] != "online" for s in statuses):
             return None
-        served = {s["stage"] for s in statuses if s.get("components", {}).get("stage_server", {}).get("state") == "online"}
+        served = {s["stage"] for s in statuses
+                  if s is not None and s.get("components", {}).get("stage_server", {}).get("state") == "online"}
         return True if served >= set(range(self.spec.n_stages)) else None
 
     async def shutdown(self) -> None:
