@@ -298,8 +298,10 @@ class Demo:
             "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
         }
 
-    async def train(self) -> float:
+    async def train(self) -> tuple[float, int]:
+        """Show progress until the budget, the duration or a stop; (seconds, tokens at the start)."""
         loop = asyncio.get_running_loop()
+        await asyncio.gather(*(self._poll(n) for n in self.nodes))
         started = loop.time()
         last_line = -math.inf
         base = self._totals()["tokens"]
@@ -318,13 +320,13 @@ class Demo:
             elif elapsed - last_line >= PLAIN_LINE_PERIOD_S:
                 self.say(line)
                 last_line = elapsed
-            if t["tokens"] - base >= self.options.tokens or elapsed >= self.options.duration_s:
+            if t["tokens"] >= self.options.tokens or elapsed >= self.options.duration_s:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), PROGRESS_PERIOD_S)
         if self.tty:
             self.out.write("\n")
-        return loop.time() - started
+        return loop.time() - started, base
 
     def stage_table(self) -> list[dict[str, Any]]:
         rows = []
@@ -353,8 +355,7 @@ class Demo:
             await self.start_swarm()
             val_start = await self.evaluate()
             self.say(f"validation loss at start: {val_start:.3f} nats/byte")
-            start_tokens = self._totals()["tokens"]
-            elapsed = await self.train()
+            elapsed, start_tokens = await self.train()
             await asyncio.gather(*(self._poll(n) for n in self.nodes))
             totals = self._totals()
             val_end = await self.evaluate()
