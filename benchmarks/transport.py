@@ -962,6 +962,8 @@ def write_report(report: dict[str, Any], cells: list[Cell]) -> None:
         ))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    if not cells:
+        lines = []
     loop = report["loopback"]
     if "attempted" in loop and not loop["attempted"]:
         lines.append("loopback: skipped (time budget)")
