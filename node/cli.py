@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     demo.add_argument("--replicas", type=int, default=2, metavar="N", help="daemons per stage (default 2)")
-    demo.add_argument("--duration", type=float, default=420.0, metavar="SECONDS",
-                      help="stop training after this long (default 420: start-up, evaluation and shutdown keep the whole demo under 10 minutes)")
+    demo.add_argument("--duration", type=float, default=380.0, metavar="SECONDS",
+                      help="stop training after this long (default 380: start-up, evaluation and shutdown keep the whole demo under 10 minutes)")
     demo.add_argument("--tokens", type=int, default=1_500_000, metavar="N",
                       help="stop once the trainers completed this many tokens (default 1500000)")
     demo.add_argument("--wan", choices=["lan", "home", "wan", "bad"], help="put a WAN emulator before every QUIC port")

@@ -54,7 +54,7 @@ class DemoError(NodeError):
 @dataclass(frozen=True)
 class DemoOptions:
     replicas: int = 2
-    duration_s: float = 420.0
+    duration_s: float = 380.0
     tokens: int = 1_500_000
     wan: str | None = None
     json: bool = False
