@@ -14,14 +14,12 @@ of payload. Prints one JSON line per request::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import time
 
 import torch
 import uvloop
-
 from wanswarm.transport.config import CongestionConfig, FecConfig, TransportConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
 from wanswarm.transport.identity import Identity

@@ -184,7 +184,7 @@ def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
     torch.optim.AdamW.step(opt)  # unclipped: the gradients are zero anyway
-    for group, lr in zip(opt.param_groups, saved):
+    for group, lr in zip(opt.param_groups, saved, strict=False):
         group["lr"] = lr
         for p in group["params"]:
             opt.state[p]["step"].zero_()
@@ -235,7 +235,7 @@ class LocalOptimizer:
         if self._anchor is None:
             self._anchor = batch_size
         alpha = batch_size / self._anchor
-        for p, acc in zip(self._params, self._acc):
+        for p, acc in zip(self._params, self._acc, strict=False):
             if p.grad is not None:
                 acc.add_(p.grad, alpha=alpha)
                 p.grad = None
@@ -243,12 +243,12 @@ class LocalOptimizer:
         self._times += 1
         if self._samples < self._target:
             return
-        for p, acc in zip(self._params, self._acc):
+        for p, acc in zip(self._params, self._acc, strict=False):
             p.grad = acc.div_(self._times)
         self._opt.step()
         self._schedule.step()
         self._epoch += 1
-        for p, acc in zip(self._params, self._acc):
+        for p, acc in zip(self._params, self._acc, strict=False):
             p.grad = None
             acc.zero_()
         self._samples = self._times = 0

@@ -193,11 +193,11 @@ class Router:
         best = min(costs)
         tau = self.config.temperature * best + self.config.min_temperature_s
         if tau <= 0.0:
-            ties = [c for c, cost in zip(pool, costs) if cost == best]
+            ties = [c for c, cost in zip(pool, costs, strict=False) if cost == best]
             return ties[rng.randrange(len(ties))]
         weights = [math.exp(-(cost - best) / tau) for cost in costs]
         pick = rng.random() * sum(weights)
-        for candidate, weight in zip(pool, weights):
+        for candidate, weight in zip(pool, weights, strict=False):
             pick -= weight
             if pick < 0.0:
                 return candidate

@@ -534,7 +534,7 @@ class Trainer:
 
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(one(x, y)) for x, y in chunks]
-        total = sum(t.result() * int(x.shape[0]) for t, (x, _) in zip(tasks, chunks))
+        total = sum(t.result() * int(x.shape[0]) for t, (x, _) in zip(tasks, chunks, strict=False))
         loss = total / int(inputs.shape[0])
         if not math.isfinite(loss):
             raise BadReply("validation loss is not finite")

@@ -141,7 +141,7 @@ class Identity:
         they check that its public key matches the peer id they expected.
         """
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.peer_id)])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(name)

@@ -15,17 +15,17 @@ import math
 
 import pytest
 import torch
+from wanswarm.kernels import ops
+from wanswarm.kernels import reference as R
+from wanswarm.kernels.errors import NonFiniteInput
+from wanswarm.transport.codecs import CodecSpec, decode, encode
+from wanswarm.transport.errors import PayloadError
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-from wanswarm.kernels import ops
-from wanswarm.kernels import reference as R
-from wanswarm.kernels.errors import NonFiniteInput
-from wanswarm.transport.codecs import CodecSpec, decode, encode
-from wanswarm.transport.errors import PayloadError
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 SCALES = (torch.float32, torch.float16)

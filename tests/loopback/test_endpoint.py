@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 import torch
-
 from wanswarm.transport.codecs import CodecSpec, encode
 from wanswarm.transport.config import CongestionConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response

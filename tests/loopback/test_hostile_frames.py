@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from wanswarm.transport.codecs import CodecSpec, encode
 from wanswarm.transport.connections import Connections
 from wanswarm.transport.endpoint import Endpoint, Request, Response

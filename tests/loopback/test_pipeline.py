@@ -68,7 +68,7 @@ async def _scenario(spec: RunSpec) -> None:
         await ep.start("127.0.0.1", 0)
     servers = [
         StageServer(spec, stage, server_cfg, endpoint=ep, make_optimizer=lambda m: LocalOptimizer(m, spec))
-        for stage, ep in zip(layout, endpoints)
+        for stage, ep in zip(layout, endpoints, strict=False)
     ]
     for server in servers:
         await server.open()
@@ -79,7 +79,7 @@ async def _scenario(spec: RunSpec) -> None:
         # (the benchmarks of a shared CI machine are noisy; equal figures make the two
         # middle replicas equally likely picks, so the dead one does get tried)
         out: dict[int, list[ServerInfo]] = {}
-        for server, ep in zip(servers, endpoints):
+        for server, ep in zip(servers, endpoints, strict=False):
             host, port = ep.address
             out.setdefault(server.stage, []).append(
                 ServerInfo(ep.peer_id, host, port, 20.0, server.queue_len, "online", None)

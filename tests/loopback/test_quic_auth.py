@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-
 from wanswarm.transport.connections import Connections, _read_auth, client_handshake
 from wanswarm.transport.endpoint import PeerAddress, Request, Response
 from wanswarm.transport.errors import AuthenticationError, PeerIdMismatch
@@ -157,7 +156,10 @@ def test_replayed_handshake_is_refused() -> None:
                 # the same HELLO and the recorded FINISH on a second connection
                 second = await raw.socket.connect(*server.address)
                 with _log_waiter("refused connection") as server_log:
-                    with pytest.raises(Exception):
+                    # The server closes mid-handshake; which of our awaits notices first (a
+                    # reset stream or the closed connection) varies, so any error will do
+                    # here: the assertions below check the refusal itself.
+                    with pytest.raises(Exception):  # noqa: B017
                         async with asyncio.timeout(5):
                             await _handshake_by_hand(
                                 second, identity, server.peer_id, nonce, finish

@@ -59,7 +59,7 @@ def test_make_adamw_initializes_state_without_touching_parameters() -> None:
     module = build_stage(SPEC, STAGE)
     before = [p.detach().clone() for p in module.parameters()]
     opt = make_adamw(SPEC.optimizer, param_groups(module, SPEC.optimizer.weight_decay))
-    for p, b in zip(module.parameters(), before):
+    for p, b in zip(module.parameters(), before, strict=False):
         assert torch.equal(p, b)
         assert float(opt.state[p]["step"]) == 0.0
         assert torch.count_nonzero(opt.state[p]["exp_avg"]) == 0
@@ -83,7 +83,7 @@ def test_local_optimizer_matches_a_plain_adamw_loop() -> None:
         torch.nn.utils.clip_grad_norm_(list(ref.parameters()), spec.grad_clip)
         ref_opt.step()
         ref_opt.zero_grad()
-        for p, q in zip(ours.parameters(), ref.parameters()):
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=False):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
@@ -134,7 +134,7 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         replicas = [build_stage(SPEC, STAGE) for _ in range(2)]
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
-            optimizers = [CollaborativeOptimizer(m, SPEC, STAGE, d, config) for m, d in zip(replicas, dhts)]
+            optimizers = [CollaborativeOptimizer(m, SPEC, STAGE, d, config) for m, d in zip(replicas, dhts, strict=False)]
             assert signal.getsignal(signal.SIGINT) is _daemon_sigint  # hivemind set SIG_IGN; restored
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -159,11 +159,11 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             opt.flush()  # apply the delayed (background) update
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
-            runs = [pool.submit(device_thread, m, o, seed) for seed, (m, o) in enumerate(zip(replicas, optimizers))]
+            runs = [pool.submit(device_thread, m, o, seed) for seed, (m, o) in enumerate(zip(replicas, optimizers, strict=False))]
             for run in runs:
                 run.result(timeout=60)  # re-raises what failed on that thread
         assert [o.local_epoch for o in optimizers] == [1, 1]
-        for p, q, p0 in zip(replicas[0].parameters(), replicas[1].parameters(), initial):
+        for p, q, p0 in zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=False):
             assert torch.equal(p, q)
             assert not torch.equal(p, p0)
 
@@ -176,7 +176,7 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         optimizers.append(CollaborativeOptimizer(newcomer, SPEC, STAGE, dht_c, config))
         assert optimizers[2].load_state_from_peers()
         assert optimizers[2].local_epoch == 1
-        for p, q in zip(replicas[0].parameters(), newcomer.parameters()):
+        for p, q in zip(replicas[0].parameters(), newcomer.parameters(), strict=False):
             assert torch.equal(p, q)
     finally:
         for opt in optimizers:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from wanswarm.transport.codecs import CodecSpec, encode
 from wanswarm.transport.config import LimitsConfig
 from wanswarm.transport.errors import CodecError, FramingError, PayloadError, ProtocolError

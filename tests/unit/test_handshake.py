@@ -7,7 +7,6 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from wanswarm.transport.errors import AuthenticationError, PeerIdMismatch
 from wanswarm.transport.handshake import (
     Accept,

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-
 from wanswarm.transport.errors import IdentityError
 from wanswarm.transport.identity import (
     Identity,
     load_or_create_identity,
     peer_id_from_certificate,
-    public_key_from_peer_id,
     public_key_bytes,
+    public_key_from_peer_id,
     verify_signature,
 )
 

@@ -213,7 +213,7 @@ def test_pipeline_gradients_equal_autograd_on_the_full_model() -> None:
     servers = _with_servers(spec, body)
     expected = _full_grads(spec, batches)
     with torch.no_grad():
-        for (idx, targets), loss in zip(batches, losses):
+        for (idx, targets), loss in zip(batches, losses, strict=False):
             assert loss == pytest.approx(float(full_model.forward_loss(idx, targets)), rel=1e-6)
     for stage, server in enumerate(servers):
         opt = _opt(server)
@@ -260,7 +260,7 @@ def test_retried_hops_never_accumulate_twice() -> None:
             Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True), [idx, g0]
         )
         assert b0.header["duplicate"] is True and b0.tensors == []
-        for server, grads in zip(servers, before):
+        for server, grads in zip(servers, before, strict=False):
             assert _opt(server).steps == [2]
             for name, grad in grads.items():
                 assert torch.equal(_opt(server).grads[name], grad)
