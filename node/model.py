@@ -1,10 +1,10 @@
 """The byte-level GPT and how it splits into pipeline stages.
 
-A pre-LayerNorm decoder (nanoGPT-style): token + learned position embeddings, ``n_layers``
-blocks of causal self-attention and a GELU MLP, a final LayerNorm and an untied LM head
-(tying would put one matrix on two stages). ``StageModule`` is one stage of it, as a
-stage server holds it; ``PipelineModel`` chains every stage in one process for the
-single-process reference and for tests.
+A pre-LayerNorm decoder (nanoGPT-style): token embeddings, ``n_layers`` blocks of causal
+self-attention (rotary positions, or a learned position embedding on stage 0) and a GELU
+MLP, a final LayerNorm and an untied LM head (tying would put one matrix on two stages).
+``StageModule`` is one stage of it, as a stage server holds it; ``PipelineModel`` chains
+every stage in one process for the single-process reference and for tests.
 
 Parameters are initialized from a generator seeded by ``(spec.run_id, stage)`` so that
 every replica of a stage, on any machine, starts bit-identical; building a stage leaves
@@ -26,11 +26,31 @@ from torch import nn
 from .runspec import ModelSpec, RunSpec
 from .stage_layout import StageLayout
 
-INIT_STD = 0.02  # GPT-2's init scale for embeddings and projections
+INIT_STD = 0.02  # GPT-2's init scale for linear layers (and learned positions)
+# Token embeddings start at N(0, 1), torch's default (as in modded-nanogpt), not GPT-2's
+# 0.02: the residual stream then starts dominated by the current byte, which the blocks'
+# LayerNorms and the final one pass on intact, and the early loss falls measurably faster.
+TOKEN_EMBEDDING_STD = 1.0
 
 
 class StageInputError(ValueError):
     """A stage got an input of the wrong dtype, shape or range (e.g. from a remote peer)."""
+
+
+def rotary_tables(
+    T: int, D: int, base: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles, each (T, D/2): position t, frequency base^(-2i/D)."""
+    inv_freq = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)  # (D/2,)
+    angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[i], x[i + D/2]) of ``x`` (B, H, T, D) by its position's angle
+    (RoFormer, arXiv:2104.09864): q.k then depends on positions only through their offset."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -39,6 +59,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.rotary = cfg.positions == "rotary"
+        self.rope_base = cfg.rope_base
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual projection
 
@@ -49,6 +71,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        if self.rotary:
+            cos, sin = rotary_tables(T, C // H, self.rope_base, x.device)  # (T, D/2) each
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.proj(y)  # (B, T, C)
@@ -101,7 +126,8 @@ class StageModule(nn.Module):
         self.is_first = layout.has_embedding(stage)
         self.is_last = layout.has_head(stage)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if self.is_first else None
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if self.is_first else None
+        learned = self.is_first and cfg.positions == "learned"
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if learned else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in self.block_indices)
         self.ln_f = nn.LayerNorm(cfg.d_model) if self.is_last else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
@@ -126,10 +152,10 @@ class StageModule(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None and self.pos_emb is not None:
-            T = x.shape[1]
-            pos = torch.arange(T, device=x.device)  # (T,)
-            h = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
+        if self.tok_emb is not None:
+            h = self.tok_emb(x)  # (B, T, C)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         else:
             h = x  # (B, T, C)
         for block in self.blocks:
@@ -190,7 +216,8 @@ def _init_parameters(module: StageModule, generator: torch.Generator) -> None:
             std = residual_std if name.endswith(".proj") else INIT_STD
             sub.weight.normal_(0.0, std, generator=generator)
         elif isinstance(sub, nn.Embedding):
-            sub.weight.normal_(0.0, INIT_STD, generator=generator)
+            std = TOKEN_EMBEDDING_STD if name == "tok_emb" else INIT_STD
+            sub.weight.normal_(0.0, std, generator=generator)
 
 
 def build_stage(spec: RunSpec, stage: int) -> StageModule:
@@ -234,7 +261,7 @@ def expected_stage_parameters(spec: RunSpec, stage: int) -> int:
     layout = StageLayout(spec.stages.blocks_per_stage)
     total = len(layout.blocks(stage)) * per_block
     if layout.has_embedding(stage):
-        total += V * C + cfg.seq_len * C
+        total += V * C + (cfg.seq_len * C if cfg.positions == "learned" else 0)
     if layout.has_head(stage):
         total += 2 * C + C * V
     return total

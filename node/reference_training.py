@@ -88,12 +88,20 @@ def train_reference(
     target_val_loss: float | None = None,
     corpus: Corpus | None = None,
     on_point: Callable[[CurvePoint], None] | None = None,
+    delayed_updates: bool = False,
 ) -> ReferenceResult:
-    """Train the full model for at least ``tokens`` training tokens (whole optimizer steps).
+    """Train the full model for at least ``tokens`` training tokens (whole steps).
 
-    ``log_every`` (tokens, rounded to whole steps; default: about 20 points) sets how often
-    the validation loss is measured; training stops early at the first measured point
-    below ``target_val_loss`` when given. ``seed`` selects the trainer's data stream.
+    A step is ``target_batch_size`` samples (one collaborative epoch). ``log_every``
+    (tokens, rounded to whole steps; default: about 20 points) sets how often the
+    validation loss is measured; training stops early at the first measured point below
+    ``target_val_loss`` when given. ``seed`` selects the trainer's data stream.
+
+    ``delayed_updates`` models the swarm's delayed parameter updates at their most stale:
+    the gradient of step k (computed at the parameters after k - 1 updates) is applied at
+    the end of step k + 1, so step k + 1 still runs on the old parameters. (In the swarm
+    the update lands as soon as the background all-reduce finishes, usually within the
+    next epoch, so the truth lies between the two modes.)
     """
     if tokens < 1:
         raise ValueError(f"tokens must be positive, got {tokens}")
@@ -123,6 +131,8 @@ def train_reference(
     reached: int | None = None
     train_seconds = 0.0
     losses: list[float] = []
+    params = list(model.parameters())
+    pending: list[torch.Tensor | None] | None = None  # gradient awaiting its delayed update
     step = 0
     while step < total_steps:
         began = time.perf_counter()
@@ -133,9 +143,20 @@ def train_reference(
             loss = model.forward_loss(x, y) / micro_per_step  # mean over the step's samples
             loss.backward()
             step_loss += float(loss.detach())
-        clip_per_stage(model, opt_spec.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        if delayed_updates:
+            # Apply the previous step's gradient, keep this one for the next step.
+            current = [p.grad for p in params]
+            if pending is not None:
+                for p, grad in zip(params, pending, strict=True):
+                    p.grad = grad
+                clip_per_stage(model, opt_spec.grad_clip)
+                optimizer.step()
+                scheduler.step()
+            pending = current
+        else:
+            clip_per_stage(model, opt_spec.grad_clip)
+            optimizer.step()
+            scheduler.step()
         step += 1
         train_seconds += time.perf_counter() - began
         losses.append(step_loss)
@@ -184,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target", type=float, default=None, help="stop below this validation loss"
     )
+    parser.add_argument(
+        "--delayed", action="store_true", help="apply each step's gradient one step late (DPU)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = default_run_spec() if args.spec is None else load_run_spec(args.spec)
@@ -201,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seed,
         log_every=args.log_every,
         target_val_loss=args.target,
+        delayed_updates=args.delayed,
         on_point=show,
     )
     summary = asdict(result)

@@ -38,7 +38,7 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """Shape of the byte-level GPT (pre-LN decoder, learned positions, untied head)."""
+    """Shape of the byte-level GPT (pre-LN decoder, untied head)."""
 
     vocab_size: Literal[256] = Field(
         default=256, description="Vocabulary size; byte-level, so always 256."
@@ -54,6 +54,18 @@ class ModelSpec(_Section):
     )
     seq_len: int = Field(
         default=128, ge=2, le=65536, description="Tokens (bytes) per training window (T)."
+    )
+    positions: Literal["rotary", "learned"] = Field(
+        default="rotary",
+        description=(
+            "'rotary': RoPE on queries and keys in every block (no position parameters); "
+            "'learned': a learned position embedding added on stage 0."
+        ),
+    )
+    rope_base: float = Field(
+        default=10000.0,
+        gt=1.0,
+        description="RoPE base (wavelengths up to 2*pi*base); 'rotary' only.",
     )
     mlp_ratio: float = Field(
         default=4.0, gt=0.0, le=16.0, description="MLP hidden width as a multiple of d_model."

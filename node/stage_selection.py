@@ -269,7 +269,7 @@ def plan_rebalance(
         after_totals[move.to_stage] += move.throughput
         loading[move.to_stage] += move.throughput
         after = min(after_totals)
-        during = min(t - l for t, l in zip(after_totals, loading, strict=True))
+        during = min(t - ld for t, ld in zip(after_totals, loading, strict=True))
         amortized = share * during + (1.0 - share) * after
         if amortized > best_amortized:
             best_k, best_amortized, best_after = k, amortized, after

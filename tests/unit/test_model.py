@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from wanswarm.node.model import (
     StageInputError,
+    apply_rotary,
     build_full_model,
     build_stage,
     count_parameters,
     expected_stage_parameters,
     param_groups,
+    rotary_tables,
 )
 from wanswarm.node.runspec import RunSpec
 
@@ -28,11 +30,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def small_spec(name: str = "m", blocks: tuple[int, ...] = (1, 2, 1)) -> RunSpec:
+def small_spec(
+    name: str = "m", blocks: tuple[int, ...] = (1, 2, 1), positions: str = "rotary"
+) -> RunSpec:
     return RunSpec.model_validate(
         {
             "name": name,
-            "model": {"d_model": 32, "n_heads": 4, "n_layers": sum(blocks), "seq_len": 16},
+            "model": {
+                "d_model": 32,
+                "n_heads": 4,
+                "n_layers": sum(blocks),
+                "seq_len": 16,
+                "positions": positions,
+            },
             "stages": {"blocks_per_stage": list(blocks)},
         }
     )
@@ -81,9 +91,11 @@ def test_init_is_reproducible_and_per_stage() -> None:
             assert torch.equal(pa, pb)
 
 
-def test_parameter_counts() -> None:
-    spec = small_spec()
-    C, V, T, hidden = 32, 256, 16, 128
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_parameter_counts(positions: str) -> None:
+    spec = small_spec(positions=positions)
+    C, V, hidden = 32, 256, 128
+    T = 16 if positions == "learned" else 0  # learned positions: a (T, C) table on stage 0
     block = 4 * C + 4 * C * C + 2 * C * hidden
     assert [count_parameters(build_stage(spec, s)) for s in range(3)] == [
         V * C + T * C + block,
@@ -93,8 +105,23 @@ def test_parameter_counts() -> None:
     assert [expected_stage_parameters(spec, s) for s in range(3)] == [
         count_parameters(build_stage(spec, s)) for s in range(3)
     ]
-    one = small_spec(blocks=(2,))
+    one = small_spec(blocks=(2,), positions=positions)
     assert count_parameters(build_stage(one, 0)) == V * C + T * C + 2 * block + 2 * C + C * V
+
+
+def test_rotary_scores_depend_on_offset_only() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 1, 8, generator=g)
+    cos, sin = rotary_tables(40, 8, 10000.0, torch.device("cpu"))  # (40, 4) each
+
+    def score(tq: int, tk: int) -> float:
+        rq = apply_rotary(q, cos[tq : tq + 1], sin[tq : tq + 1])
+        rk = apply_rotary(k, cos[tk : tk + 1], sin[tk : tk + 1])
+        return float((rq * rk).sum())
+
+    assert score(7, 5) == pytest.approx(score(30, 28), rel=1e-5)
+    assert score(7, 5) != pytest.approx(score(7, 4), rel=1e-3)
+    assert torch.allclose(apply_rotary(q, cos[:1], sin[:1]), q)  # position 0: no rotation
 
 
 def test_initial_loss_is_near_uniform() -> None:
@@ -112,8 +139,9 @@ def test_forward_loss_is_mean_cross_entropy() -> None:
     assert torch.equal(full.forward_loss(idx, targets), expected)
 
 
-def test_causal() -> None:
-    full = build_full_model(small_spec())
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_causal(positions: str) -> None:
+    full = build_full_model(small_spec(positions=positions))
     idx = tokens()
     changed = idx.clone()
     changed[:, 10:] = (changed[:, 10:] + 1) % 256
