@@ -31,10 +31,9 @@ state carries over from one transfer to the next, as on a long-lived connection.
 transfer's time runs from the request call (payload handed to the transport) to the
 acknowledgement's receipt, so it includes one RTT beyond the payload's own delivery;
 goodput = payload bits / median time; the link rate counts UDP payload bytes (what the
-emulator serializes). A transfer that does not complete within
-min(--timeout, max(10 s, 20 x ideal)) (ideal = payload / link rate + RTT; the factor is
-``--timeout-factor``), fails, or is
-acknowledged with a wrong count or CRC does not count as completed: its connection is
+emulator serializes). A transfer that does not complete within min(--timeout, max(10 s,
+20 x ideal)) (ideal = payload / link rate + RTT; 20 is ``--timeout-factor``), fails, or
+is acknowledged with a wrong count or CRC does not count as completed: its connection is
 closed and the next repeat opens a new one (warmed up again); after ``--max-failures``
 of them the cell stops (attempted < repeats says so). p50 is the median over attempted
 transfers (a transfer that did not complete counts as infinitely slow, so a median
