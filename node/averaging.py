@@ -139,6 +139,10 @@ class StageOptimizer(Protocol):
     def samples_accumulated(self) -> int:
         """Samples accumulated by this replica in the current epoch."""
 
+    @property
+    def num_peers(self) -> int:
+        """Replicas of the stage that reported progress recently (this one included)."""
+
     def is_synchronized(self) -> bool:
         """Whether this replica is at the collaboration's epoch (or one behind)."""
 
@@ -264,6 +268,10 @@ class LocalOptimizer:
     @property
     def samples_accumulated(self) -> int:
         return self._samples
+
+    @property
+    def num_peers(self) -> int:
+        return 1
 
     def is_synchronized(self) -> bool:
         return True

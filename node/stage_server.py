@@ -273,6 +273,7 @@ class StageServer:
             "epoch": self.optimizer.local_epoch,
             "samples_accumulated": self.optimizer.samples_accumulated,
             "synchronized": self.optimizer.is_synchronized(),
+            "replicas_seen": self.optimizer.num_peers,
             "cache": len(self._cache),
             "digest_epoch": self._digest[0],
             "param_digest": self._digest[1],
