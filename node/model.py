@@ -161,7 +161,7 @@ class StageModule(nn.Module):
         for block in self.blocks:
             h = block(h)  # (B, T, C)
         if self.ln_f is not None and self.head is not None:
-            return self.head(self.ln_f(h))  # (B, T, V)
+            return self.head(self.ln_f(h)) * self.cfg.logit_multiplier  # (B, T, V)
         return h
 
     def forward_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -206,7 +206,8 @@ def stage_seed(spec: RunSpec, stage: int) -> int:
 
 @torch.no_grad()
 def _init_parameters(module: StageModule, generator: torch.Generator) -> None:
-    """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 n_layers)."""
+    """GPT-2 init, N(0, 0.02), with residual projections scaled by 1/sqrt(2 n_layers), except
+    token embeddings N(0, 1) and the head N(0, 0.02 / logit_multiplier)."""
     residual_std = INIT_STD / math.sqrt(2 * module.cfg.n_layers)
     for name, sub in module.named_modules():  # registration order: deterministic
         if isinstance(sub, nn.LayerNorm):
@@ -214,6 +215,8 @@ def _init_parameters(module: StageModule, generator: torch.Generator) -> None:
             sub.bias.fill_(0.0)
         elif isinstance(sub, nn.Linear):
             std = residual_std if name.endswith(".proj") else INIT_STD
+            if name == "head":  # its output is scaled up by logit_multiplier: same logits at init
+                std = INIT_STD / module.cfg.logit_multiplier
             sub.weight.normal_(0.0, std, generator=generator)
         elif isinstance(sub, nn.Embedding):
             std = TOKEN_EMBEDDING_STD if name == "tok_emb" else INIT_STD

@@ -88,7 +88,7 @@ def train_reference(
     target_val_loss: float | None = None,
     corpus: Corpus | None = None,
     on_point: Callable[[CurvePoint], None] | None = None,
-    delayed_updates: bool = False,
+    update_lag: float = 0.0,
 ) -> ReferenceResult:
     """Train the full model for at least ``tokens`` training tokens (whole steps).
 
@@ -97,14 +97,16 @@ def train_reference(
     validation loss is measured; training stops early at the first measured point below
     ``target_val_loss`` when given. ``seed`` selects the trainer's data stream.
 
-    ``delayed_updates`` models the swarm's delayed parameter updates at their most stale:
-    the gradient of step k (computed at the parameters after k - 1 updates) is applied at
-    the end of step k + 1, so step k + 1 still runs on the old parameters. (In the swarm
-    the update lands as soon as the background all-reduce finishes, usually within the
-    next epoch, so the truth lies between the two modes.)
+    ``update_lag`` models the swarm's delayed parameter updates (hivemind's DPU): the update
+    computed from step k's gradient lands after this fraction of step k + 1's micro-batches
+    has run on the old parameters. 0 is synchronous training; 1 is the most stale (the
+    update lands at the end of step k + 1); in the swarm it is about the all-reduce time
+    over the epoch time.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be positive, got {tokens}")
+    if not 0.0 <= update_lag <= 1.0:
+        raise ValueError(f"update_lag must be in [0, 1], got {update_lag}")
     corpus = load_corpus(spec.data) if corpus is None else corpus
     stream = TrainStream(spec, seed, corpus)
     val_x, val_y = validation_set(spec, corpus)  # (N, T) each
@@ -132,31 +134,38 @@ def train_reference(
     train_seconds = 0.0
     losses: list[float] = []
     params = list(model.parameters())
-    pending: list[torch.Tensor | None] | None = None  # gradient awaiting its delayed update
+    pending: list[torch.Tensor | None] | None = None  # gradient whose update has not landed
+    lag_micro = round(update_lag * micro_per_step)  # micro-batches run before it lands
+
+    def apply(grads: list[torch.Tensor | None]) -> None:
+        accumulating = [p.grad for p in params]
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        clip_per_stage(model, opt_spec.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        for p, grad in zip(params, accumulating, strict=True):
+            p.grad = grad
+
     step = 0
     while step < total_steps:
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
-        for _ in range(micro_per_step):
+        for i in range(micro_per_step):
+            if pending is not None and i == lag_micro:
+                apply(pending)
+                pending = None
             x, y = next(stream)  # (B, T) each
             loss = model.forward_loss(x, y) / micro_per_step  # mean over the step's samples
             loss.backward()
             step_loss += float(loss.detach())
-        if delayed_updates:
-            # Apply the previous step's gradient, keep this one for the next step.
-            current = [p.grad for p in params]
-            if pending is not None:
-                for p, grad in zip(params, pending, strict=True):
-                    p.grad = grad
-                clip_per_stage(model, opt_spec.grad_clip)
-                optimizer.step()
-                scheduler.step()
-            pending = current
-        else:
-            clip_per_stage(model, opt_spec.grad_clip)
-            optimizer.step()
-            scheduler.step()
+        if pending is not None:  # update_lag = 1: the previous update lands only now
+            apply(pending)
+        pending = [p.grad for p in params]
+        if update_lag == 0:
+            apply(pending)
+            pending = None
         step += 1
         train_seconds += time.perf_counter() - began
         losses.append(step_loss)
@@ -206,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         "--target", type=float, default=None, help="stop below this validation loss"
     )
     parser.add_argument(
-        "--delayed", action="store_true", help="apply each step's gradient one step late (DPU)"
+        "--update-lag",
+        type=float,
+        default=0.0,
+        help="fraction of the next step run before an update lands (0 synchronous, 1 most stale)",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -225,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         args.seed,
         log_every=args.log_every,
         target_val_loss=args.target,
-        delayed_updates=args.delayed,
+        update_lag=args.update_lag,
         on_point=show,
     )
     summary = asdict(result)
     summary.pop("curve")
     summary["run_id"] = spec.run_id
+    summary["update_lag"] = args.update_lag
     summary["curve"] = [[p.tokens, round(p.val_loss, 4)] for p in result.curve]
     print(json.dumps(summary))
     return 0

@@ -67,6 +67,15 @@ class ModelSpec(_Section):
         gt=1.0,
         description="RoPE base (wavelengths up to 2*pi*base); 'rotary' only.",
     )
+    logit_multiplier: float = Field(
+        default=4.0,
+        gt=0.0,
+        le=1024.0,
+        description=(
+            "The LM head's output is multiplied by this and its init divided by it; under Adam "
+            "the head then learns this many times faster than lr (muP's output multiplier)."
+        ),
+    )
     mlp_ratio: float = Field(
         default=4.0, gt=0.0, le=16.0, description="MLP hidden width as a multiple of d_model."
     )

@@ -203,3 +203,21 @@ def test_param_groups_cover_every_parameter_once() -> None:
     assert sorted(ids) == sorted(id(p) for p in full.parameters())
     assert all(p.dim() >= 2 for p in groups[0]["params"]) and groups[0]["weight_decay"] == 0.1
     assert all(p.dim() == 1 for p in groups[1]["params"]) and groups[1]["weight_decay"] == 0.0
+
+
+def test_logit_multiplier_scales_head_output_not_initial_logits() -> None:
+    base = small_spec()
+    assert base.model.logit_multiplier == 4.0
+    last = build_stage(base, 2)
+    h = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))  # (B, T, C)
+    assert last.head is not None and last.ln_f is not None
+    g = h
+    for block in last.blocks:
+        g = block(g)  # (B, T, C)
+    assert torch.equal(last(h), last.head(last.ln_f(g)) * 4.0)
+    # The init is divided by the multiplier, so the initial logits have GPT-2's scale.
+    assert abs(last.head.weight.std().item() - 0.02 / 4.0) < 0.0005
+    plain = RunSpec.model_validate(
+        {**base.model_dump(), "model": {**base.model.model_dump(), "logit_multiplier": 1.0}}
+    )
+    assert abs(build_stage(plain, 2).head.weight.std().item() - 0.02) < 0.002

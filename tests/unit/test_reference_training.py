@@ -77,17 +77,23 @@ def test_clip_is_per_stage() -> None:
         assert abs(float(norm) - 1.0) < 1e-4  # each stage clipped to 1 on its own
 
 
-def test_delayed_updates_apply_each_gradient_one_step_late(tmp_path: Path) -> None:
-    spec = tiny_spec()
+def test_update_lag_applies_each_update_late(tmp_path: Path) -> None:
+    spec = tiny_spec()  # two micro-batches per step
     corpus = load_corpus(spec.data, corpus_file(tmp_path))
     step = 8 * 16
-    one = train_reference(spec, step, seed=0, log_every=step, corpus=corpus, delayed_updates=True)
-    assert one.val_loss_end == one.val_loss_start  # the first gradient is still in flight
-    prompt = train_reference(spec, 2 * step, seed=0, log_every=step, corpus=corpus)
-    late = train_reference(
-        spec, 3 * step, seed=0, log_every=step, corpus=corpus, delayed_updates=True
-    )
-    # Two updates from the same two gradients, but the second computed at stale parameters.
-    assert late.curve[3].val_loss != prompt.curve[2].val_loss
-    assert late.curve[2].val_loss == pytest.approx(prompt.curve[1].val_loss, abs=1e-6)
-    assert late.curve[3].val_loss < late.curve[0].val_loss
+
+    def run(steps: int, lag: float) -> list[float]:
+        result = train_reference(spec, steps * step, log_every=step, corpus=corpus, update_lag=lag)
+        return [p.val_loss for p in result.curve]
+
+    synchronous, half, stale = run(3, 0.0), run(3, 0.5), run(3, 1.0)
+    assert stale[1] == stale[0]  # most stale: the first update has not landed after step 1
+    assert half[1] == stale[1]
+    # The first update is computed from the same gradient in every mode.
+    assert stale[2] == pytest.approx(synchronous[1], abs=1e-6)
+    assert half[2] == pytest.approx(synchronous[1], abs=1e-6)
+    # Later updates come from gradients at stale parameters: everything differs.
+    assert len({synchronous[2], half[3], stale[3]}) == 3
+    assert max(half[3], stale[3]) < synchronous[0]
+    with pytest.raises(ValueError, match="update_lag"):
+        train_reference(spec, step, corpus=corpus, update_lag=1.5)

@@ -45,7 +45,7 @@ def test_run_id_is_stable_and_pinned() -> None:
     assert spec.run_id == RunSpec(name="pinned").run_id
     assert len(spec.run_id) == 16 and int(spec.run_id, 16) >= 0
     # Pinned: a change here means peers built from older code would refuse this spec.
-    assert spec.run_id == "28df3925b2bb2838"
+    assert spec.run_id == "f862dc87ae4433db"
 
 
 def test_run_id_changes_with_any_field() -> None:
