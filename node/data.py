@@ -68,6 +68,15 @@ class Corpus:
         """The validation bytes, (N - n_train,) uint8 (a view)."""
         return self.data[self.n_train :]
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """16 hex characters of SHA-256 over the split and every byte. The spec names the
+        corpus ('stdlib', globs), not its content, which differs between Python versions
+        and machines: peers can compare fingerprints to know they train on the same data."""
+        digest = hashlib.sha256(f"{self.n_train}:{self.data.numel()}:".encode())
+        digest.update(self.data.numpy().data)  # the buffer itself, no copy
+        return digest.hexdigest()[:16]
+
 
 def stdlib_root() -> Path:
     """Directory of this Python's standard library (``sysconfig``'s 'stdlib' path)."""
@@ -119,11 +128,15 @@ def _is_validation_name(name: str, fraction: float) -> bool:
 
 def resolve_corpus(data: DataSpec, root: Path | None = None) -> list[tuple[Path, str]]:
     """The corpus files as (path, relative name), sorted by name, duplicates removed."""
-    if data.corpus == (STDLIB_CORPUS,):
+    return _resolve(data.corpus, root)
+
+
+def _resolve(entries: tuple[str, ...], root: Path | None) -> list[tuple[Path, str]]:
+    if entries == (STDLIB_CORPUS,):
         files = _stdlib_files()
     else:
         base = Path.cwd() if root is None else root
-        files = [f for entry in data.corpus for f in _pattern_files(entry, base)]
+        files = [f for entry in entries for f in _pattern_files(entry, base)]
     unique: dict[Path, tuple[Path, str]] = {}
     for path, name in files:
         unique.setdefault(path.resolve(), (path, name))
@@ -131,10 +144,10 @@ def resolve_corpus(data: DataSpec, root: Path | None = None) -> list[tuple[Path,
 
 
 @functools.lru_cache(maxsize=4)
-def _load_corpus_cached(data: DataSpec, root: Path | None) -> Corpus:
-    files = resolve_corpus(data, root)
+def _load_corpus_cached(entries: tuple[str, ...], fraction: float, root: Path | None) -> Corpus:
+    files = _resolve(entries, root)
     if not files:
-        raise CorpusError(f"corpus {list(data.corpus)} has no files")
+        raise CorpusError(f"corpus {list(entries)} has no files")
     blobs: list[tuple[str, bytes]] = []
     for path, name in files:
         try:
@@ -143,8 +156,8 @@ def _load_corpus_cached(data: DataSpec, root: Path | None) -> Corpus:
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror or exc}") from exc
     total = sum(len(b) for _, b in blobs)
     if total == 0:
-        raise CorpusError(f"corpus {list(data.corpus)} is empty (0 bytes in {len(files)} files)")
-    held_out = {name for name, _ in blobs if _is_validation_name(name, data.validation_fraction)}
+        raise CorpusError(f"corpus {list(entries)} is empty (0 bytes in {len(files)} files)")
+    held_out = {name for name, _ in blobs if _is_validation_name(name, fraction)}
     by_file = (
         0 < len(held_out) < len(blobs)
         and 0 < sum(len(b) for n, b in blobs if n in held_out) < total
@@ -155,7 +168,7 @@ def _load_corpus_cached(data: DataSpec, root: Path | None) -> Corpus:
         if by_file:
             cut = 0 if name in held_out else len(blob)
         else:
-            cut = len(blob) - int(len(blob) * data.validation_fraction)
+            cut = len(blob) - int(len(blob) * fraction)
         cuts.append(cut)
         records.append(CorpusFile(name=name, n_bytes=len(blob), validation_bytes=len(blob) - cut))
     # One buffer, filled in place: training bytes of every file, then validation bytes.
@@ -183,7 +196,8 @@ def _load_corpus_cached(data: DataSpec, root: Path | None) -> Corpus:
 def load_corpus(data: DataSpec, root: Path | None = None) -> Corpus:
     """Read the corpus once per process (cached); relative patterns resolve against ``root``
     (default: the current directory). Raises CorpusError naming what is wrong."""
-    return _load_corpus_cached(data, None if root is None else Path(root).resolve())
+    resolved = None if root is None else Path(root).resolve()
+    return _load_corpus_cached(data.corpus, data.validation_fraction, resolved)
 
 
 def _derive_seed(tag: str, spec: RunSpec, seed: int) -> int:

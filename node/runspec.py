@@ -8,7 +8,8 @@ splits into stages, how gradients are combined and which bytes are trained on. T
 
 Run specs are TOML files (``configs/runs/*.toml``); ``default_run_spec()`` is the embedded
 tiny run (package data ``runs/tiny.toml``, a byte-identical copy of
-``configs/runs/tiny.toml``). This module is pure: no torch, no I/O besides reading a file.
+``configs/runs/tiny.toml``). This module is pure: no I/O besides reading a file; codec
+names are checked with ``wanswarm.transport.codecs.parse_codec``, imported on first use.
 """
 
 from __future__ import annotations
@@ -262,9 +263,18 @@ class CodecsSpec(_Section):
 
     @field_validator("forward_activations", "backward_gradients")
     @classmethod
-    def _plain_name(cls, value: str) -> str:
+    def _known_codec(cls, value: str) -> str:
         if value != value.strip() or any(c.isspace() for c in value):
             raise ValueError(f"codec {value!r} contains whitespace; write e.g. 'int8'")
+        # Imported here: the codec parser pulls in torch, which a spec without codecs to
+        # check (and this module's import) should not need.
+        from ..transport.codecs import parse_codec
+        from ..transport.errors import CodecError
+
+        try:
+            parse_codec(value)
+        except CodecError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
 

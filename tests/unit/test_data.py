@@ -63,6 +63,20 @@ def test_cached_per_process(tmp_path: Path) -> None:
     make_files(tmp_path)
     data = spec_for(["lib/*.py"]).data
     assert load_corpus(data, tmp_path) is load_corpus(data, tmp_path)
+    # Validation windows do not change the corpus: no second read.
+    other = spec_for(["lib/*.py"], validation_windows=3).data
+    assert load_corpus(other, tmp_path) is load_corpus(data, tmp_path)
+
+
+def test_fingerprint_follows_content(tmp_path: Path) -> None:
+    make_files(tmp_path / "a")
+    make_files(tmp_path / "b")
+    first = load_corpus(spec_for(["a/**/*.py"]).data, tmp_path).fingerprint
+    assert first == load_corpus(spec_for(["b/**/*.py"]).data, tmp_path).fingerprint
+    make_files(tmp_path / "c")
+    (tmp_path / "c" / "lib" / "f00.py").write_bytes(b"changed" * 50)
+    changed = load_corpus(spec_for(["c/**/*.py"]).data, tmp_path)
+    assert len(first) == 16 and changed.fingerprint != first
 
 
 def test_train_stream(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ def test_frozen() -> None:
         ('name = "x"\n[optimizer]\nbetas = [0.9, 1.0]\n', "betas[1]"),
         ('name = "x"\n[codecs]\nforward_activations = ""\n', "codecs.forward_activations"),
         ('name = "x"\n[codecs]\nbackward_gradients = "int 8"\n', "whitespace"),
+        ('name = "x"\n[codecs]\nbackward_gradients = "int7"\n', "unknown codec 'int7'"),
         ('name = "x"\n[data]\ncorpus = ["stdlib", "a.txt"]\n', "only corpus entry"),
         ('name = "x"\n[data]\ncorpus = []\n', "data.corpus"),
         ('name = "x"\n[stages]\nblocks_per_stage = [3, 0, 3]\n', "stage 1 has 0 blocks"),
