@@ -168,15 +168,7 @@ class ServerComponent:
 
     async def start(self, ctx: ComponentContext) -> None:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
-        delay = join_backoff(self.rng, self.config.node.join_backoff)
-        log.info("choosing a stage in %.1fs", delay)
-        await asyncio.sleep(delay)  # a deliberate spread of simultaneous joins, not a synchronisation
-        try:
-            await ctx.membership.refresh()
-        except Exception as exc:  # a failed read leaves the table as it was: choose from it
-            log.warning("could not re-read the records before choosing a stage: %s", exc)
-        stage = choose_stage(self._selection_view(ctx), self.spec.n_stages, _PLACEHOLDER_THROUGHPUT, self.rng)
-        log.info("claiming stage %d of %d", stage, self.spec.n_stages)
+        stage = await self._claim(ctx)
         ctx.membership.update(stage=stage, throughput=_PLACEHOLDER_THROUGHPUT, queue=0)
         await ctx.membership.announce()
         dht = ctx.dht.hivemind_dht
@@ -189,6 +181,25 @@ class ServerComponent:
             state_dir=Path(ctx.state_dir),
         )
         await self.server.start(ctx)
+
+    async def _claim(self, ctx: ComponentContext) -> int:
+        """The stage to serve: ``node.stage`` when set, else the least-served after a back-off."""
+        pinned = self.config.node.stage
+        if pinned is not None:
+            if pinned >= self.spec.n_stages:
+                raise JoinError(f"node.stage: run {self.spec.name!r} has {self.spec.n_stages} stages (0..{self.spec.n_stages - 1}), got {pinned}")
+            log.info("serving stage %d of %d (node.stage)", pinned, self.spec.n_stages)
+            return pinned
+        delay = join_backoff(self.rng, self.config.node.join_backoff)
+        log.info("choosing a stage in %.1fs", delay)
+        await asyncio.sleep(delay)  # a deliberate spread of simultaneous joins, not a synchronisation
+        try:
+            await ctx.membership.refresh()
+        except Exception as exc:  # a failed read leaves the table as it was: choose from it
+            log.warning("could not re-read the records before choosing a stage: %s", exc)
+        stage = choose_stage(self._selection_view(ctx), self.spec.n_stages, _PLACEHOLDER_THROUGHPUT, self.rng)
+        log.info("claiming stage %d of %d", stage, self.spec.n_stages)
+        return stage
 
     def _selection_view(self, ctx: ComponentContext) -> list[SelectionInfo]:
         out = []
