@@ -34,7 +34,7 @@ import uvloop
 
 from ..transport.errors import TransportError
 from ..transport.identity import Identity
-from . import __version__
+from . import __version__, lifeline
 from .component import Component, ComponentContext, TrafficSource
 from .config import NodeConfig
 from .control import ControlServer, LeaveAck
@@ -57,6 +57,7 @@ def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
     """Run a node in the foreground until it leaves; returns the exit status (0: left cleanly)."""
     route_hivemind_logs()
     setup_logging(config.log)
+    lifeline.install()  # hivemind's forked averagers die with us, even on SIGKILL
     lock = StateDirLock(config.state_dir)
     try:
         prepare_state_dir(config.state_dir)
