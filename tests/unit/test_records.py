@@ -180,3 +180,25 @@ def test_validator_passes_newer_versions_and_other_keys() -> None:
     # a node signs only its own sub-keys
     theirs = DHTRecord(SERVERS, SER.dumps(ALICE.peer_id), b"v", 1e9)
     assert validator.sign_value(theirs) == b"v"
+
+
+def test_validator_judges_a_record_once_and_remembers_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    validator = hivemind_dht.OwnedRecordValidator("demo", BOB)
+    good = _signed(ALICE, encode_record(_server()))
+    tampered = dataclasses.replace(good, value=good.value[:-1] + bytes([good.value[-1] ^ 1]))
+    calls: list[str] = []
+    real = hivemind_dht.verify_signature
+
+    def counting(peer_id: str, signature: bytes, message: bytes) -> bool:
+        calls.append(peer_id)
+        return real(peer_id, signature, message)
+
+    monkeypatch.setattr(hivemind_dht, "verify_signature", counting)
+    for _ in range(5):  # the same record in five lookup answers
+        assert validator.validate(good)
+        assert not validator.validate(tampered)
+    assert len(calls) == 2  # one verification each
+    assert validator.rejected == 5  # every sighting of the forgery is still refused and counted
+    # a re-announced record (new expiration, new signature) is judged afresh
+    assert validator.validate(_signed(ALICE, encode_record(_server()), expiration=2e9))
+    assert len(calls) == 3
