@@ -89,6 +89,7 @@ def train_reference(
     corpus: Corpus | None = None,
     on_point: Callable[[CurvePoint], None] | None = None,
     update_lag: float = 0.0,
+    val_windows: int | None = None,
 ) -> ReferenceResult:
     """Train the full model for at least ``tokens`` training tokens (whole steps).
 
@@ -102,14 +103,21 @@ def train_reference(
     has run on the old parameters. 0 is synchronous training; 1 is the most stale (the
     update lands at the end of step k + 1); in the swarm it is about the all-reduce time
     over the epoch time.
+
+    ``val_windows`` evaluates only the first that many validation windows (all by default),
+    e.g. to match a swarm evaluation that used that many.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be positive, got {tokens}")
     if not 0.0 <= update_lag <= 1.0:
         raise ValueError(f"update_lag must be in [0, 1], got {update_lag}")
+    if val_windows is not None and val_windows < 1:
+        raise ValueError(f"val_windows must be positive, got {val_windows}")
     corpus = load_corpus(spec.data) if corpus is None else corpus
     stream = TrainStream(spec, seed, corpus)
     val_x, val_y = validation_set(spec, corpus)  # (N, T) each
+    if val_windows is not None:
+        val_x, val_y = val_x[:val_windows], val_y[:val_windows]
     eval_batch = max(spec.batch.micro_batch_size, 32)
 
     model = build_full_model(spec)
@@ -220,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="fraction of the next step run before an update lands (0 synchronous, 1 most stale)",
     )
+    parser.add_argument(
+        "--val-windows",
+        type=int,
+        default=None,
+        help="evaluate only the first N validation windows (default: all of the spec's)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = default_run_spec() if args.spec is None else load_run_spec(args.spec)
@@ -239,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         target_val_loss=args.target,
         update_lag=args.update_lag,
         on_point=show,
+        val_windows=args.val_windows,
     )
     summary = asdict(result)
     summary.pop("curve")

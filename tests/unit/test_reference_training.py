@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from wanswarm.node.data import load_corpus
+from wanswarm.node.data import load_corpus, validation_set
 from wanswarm.node.model import build_full_model
-from wanswarm.node.reference_training import clip_per_stage, train_reference
+from wanswarm.node.reference_training import clip_per_stage, evaluate, main, train_reference
 from wanswarm.node.runspec import RunSpec
 
 
@@ -97,3 +98,45 @@ def test_update_lag_applies_each_update_late(tmp_path: Path) -> None:
     assert max(half[3], stale[3]) < synchronous[0]
     with pytest.raises(ValueError, match="update_lag"):
         train_reference(spec, step, corpus=corpus, update_lag=1.5)
+
+
+def test_val_windows_evaluates_the_first_windows(tmp_path: Path) -> None:
+    spec = tiny_spec()  # 16 validation windows
+    corpus = load_corpus(spec.data, corpus_file(tmp_path))
+    step = 8 * 16
+    first4 = train_reference(spec, step, log_every=step, corpus=corpus, val_windows=4)
+    everything = train_reference(spec, step, log_every=step, corpus=corpus, val_windows=None)
+    beyond = train_reference(spec, step, log_every=step, corpus=corpus, val_windows=1000)
+    model = build_full_model(spec)
+    val_x, val_y = validation_set(spec, corpus)
+    assert first4.val_loss_start == evaluate(model, val_x[:4], val_y[:4], 32)
+    assert everything.val_loss_start == evaluate(model, val_x, val_y, 32)
+    assert first4.val_loss_start != everything.val_loss_start
+    assert [p.val_loss for p in beyond.curve] == [p.val_loss for p in everything.curve]
+    # training itself does not depend on what is evaluated
+    assert first4.steps == everything.steps == 1
+    with pytest.raises(ValueError, match="val_windows"):
+        train_reference(spec, step, corpus=corpus, val_windows=0)
+
+
+def test_cli_prints_the_curve_and_a_json_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec_file = tmp_path / "spec.toml"
+    spec_file.write_text(
+        'name = "ref"\n'
+        "[model]\nd_model = 32\nn_heads = 2\nn_layers = 2\nseq_len = 16\n"
+        "[stages]\nblocks_per_stage = [1, 1]\n"
+        "[batch]\nmicro_batch_size = 4\ntarget_batch_size = 8\n"
+        "[optimizer]\nlr = 1e-2\nwarmup_steps = 2\ndecay_steps = 20\n"
+        f'[data]\ncorpus = ["{corpus_file(tmp_path) / "text.txt"}"]\n'
+        "validation_fraction = 0.1\nvalidation_windows = 16\n"
+    )
+    code = main(["--spec", str(spec_file), "--tokens", str(8 * 16 * 2), "--val-windows", "4",
+                 "--log-every", str(8 * 16)])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["steps"] == 2 and summary["tokens"] == 2 * 8 * 16
+    assert [tokens for tokens, _ in summary["curve"]] == [0, 8 * 16, 2 * 8 * 16]
+    assert len(lines) == 4  # one line per curve point, then the JSON line
