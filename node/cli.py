@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-windows", type=int, default=64, metavar="N", help="validation windows evaluated (default 64)")
     demo.add_argument("--json", action="store_true", help="end with one JSON line of results (progress on stderr)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary state dirs and logs")
+    demo.add_argument("--run-spec", type=Path, metavar="PATH", help="run spec TOML for every daemon (default: the embedded tiny run)")
     demo.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="a config setting for every daemon, e.g. --set trainer.max_in_flight=4 (repeatable)")
     config = sub.add_parser(
@@ -270,7 +271,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     return run_demo(DemoOptions(
         replicas=args.replicas, duration_s=args.duration, tokens=args.tokens, wan=args.wan,
-        json=args.json, keep=args.keep, eval_windows=args.eval_windows, extra=tuple(args.set),
+        json=args.json, keep=args.keep, eval_windows=args.eval_windows, extra=tuple(args.set), run_spec=args.run_spec,
     ))
 
 

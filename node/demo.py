@@ -14,6 +14,13 @@ through the swarm at the start and the end by an evaluation client in this proce
 QUIC endpoint and identity; servers taken from the daemons' status). The run stops at the
 token budget or the duration, whichever comes first, or on Ctrl-C; every daemon then gets
 SIGTERM (the graceful leave), then SIGKILL if it outlives the shutdown timeout.
+
+``--run-spec PATH`` trains another run spec (every daemon gets ``node.run_spec``; the
+evaluation client uses the same spec). ``run_swarm(options)`` runs the same sequence in
+this process and returns the figures as a dict instead of an exit status (what
+``benchmarks/swarm.py`` calls): the ``--json`` line's fields plus the traffic of the training
+phase (trainer payload bytes and hops, QUIC bytes of every endpoint) and the tokens the
+trainers had completed when the final evaluation ended (they keep training while it runs).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, TextIO
 from .control import ControlClient
 from .errors import NodeError
 from .logs import get_logger
+from .runspec import RunSpecError
 
 log = get_logger(__name__)
 
@@ -45,6 +53,8 @@ PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
 STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
 SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
 DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see _spawn_daemon)
+# the fields of the --json line, in order (run_swarm returns these and more)
+JSON_FIELDS = ("val_loss_start", "val_loss_end", "tokens", "tokens_per_s", "daemons", "stages", "elapsed_s", "epoch")
 
 
 class DemoError(NodeError):
@@ -62,6 +72,10 @@ class DemoOptions:
     root: Path | None = None
     eval_windows: int = 64
     extra: tuple[str, ...] = ()  # --set items passed to every daemon
+    run_spec: Path | None = None  # run spec TOML of every daemon and the evaluation client; None: embedded tiny run
+    data_seed: int | None = None  # daemon i trains on trainer.data_seed = data_seed + i; None: seeds from peer ids
+    progress_period_s: float | None = None  # plain progress lines this often (no in-place redraw); None: the default
+    label: str = ""  # prefix of every line written (e.g. a benchmark's configuration)
 
 
 @dataclass
@@ -86,20 +100,29 @@ def _free_udp_port() -> int:
 
 class Demo:
     def __init__(self, options: DemoOptions, out: TextIO = sys.stdout) -> None:
-        from .runspec import default_run_spec
+        from .runspec import default_run_spec, load_run_spec
 
         self.options = options
         self.out = out
-        self.spec = default_run_spec()
+        self.spec_path = None if options.run_spec is None else options.run_spec.resolve()
+        try:
+            self.spec = default_run_spec() if self.spec_path is None else load_run_spec(self.spec_path)
+        except RunSpecError as exc:
+            raise DemoError(str(exc)) from None
         self.n_daemons = options.replicas * self.spec.n_stages
         self.root = Path(tempfile.mkdtemp(prefix="wanswarm-demo-", dir=options.root))
         self.nodes: list[_Node] = []
         self.stop = asyncio.Event()
-        self.tty = out.isatty() and not options.json
+        self.tty = out.isatty() and not options.json and options.progress_period_s is None
+        self.traffic_start: dict[str, Any] = {}  # traffic() when training starts (set by train)
+        self.traffic_end: dict[str, Any] = {}  # and when it stops
+        self.line_period_s = PLAIN_LINE_PERIOD_S if options.progress_period_s is None else options.progress_period_s
 
     # ---- output -------------------------------------------------------------------
 
     def say(self, text: str) -> None:
+        if self.options.label:
+            text = "\n".join(f"{self.options.label} {line}" if line else line for line in text.split("\n"))
         if not self.options.json:
             self.out.write(text + "\n")
             self.out.flush()
@@ -128,6 +151,10 @@ class Demo:
             f"trainer.max_in_flight={DEMO_MAX_IN_FLIGHT}",
             "averaging.matchmaking_time=2",  # loopback: peers answer at once
         ]
+        if self.spec_path is not None:
+            sets.append(f"node.run_spec={self.spec_path}")
+        if self.options.data_seed is not None:
+            sets.append(f"trainer.data_seed={self.options.data_seed + index}")
         if self.options.wan is not None:
             quic_port = _free_udp_port()
             emulator = subprocess.Popen(
@@ -298,13 +325,44 @@ class Demo:
             "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
         }
 
+    def traffic(self) -> dict[str, Any]:
+        """Cumulative traffic counters summed over the daemons (from their last polled status).
+
+        Trainer payload bytes count the encoded tensors of every successful hop, both
+        directions, as the trainers' status reports them; hops are successful hops per stage;
+        QUIC bytes are UDP payload bytes of every daemon's endpoint (trainer and server
+        traffic, FEC repair symbols, retransmissions, acknowledgements and pings included).
+        """
+        trainers = [n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status]
+        endpoints = [n.status.get("components", {}).get("endpoint", {}) for n in self.nodes if n.status]
+        hops = [0] * self.spec.n_stages
+        for t in trainers:
+            for stage, count in t.get("hops", {}).items():
+                if 0 <= int(stage) < len(hops):
+                    hops[int(stage)] += int(count)
+        return {
+            "tokens": sum(t.get("tokens", 0) for t in trainers),
+            "payload_bytes_sent": sum(t.get("payload_bytes", {}).get("sent", 0) for t in trainers),
+            "payload_bytes_received": sum(t.get("payload_bytes", {}).get("received", 0) for t in trainers),
+            "hops": hops,
+            "retried_hops": sum(t.get("retried_hops", 0) for t in trainers),
+            "cache_misses": sum(t.get("cache_misses", 0) for t in trainers),
+            "failed_micro_batches": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
+            "quic_bytes_out": sum(e.get("bytes_out") or 0 for e in endpoints),
+            "quic_bytes_in": sum(e.get("bytes_in") or 0 for e in endpoints),
+        }
+
     async def train(self) -> tuple[float, int]:
-        """Show progress until the budget, the duration or a stop; (seconds, tokens at the start)."""
+        """Show progress until the budget, the duration or a stop; (seconds, tokens at the start).
+
+        ``self.traffic_start`` and ``self.traffic_end`` hold ``traffic()`` at both ends.
+        """
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(self._poll(n) for n in self.nodes))
         started = loop.time()
         last_line = -math.inf
         base = self._totals()["tokens"]
+        self.traffic_start = self.traffic()
         while not self.stop.is_set():
             self._check_alive()
             await asyncio.gather(*(self._poll(n) for n in self.nodes))
@@ -315,9 +373,9 @@ class Demo:
                     f"{t['tokens'] / 1e3:>7.0f}k tokens  {t['completed']} micro-batches ({t['failed']} failed)  "
                     f"{elapsed:>5.0f}s / {self.options.duration_s:.0f}s")
             if self.tty:
-                self.out.write("\r" + line + "\x1b[K")
+                self.out.write("\r" + self.options.label + (" " if self.options.label else "") + line + "\x1b[K")
                 self.out.flush()
-            elif elapsed - last_line >= PLAIN_LINE_PERIOD_S:
+            elif elapsed - last_line >= self.line_period_s:
                 self.say(line)
                 last_line = elapsed
             if t["tokens"] >= self.options.tokens or elapsed >= self.options.duration_s:
@@ -326,7 +384,10 @@ class Demo:
                 await asyncio.wait_for(self.stop.wait(), PROGRESS_PERIOD_S)
         if self.tty:
             self.out.write("\n")
-        return loop.time() - started, base
+        elapsed = loop.time() - started
+        await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        self.traffic_end = self.traffic()
+        return elapsed, base
 
     def stage_table(self) -> list[dict[str, Any]]:
         rows = []
@@ -346,51 +407,91 @@ class Demo:
             })
         return rows
 
+    async def measure(self) -> dict[str, Any]:
+        """Start the swarm, evaluate, train, evaluate again; the figures (DemoError on failure).
+
+        Prints the progress and the per-stage table as ``wanswarm demo`` does. The caller
+        shuts the daemons down (``shutdown``) whatever happens.
+        """
+        await self.start_swarm()
+        val_start = await self.evaluate()
+        self.say(f"validation loss at start: {val_start:.3f} nats/byte")
+        elapsed, start_tokens = await self.train()
+        totals = self._totals()
+        val_end = await self.evaluate()
+        tokens_at_eval_end = self._totals()["tokens"]  # evaluate() polled: trainers went on meanwhile
+        self.say(f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
+                 f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}")
+        rows = self.stage_table()
+        self.say(f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} {'epoch':>6}")
+        for r in rows:
+            rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
+            self.say(f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} {_bytes(r['bytes_sent']):>12} "
+                     f"{rtt:>10} {r['epoch']:>6}")
+        start, end = self.traffic_start, self.traffic_end
+        training = {
+            key: ([b - a for a, b in zip(start[key], end[key], strict=True)] if isinstance(start[key], list)
+                  else end[key] - start[key])
+            for key in start
+        }
+        return {
+            # the fields of the --json line
+            "val_loss_start": round(val_start, 4),
+            "val_loss_end": round(val_end, 4),
+            "tokens": totals["tokens"],
+            "tokens_per_s": round((totals["tokens"] - start_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+            "daemons": self.n_daemons,
+            "stages": rows,
+            "elapsed_s": round(elapsed, 1),
+            "epoch": totals["epoch"],
+            # what only the programmatic API returns
+            "run_id": self.spec.run_id,
+            "codecs": self.spec.codecs.model_dump(),
+            "wan": self.options.wan,
+            "replicas": self.options.replicas,
+            "tokens_at_eval_end": tokens_at_eval_end,
+            "failed_micro_batches": totals["failed"],
+            "training": training,  # traffic() deltas over the training phase (between the evaluations)
+            "interrupted": self.stop.is_set(),
+        }
+
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._interrupt)
+        """``wanswarm demo``: measure, print (``--json``: one last JSON line), always shut down."""
+        self._install_signal_handlers()
         code = 1
         try:
-            await self.start_swarm()
-            val_start = await self.evaluate()
-            self.say(f"validation loss at start: {val_start:.3f} nats/byte")
-            elapsed, start_tokens = await self.train()
-            await asyncio.gather(*(self._poll(n) for n in self.nodes))
-            totals = self._totals()
-            val_end = await self.evaluate()
-            self.say(f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
-                     f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}")
-            rows = self.stage_table()
-            self.say(f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} {'epoch':>6}")
-            for r in rows:
-                rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
-                self.say(f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} {_bytes(r['bytes_sent']):>12} "
-                         f"{rtt:>10} {r['epoch']:>6}")
+            result = await self.measure()
             if self.options.json:
-                self.out.write(json.dumps({
-                    "val_loss_start": round(val_start, 4),
-                    "val_loss_end": round(val_end, 4),
-                    "tokens": totals["tokens"],
-                    "tokens_per_s": round((totals["tokens"] - start_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
-                    "daemons": self.n_daemons,
-                    "stages": rows,
-                    "elapsed_s": round(elapsed, 1),
-                    "epoch": totals["epoch"],
-                }) + "\n")
+                self.out.write(json.dumps({key: result[key] for key in JSON_FIELDS}) + "\n")
                 self.out.flush()
             code = 0 if not self.stop.is_set() else 130
         except DemoError as exc:
             self.say(f"wanswarm demo: {exc}")
             code = 130 if self.stop.is_set() else 1
         finally:
-            self.say("stopping the daemons (SIGTERM)...")
-            await self.shutdown()
-            if self.options.keep:
-                self.say(f"kept state dirs and logs in {self.root}")
-            else:
-                shutil.rmtree(self.root, ignore_errors=True)
+            await self._stop_daemons()
         return code
+
+    async def run_to_result(self) -> dict[str, Any]:
+        """``measure`` with the daemons always shut down afterwards (DemoError on failure)."""
+        self._install_signal_handlers()
+        try:
+            return await self.measure()
+        finally:
+            await self._stop_daemons()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._interrupt)
+
+    async def _stop_daemons(self) -> None:
+        self.say("stopping the daemons (SIGTERM)...")
+        await self.shutdown()
+        if self.options.keep:
+            self.say(f"kept state dirs and logs in {self.root}")
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def _interrupt(self) -> None:
         if self.stop.is_set():
@@ -413,4 +514,15 @@ def run_demo(options: DemoOptions) -> int:
     return asyncio.run(Demo(options).run())
 
 
-__all__ = ["DemoOptions", "run_demo"]
+def run_swarm(options: DemoOptions, out: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run the demo swarm in this process and return its figures (``Demo.measure``).
+
+    Progress and the per-stage table go to ``out``; no JSON line is written. Raises
+    DemoError when the swarm cannot start or a daemon dies; an interrupt (SIGINT/SIGTERM)
+    ends training early and the result says ``"interrupted": true``.
+    """
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return asyncio.run(Demo(options, out).run_to_result())
+
+
+__all__ = ["JSON_FIELDS", "Demo", "DemoError", "DemoOptions", "run_demo", "run_swarm"]

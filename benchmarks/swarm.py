@@ -1,0 +1,554 @@
+"""End-to-end benchmark: the tiny run on a local swarm under emulated WAN profiles and wire
+codecs, side by side with the single-process reference trainer.
+
+For every (profile, codec) configuration this script writes a run spec variant (a temporary
+TOML file, the base spec with ``codecs.forward_activations`` and ``codecs.backward_gradients``
+both set to the codec, so a different run id) and trains it on a local swarm of real daemons
+(``wanswarm.node.demo.run_swarm``: replicas x stages daemons on 127.0.0.1, every QUIC port
+behind a WAN emulator of the profile, trainer i on data seed ``--data-seed`` + i) until the
+trainers completed ``--tokens`` tokens. Each configuration reports:
+
+- tokens/s: tokens the trainers completed during the training phase / its duration (the
+  phase runs between the swarm's first and last validation; start-up excluded);
+- wire bytes per token per stage boundary: the payload bytes the trainers sent and received
+  across stage boundaries during the training phase / its tokens / (stages - 1). Counted:
+  the encoded tensors of every successful hop (activations out of and into every stage
+  after the first, output gradients of every stage but the last, and the stage input a
+  backward carries when it cannot go by reference), as the trainers' ``payload_bytes``
+  counters report them; not counted: the token ids sent to stage 0 and the targets sent to
+  the last stage ((hops of stage 0 / 2 + hops of the last stage) x micro-batch x seq_len x
+  8 bytes, subtracted), request headers, QUIC and FEC overhead. Each boundary's activation
+  crosses the network twice (stage s -> trainer -> stage s + 1), and so does its gradient:
+  the "ideal" column is that exact codec payload (4 transfers per boundary). Hops of
+  micro-batches that failed later count; their tokens do not;
+- QUIC bytes per token per boundary: UDP payload bytes every daemon's endpoint sent during
+  the training phase / tokens / boundaries: everything on the wire between daemons (token
+  ids, headers, FEC repair symbols, retransmissions, acknowledgements, pings). Averaging is
+  not in it: hivemind averages over libp2p (TCP), outside QUIC and outside the emulator;
+- final validation loss: the swarm's own evaluation after training (``--eval-windows``
+  windows through the swarm, activations through the codec). The trainers keep training
+  while it runs, so it is compared with the reference at the mean of the token counts
+  before and after it.
+
+The reference (``wanswarm.node.reference_training``) runs last in this process, one torch
+thread by default, with the same model, init, data sampler, micro-batch, step size,
+optimizer, schedule and per-stage clipping, for the largest token count any swarm reached
+(whole steps, at least ``--tokens``), with the validation loss measured after every step
+over the same windows, so the curve can be read at each swarm's token count. It trains on
+one data stream (seed ``--data-seed``), not the swarm's interleaving of one stream per
+trainer: the same data order cannot be reproduced by an asynchronous swarm. It models the
+swarm's delayed parameter updates (hivemind's DPU) with ``--update-lag`` (the fraction of
+the next step's micro-batches that run before an update lands; 0 when the daemons get
+``--set averaging.delayed_updates=false``); it does not model codec error or the staleness
+of micro-batches in flight while a step lands. Its tokens/s is one process's compute
+without the evaluations; the swarm's daemons (one thread each) share the machine's cores.
+
+Targets (from the issue), marked met or missed: wan tokens/s >= 70% of lan for each codec;
+final validation loss at most 2% above the reference for int8 and 3% for int4.
+
+Output: progress lines on stderr while each configuration runs, then on stdout a table and
+the target checks and, as the last line, one JSON object ``{"reference": {"tokens_per_s",
+"val_loss", ...}, "results": [{"profile", "codec", "tokens_per_s", "wire_bytes_per_token",
+"val_loss", ...}, ...], "targets": [...], "meta": {...}}``. ::
+
+    python benchmarks/swarm.py --quick
+    python benchmarks/swarm.py --tokens 300000 --profiles lan,wan --codecs none,int8,int4
+    python benchmarks/swarm.py --codecs int8 --profiles wan --json-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from wanswarm.node.config_layers import parse_assignment
+from wanswarm.node.demo import DemoError, DemoOptions, run_swarm
+from wanswarm.node.errors import NodeError
+from wanswarm.node.reference_training import CurvePoint, train_reference
+from wanswarm.node.runspec import (
+    RunSpec,
+    RunSpecError,
+    default_run_spec,
+    load_run_spec,
+    parse_run_spec,
+)
+from wanswarm.transport.codecs import parse_codec
+from wanswarm.transport.errors import CodecError
+from wanswarm.transport.wan import PROFILES
+
+DEFAULT_TOKENS = 240_000  # per configuration; see --help for the time it takes
+QUICK_TOKENS = 16_384  # two optimizer steps of the tiny run
+DEFAULT_REPLICAS = 2
+QUICK_REPLICAS = 1
+DEFAULT_EVAL_WINDOWS = 64
+QUICK_EVAL_WINDOWS = 16
+DEFAULT_UPDATE_LAG = 0.125  # DPU lag on loopback, estimated at 0.1-0.2 in docs/tiny_run.md
+THROUGHPUT_TARGET = 0.70  # wan tokens/s over lan tokens/s, per codec
+VAL_LOSS_TOLERANCE = {"int8": 0.02, "int4": 0.03}  # final val loss over the reference's
+TOKEN_ID_BYTES = torch.empty((), dtype=torch.int64).element_size()  # TrainStream gives int64 ids
+
+
+class BenchmarkError(Exception):
+    """The benchmark cannot run as asked (bad arguments, unusable spec)."""
+
+
+# ---- run spec variants ------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string (ASCII, \\uXXXX escapes) is a TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise BenchmarkError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isalnum() or c in "_-" for c in key) else json.dumps(key)
+
+
+def to_toml(data: dict[str, Any], _prefix: str = "") -> str:
+    """Nested dicts of scalars and lists as TOML (tables for dicts); None has no TOML form."""
+    lines = []
+    tables = []
+    for key, value in data.items():
+        if value is None:
+            raise BenchmarkError(f"{_prefix}{key} is None, which TOML cannot express")
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    text = "\n".join(lines) + ("\n" if lines else "")
+    for key, value in tables:
+        name = f"{_prefix}{_toml_key(key)}"
+        text += f"\n[{name}]\n" + to_toml(value, f"{name}.")
+    return text
+
+
+def spec_variant(spec: RunSpec, codec: str) -> tuple[RunSpec, str]:
+    """The spec with both wire codecs set to ``codec``, and its TOML text (which parses back to it)."""
+    raw = spec.model_dump(mode="json")
+    raw["codecs"] = {"forward_activations": codec, "backward_gradients": codec}
+    text = (
+        f"# {spec.name} with codecs {codec} (benchmarks/swarm.py); everything else as run {spec.run_id}\n"
+        + to_toml(raw)
+    )
+    variant = parse_run_spec(text, f"<{spec.name} with codec {codec}>")
+    return variant, text
+
+
+def write_spec_variant(spec: RunSpec, codec: str, directory: Path) -> tuple[RunSpec, Path]:
+    variant, text = spec_variant(spec, codec)
+    path = directory / f"{spec.name}-{codec.replace(':', '_')}-{variant.run_id}.toml"
+    path.write_text(text, encoding="utf-8")
+    return variant, path
+
+
+# ---- figures ------------------------------------------------------------------------------
+
+
+def ideal_bytes_per_token(spec: RunSpec) -> float | None:
+    """Codec payload per token per boundary: activation and gradient, each in and out of the trainer."""
+    boundaries = spec.n_stages - 1
+    if boundaries < 1:
+        return None
+    B, T, C = spec.batch.micro_batch_size, spec.model.seq_len, spec.model.d_model
+    numel = B * T * C  # one (B, T, C) activation or gradient
+    forward = parse_codec(spec.codecs.forward_activations).payload_nbytes(numel, torch.float32)
+    backward = parse_codec(spec.codecs.backward_gradients).payload_nbytes(numel, torch.float32)
+    return 2 * (forward + backward) / (B * T)
+
+
+def wire_figures(training: dict[str, Any], spec: RunSpec) -> dict[str, float | None]:
+    """Per-token, per-boundary bytes from the training phase's traffic (``Demo.traffic`` deltas)."""
+    tokens = training["tokens"]
+    boundaries = spec.n_stages - 1
+    if tokens <= 0 or boundaries < 1:
+        return {"wire_bytes_per_token": None, "quic_bytes_per_token": None}
+    hops = training["hops"]
+    ids = (hops[0] / 2 + hops[-1]) * spec.batch.micro_batch_size * spec.model.seq_len * TOKEN_ID_BYTES
+    payload = training["payload_bytes_sent"] + training["payload_bytes_received"] - ids
+    return {
+        "wire_bytes_per_token": round(payload / tokens / boundaries, 1),
+        "quic_bytes_per_token": round(training["quic_bytes_out"] / tokens / boundaries, 1),
+    }
+
+
+def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) -> dict[str, Any]:
+    """One result row from ``run_swarm``'s figures."""
+    training = figures["training"]
+    return {
+        "profile": profile,
+        "codec": codec,
+        "tokens_per_s": figures["tokens_per_s"],
+        **wire_figures(training, spec),
+        "val_loss": figures["val_loss_end"],
+        "ideal_bytes_per_token": _round(ideal_bytes_per_token(spec), 1),
+        "val_loss_start": figures["val_loss_start"],
+        "tokens": figures["tokens"],
+        "tokens_at_eval_end": figures["tokens_at_eval_end"],
+        "training_tokens": training["tokens"],
+        "elapsed_s": figures["elapsed_s"],
+        "epoch": figures["epoch"],
+        "failed_micro_batches": figures["failed_micro_batches"],
+        "retried_hops": training["retried_hops"],
+        "cache_misses": training["cache_misses"],
+        "run_id": figures["run_id"],
+        "interrupted": figures["interrupted"],
+    }
+
+
+def failed_row(profile: str, codec: str, error: str) -> dict[str, Any]:
+    return {"profile": profile, "codec": codec, "tokens_per_s": None, "wire_bytes_per_token": None,
+            "val_loss": None, "error": error}
+
+
+def curve_at(curve: Sequence[tuple[int, float]], tokens: float) -> float | None:
+    """The validation loss at ``tokens``, linear between the curve's points (None outside it)."""
+    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
+        if t0 <= tokens <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+    if curve and tokens == curve[-1][0]:
+        return curve[-1][1]
+    return None
+
+
+def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, float]]) -> None:
+    """Add the reference's val loss at each swarm's evaluation (mean of tokens before and after)."""
+    for row in results:
+        if row.get("val_loss") is None:
+            continue
+        at = (row["tokens"] + row["tokens_at_eval_end"]) / 2
+        ref = curve_at(curve, at)
+        row["reference_tokens"] = round(at)
+        row["reference_val_loss"] = _round(ref, 4)
+        row["val_loss_vs_reference"] = None if ref is None else round(row["val_loss"] / ref - 1.0, 4)
+
+
+def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, each with its measured value and met (None: not measurable)."""
+    targets = []
+    by = {(r["profile"], r["codec"]): r for r in results}
+    for codec in dict.fromkeys(r["codec"] for r in results):
+        lan, wan = by.get(("lan", codec)), by.get(("wan", codec))
+        if lan is None or wan is None:
+            continue
+        ratio = None
+        if lan["tokens_per_s"] and wan["tokens_per_s"] is not None:
+            ratio = round(wan["tokens_per_s"] / lan["tokens_per_s"], 3)
+        targets.append({"target": f"wan tokens/s >= {THROUGHPUT_TARGET:.0%} of lan ({codec})",
+                        "value": ratio, "threshold": THROUGHPUT_TARGET,
+                        "met": None if ratio is None else ratio >= THROUGHPUT_TARGET})
+    for r in results:
+        tolerance = VAL_LOSS_TOLERANCE.get(_codec_name(r["codec"]))
+        if tolerance is None:
+            continue
+        excess = r.get("val_loss_vs_reference")
+        targets.append({"target": f"val loss <= reference + {tolerance:.0%} ({r['profile']}/{r['codec']})",
+                        "value": excess, "threshold": tolerance,
+                        "met": None if excess is None else excess <= tolerance})
+    return targets
+
+
+def _codec_name(codec: str) -> str:
+    try:
+        return str(parse_codec(codec).name)
+    except CodecError:
+        return codec
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human table: every configuration beside the reference, then the target checks."""
+    meta, ref = report["meta"], report["reference"]
+    lines = [
+        f"swarm benchmark: run {meta['run']} ({meta['stages']} stages x {meta['replicas']} replicas, "
+        f"{meta['tokens']} tokens per configuration, {meta['eval_windows']} validation windows); "
+        f"reference: one process, {meta['reference_threads']} thread(s), update lag {meta['update_lag']}",
+        "",
+        f"{'config':<14} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
+        f"{'QUIC B/tok':>10} {'val loss':>8} {'ref val':>8} {'vs ref':>7}",
+    ]
+    ref_tps = ref.get("tokens_per_s")
+    lines.append(f"{'reference':<14} {_num(ref.get('tokens'), 'd'):>8} {_num(ref_tps, '.0f'):>7} {'1.00':>6} "
+                 f"{'-':>10} {'-':>7} {'-':>10} {_num(ref.get('val_loss'), '.4f'):>8} {'-':>8} {'-':>7}")
+    for r in report["results"]:
+        name = f"{r['profile']}/{r['codec']}"
+        if r.get("error"):
+            lines.append(f"{name:<14} failed: {r['error'].splitlines()[0]}")
+            continue
+        speed = r["tokens_per_s"] / ref_tps if ref_tps and r["tokens_per_s"] is not None else None
+        vs = r.get("val_loss_vs_reference")
+        lines.append(
+            f"{name:<14} {r['tokens']:>8d} {_num(r['tokens_per_s'], '.0f'):>7} {_num(speed, '.2f'):>6} "
+            f"{_num(r['wire_bytes_per_token'], '.1f'):>10} {_num(r.get('ideal_bytes_per_token'), '.1f'):>7} "
+            f"{_num(r.get('quic_bytes_per_token'), '.1f'):>10} {_num(r['val_loss'], '.4f'):>8} "
+            f"{_num(r.get('reference_val_loss'), '.4f'):>8} {_num(None if vs is None else 100 * vs, '+.1f'):>6}%"
+        )
+    lines += [
+        "",
+        "wire B/tok: trainer payload bytes across stage boundaries per token per boundary (token ids and "
+        "targets excluded); ideal: the codec's payload for 4 crossings per boundary; QUIC B/tok: UDP bytes "
+        "sent by every endpoint per token per boundary; ref val: the reference's curve at the swarm's "
+        "tokens during its final evaluation.",
+        "",
+        "targets",
+    ]
+    if not report["targets"]:
+        lines.append("  (none measurable: needs lan and wan, or codec int8/int4)")
+    for t in report["targets"]:
+        value = t["value"]
+        shown = "-" if value is None else (f"{value:.2f}" if "tokens/s" in t["target"] else f"{100 * value:+.1f}%")
+        verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        lines.append(f"  {t['target']:<48} {shown:>8}  {verdict}")
+    return "\n".join(lines)
+
+
+# ---- arguments ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    tokens: int
+    profiles: tuple[str, ...]
+    codecs: tuple[str, ...]
+    replicas: int
+    eval_windows: int
+    update_lag: float
+    reference_threads: int
+    data_seed: int
+    max_train_s: float
+    progress_s: float
+    sets: tuple[str, ...]
+    spec: Path | None
+    json_only: bool
+    keep: bool
+
+
+def _names(text: str, what: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not names or any(not n for n in names):
+        raise BenchmarkError(f"--{what}: give comma-separated names, e.g. lan,wan")
+    if len(set(names)) != len(names):
+        raise BenchmarkError(f"--{what}: {text!r} names one twice")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(f"Time: every configuration costs start-up, two evaluations and shutdown (1-3 minutes "
+                f"with 6 daemons on a loaded 2-core machine) plus its tokens at the swarm's rate; the "
+                f"defaults ({DEFAULT_TOKENS} tokens, 6 configurations, {DEFAULT_REPLICAS} replicas) take "
+                f"about 30-40 minutes there, --quick ({QUICK_TOKENS} tokens, {QUICK_REPLICAS} replica, "
+                f"{QUICK_EVAL_WINDOWS} validation windows) about 10."),
+    )
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"training tokens per configuration, the same for all and for the reference "
+                             f"(default {DEFAULT_TOKENS}; --quick {QUICK_TOKENS})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: fewer tokens, one replica, fewer validation windows (explicit flags win)")
+    parser.add_argument("--profiles", default="lan,wan", help=f"WAN profiles, of {sorted(PROFILES)} (default lan,wan)")
+    parser.add_argument("--codecs", default="none,int8,int4",
+                        help="wire codecs for activations and gradients, e.g. none,int8,int4,int8:b128 (default none,int8,int4)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help=f"daemons per stage (default {DEFAULT_REPLICAS}; --quick {QUICK_REPLICAS})")
+    parser.add_argument("--eval-windows", type=int, default=None,
+                        help=f"validation windows, swarm and reference (default {DEFAULT_EVAL_WINDOWS}; --quick {QUICK_EVAL_WINDOWS})")
+    parser.add_argument("--update-lag", type=float, default=None,
+                        help=f"reference's delayed-update model, fraction of a step (default {DEFAULT_UPDATE_LAG}; "
+                             "0 with --set averaging.delayed_updates=false)")
+    parser.add_argument("--reference-threads", type=int, default=1, help="torch threads of the reference (default 1)")
+    parser.add_argument("--data-seed", type=int, default=0,
+                        help="reference data seed; swarm trainer i uses this + i (default 0)")
+    parser.add_argument("--max-train-s", type=float, default=900.0,
+                        help="stop a configuration's training after this long even below --tokens (default 900)")
+    parser.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines on stderr (default 5)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a config setting for every daemon (repeatable), as for 'wanswarm demo'")
+    parser.add_argument("--spec", type=Path, default=None, help="base run spec TOML (default: the embedded tiny run)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
+    return parser
+
+
+def parse_options(argv: Sequence[str] | None = None) -> Options:
+    """Parsed and checked arguments; BenchmarkError says what to change."""
+    args = build_parser().parse_args(argv)
+    tokens = args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    replicas = args.replicas if args.replicas is not None else (QUICK_REPLICAS if args.quick else DEFAULT_REPLICAS)
+    windows = args.eval_windows if args.eval_windows is not None else (
+        QUICK_EVAL_WINDOWS if args.quick else DEFAULT_EVAL_WINDOWS)
+    if tokens < 1 or replicas < 1 or windows < 1:
+        raise BenchmarkError("--tokens, --replicas and --eval-windows must be >= 1")
+    if args.reference_threads < 1 or args.data_seed < 0:
+        raise BenchmarkError("--reference-threads must be >= 1 and --data-seed >= 0")
+    if args.max_train_s <= 0 or args.progress_s <= 0:
+        raise BenchmarkError("--max-train-s and --progress-s must be > 0")
+    profiles = _names(args.profiles, "profiles")
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        raise BenchmarkError(f"--profiles: unknown {unknown}; use some of {sorted(PROFILES)}")
+    codecs = _names(args.codecs, "codecs")
+    for codec in codecs:
+        try:
+            parse_codec(codec)
+        except CodecError as exc:
+            raise BenchmarkError(f"--codecs: {exc}") from None
+    delayed = True
+    for item in args.set:
+        try:
+            override = parse_assignment(item)
+        except NodeError as exc:
+            raise BenchmarkError(str(exc)) from None
+        if override.path == "averaging.delayed_updates":
+            delayed = str(override.value).strip().lower() not in ("false", "0", "no", "off")
+    lag = args.update_lag if args.update_lag is not None else (DEFAULT_UPDATE_LAG if delayed else 0.0)
+    if not 0.0 <= lag <= 1.0:
+        raise BenchmarkError(f"--update-lag must be in [0, 1], got {lag}")
+    return Options(tokens, profiles, codecs, replicas, windows, lag, args.reference_threads, args.data_seed,
+                   args.max_train_s, args.progress_s, tuple(args.set), args.spec, args.json_only, args.keep)
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+def run_configurations(opts: Options, spec: RunSpec, directory: Path,
+                       swarm: Callable[[DemoOptions, TextIO], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every (profile, codec) on a swarm of its own (``run_swarm`` unless ``swarm`` is given)."""
+    swarm = run_swarm if swarm is None else swarm
+    results: list[dict[str, Any]] = []
+    variants = {codec: write_spec_variant(spec, codec, directory) for codec in opts.codecs}
+    for profile in opts.profiles:
+        for codec in opts.codecs:
+            variant, path = variants[codec]
+            label = f"[{profile}/{codec}]"
+            options = DemoOptions(
+                replicas=opts.replicas, duration_s=opts.max_train_s, tokens=opts.tokens, wan=profile,
+                keep=opts.keep, eval_windows=opts.eval_windows, extra=opts.sets, run_spec=path,
+                data_seed=opts.data_seed, progress_period_s=opts.progress_s, label=label,
+            )
+            began = time.monotonic()
+            try:
+                figures = swarm(options, sys.stderr)
+            except DemoError as exc:
+                _progress(f"{label} failed: {exc}")
+                results.append(failed_row(profile, codec, str(exc)))
+                continue
+            row = summarize(profile, codec, figures, variant)
+            results.append(row)
+            _progress(f"{label} done in {time.monotonic() - began:.0f}s: {row['tokens_per_s']} tok/s, "
+                      f"val loss {row['val_loss']}, {row['wire_bytes_per_token']} B/token/boundary")
+            if row["interrupted"]:
+                raise KeyboardInterrupt
+    return results
+
+
+def run_reference(opts: Options, spec: RunSpec, tokens: int) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(opts.reference_threads)
+    step_tokens = spec.batch.target_batch_size * spec.model.seq_len
+    last = -math.inf
+
+    def show(point: CurvePoint) -> None:
+        nonlocal last
+        if time.monotonic() - last >= opts.progress_s:
+            last = time.monotonic()
+            _progress(f"[reference] step {point.step}  {point.tokens} tokens  val {point.val_loss:.4f}  "
+                      f"{point.train_seconds:.0f}s of training")
+
+    try:
+        result = train_reference(spec, tokens, opts.data_seed, log_every=step_tokens, on_point=show,
+                                 update_lag=opts.update_lag, val_windows=opts.eval_windows)
+    finally:
+        torch.set_num_threads(threads)
+    curve = [(p.tokens, p.val_loss) for p in result.curve]
+    at_budget = next(p for p in result.curve if p.tokens >= opts.tokens or p is result.curve[-1])
+    return {
+        "tokens_per_s": round(result.tokens_per_second, 1),
+        "val_loss": round(at_budget.val_loss, 4),
+        "tokens": at_budget.tokens,
+        "val_loss_start": round(result.val_loss_start, 4),
+        "update_lag": opts.update_lag,
+        "threads": opts.reference_threads,
+        "curve": [[t, round(v, 4)] for t, v in curve],
+    }, curve
+
+
+def build_report(opts: Options, spec: RunSpec, reference: dict[str, Any], curve: Sequence[tuple[int, float]],
+                 results: list[dict[str, Any]]) -> dict[str, Any]:
+    match_reference(results, curve)
+    return {
+        "reference": reference,
+        "results": results,
+        "targets": check_targets(results),
+        "meta": {
+            "run": spec.name, "run_id": spec.run_id, "stages": spec.n_stages, "replicas": opts.replicas,
+            "tokens": opts.tokens, "eval_windows": opts.eval_windows, "update_lag": opts.update_lag,
+            "reference_threads": opts.reference_threads, "data_seed": opts.data_seed, "sets": list(opts.sets),
+        },
+    }
+
+
+def _progress(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        opts = parse_options(argv)
+        spec = default_run_spec() if opts.spec is None else load_run_spec(opts.spec)
+    except (BenchmarkError, RunSpecError) as exc:
+        print(f"swarm.py: {exc}", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="wanswarm-bench-") as tmp:
+            results = run_configurations(opts, spec, Path(tmp))
+        measured = [r["tokens_at_eval_end"] for r in results if r.get("val_loss") is not None]
+        reach = max([opts.tokens, *measured])
+        _progress(f"[reference] training {reach} tokens (the most any swarm reached, at least --tokens)")
+        reference, curve = run_reference(opts, spec, reach)
+    except KeyboardInterrupt:
+        _progress("interrupted")
+        return 130
+    report = build_report(opts, spec, reference, curve, results)
+    report["meta"]["wall_s"] = round(time.monotonic() - began, 1)
+    if not opts.json_only:
+        print(format_report(report))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
