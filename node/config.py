@@ -7,9 +7,9 @@ shortcuts); config_layers.py builds the tree and words the one-line errors, e.g.
 
 Sections live next to their owners (log in logs.py, control in control.py, metrics in
 metrics.py, prober in prober.py, transport in wanswarm.transport.config, stage_server,
-averaging and trainer in their modules); the node and DHT sections live in sections.py, light,
-because the CLI's client commands (``status``, ``leave``) read them without importing this
-module's heavier section owners.
+averaging and trainer in their modules); the node, DHT and rebalance sections live in
+sections.py, light, because the CLI's client commands (``status``, ``leave``) read them without
+importing this module's heavier section owners.
 
 ``python -m wanswarm.node.config --dump-toml`` prints the commented template that is committed
 as configs/node.toml (see config_template.py).
@@ -40,7 +40,14 @@ from .errors import ConfigError
 from .logs import LogConfig
 from .metrics import MetricsConfig
 from .prober import ProberConfig
-from .sections import RUN_NAME_PATTERN, DhtConfig, NodeSection, check_host, resolved_paths
+from .sections import (
+    RUN_NAME_PATTERN,
+    DhtConfig,
+    NodeSection,
+    RebalanceConfig,
+    check_host,
+    resolved_paths,
+)
 from .stage_server import StageServerConfig
 from .trainer import TrainerConfig
 
@@ -58,6 +65,7 @@ class NodeConfig(BaseModel):
     prober: ProberConfig = Field(default_factory=ProberConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     stage_server: StageServerConfig = Field(default_factory=StageServerConfig)
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     averaging: AveragingConfig = Field(default_factory=AveragingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
@@ -113,6 +121,7 @@ __all__ = [
     "NodeConfig",
     "NodeSection",
     "Override",
+    "RebalanceConfig",
     "default_state_dir",
     "describe_validation_error",
     "env_overrides",

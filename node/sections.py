@@ -1,4 +1,4 @@
-"""The daemon's own config sections (node, dht) and the client's view of the config.
+"""The daemon's own config sections (node, dht, rebalance) and the client's view of the config.
 
 Kept to pydantic and the standard library so that ``wanswarm status`` and ``wanswarm leave``,
 which need only the state directory and the control socket, load their config without
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .config_layers import Override, build, default_state_dir
 from .control import ControlConfig
 from .errors import ConfigError
+from .stage_selection import RebalancePolicy
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 # A multiaddr that names the peer to dial: /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
@@ -206,6 +207,39 @@ class DhtConfig(_Section):
                 f"({self.request_timeout}); lower dht.rpc_timeout or raise dht.request_timeout"
             )
         return self
+
+
+class RebalanceConfig(RebalancePolicy):
+    """Moving stage servers from the best-served stage to the worst-served one (docs/stage_selection.md).
+
+    The policy fields (period_s, jitter, min_gain, load_s, max_moves) are
+    stage_selection.RebalancePolicy's: every server of a run should use the same values, so
+    that they all compute the same plan.
+    """
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Check every period_s (jittered) whether moving this server to another stage raises "
+            "the swarm's bottleneck throughput by min_gain, and move when the plan names it."
+        ),
+    )
+    move_pinned: bool = Field(
+        default=False,
+        description=(
+            "Let a server pinned with node.stage move too (node.stage then only picks its first "
+            "stage). Off: a pinned server never moves."
+        ),
+    )
+    drain_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=600,
+        description=(
+            "Seconds a moving server may take to finish the requests queued at its old stage and "
+            "apply pending averaging before it closes that stage."
+        ),
+    )
 
 
 class ClientConfig(BaseModel):

@@ -27,6 +27,12 @@ factor, and only online servers move, so with a fixed membership the bottleneck 
 with every accepted plan and can do so only finitely often; moved servers are
 ``joining`` (unmovable) until loaded. ``docs/stage_selection.md`` has the details and
 the churn simulation (``benchmarks/rebalance_sim.py``).
+
+- **Resume** (``encode_stage_claim``, ``resume_stage``): the stage a server claims or moves
+  to is remembered as ``{v, run_id, stage}`` (small JSON, the daemon writes it to its state
+  directory), so that a restarted server of the same run claims the same stage again at
+  once instead of choosing anew (its replicas there expect it back, and its optimizer state
+  on disk, if any, belongs to that stage).
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ServerState(StrEnum):
@@ -278,11 +285,69 @@ def plan_rebalance(
     return RebalancePlan(tuple(moves[:best_k]), before, best_after, best_amortized)
 
 
+def plan_move(plan: RebalancePlan, peer_id: str) -> Move | None:
+    """``peer_id``'s entry of ``plan``, or None when the plan does not name it."""
+    for move in plan.moves:
+        if move.peer_id == peer_id:
+            return move
+    return None
+
+
 def rebalance_decision(
     servers: Sequence[ServerInfo], n_stages: int, peer_id: str, policy: RebalancePolicy
 ) -> Move | None:
     """This server's part of the current plan: where to move, or None to stay."""
-    for move in plan_rebalance(servers, n_stages, policy).moves:
-        if move.peer_id == peer_id:
-            return move
-    return None
+    return plan_move(plan_rebalance(servers, n_stages, policy), peer_id)
+
+
+# ------------------------------------------------------------------- the remembered stage
+
+STAGE_CLAIM_VERSION: Final = 1
+MAX_STAGE_CLAIM_BYTES = 256
+
+
+class StageClaim(BaseModel):
+    """The stage a server last claimed in a run: ``{"v": 1, "run_id": ..., "stage": ...}``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    v: Literal[1] = STAGE_CLAIM_VERSION
+    run_id: str = Field(pattern=r"^[0-9a-f]{16}$", description="The run spec's hash.")
+    stage: int = Field(ge=0, lt=4096, description="The stage claimed.")
+
+
+def encode_stage_claim(run_id: str, stage: int) -> bytes:
+    """The claim's stored form (compact JSON). ValueError for an invalid run id or stage."""
+    try:
+        return StageClaim(run_id=run_id, stage=stage).model_dump_json().encode()
+    except ValidationError as exc:
+        raise ValueError(f"invalid stage claim: {exc.errors()[0]['msg']}") from None
+
+
+def decode_stage_claim(raw: bytes) -> StageClaim | None:
+    """The claim in ``raw``, or None when it is not one this version understands.
+
+    The file may be truncated (a crash mid-write on a filesystem without atomic rename),
+    edited by hand or written by a newer version: all of those mean "choose anew", never
+    a crash.
+    """
+    if len(raw) > MAX_STAGE_CLAIM_BYTES:
+        return None
+    try:
+        return StageClaim.model_validate_json(raw)
+    except ValidationError:
+        return None
+
+
+def resume_stage(raw: bytes | None, run_id: str, n_stages: int) -> int | None:
+    """The stage to claim again from a stored claim, or None to choose as a newcomer.
+
+    Only a claim of the same run (``run_id``, the spec's hash) whose stage exists counts:
+    a claim of another run, or of a stage the spec no longer has, is ignored.
+    """
+    if raw is None:
+        return None
+    claim = decode_stage_claim(raw)
+    if claim is None or claim.run_id != run_id or claim.stage >= n_stages:
+        return None
+    return claim.stage

@@ -1,21 +1,35 @@
-"""Stage selection with hundreds of simulated servers: joins, back-off, rebalancing."""
+"""Stage selection with hundreds of simulated servers: joins, back-off, rebalancing; the
+remembered stage; the daemon's rebalance loop with a fake stage server."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
+import hypothesis
+import hypothesis.strategies
 import pydantic
 import pytest
+from wanswarm.node.sections import RebalanceConfig
 from wanswarm.node.stage_selection import (
+    MAX_STAGE_CLAIM_BYTES,
     RebalancePolicy,
     ServerInfo,
     ServerState,
+    StageClaim,
     bottleneck,
     choose_stage,
+    decode_stage_claim,
+    encode_stage_claim,
     join_backoff,
     next_rebalance_delay,
+    plan_move,
     plan_rebalance,
     rebalance_decision,
+    resume_stage,
     stage_totals,
 )
 
@@ -210,3 +224,283 @@ def test_equal_servers_one_mover_per_gap() -> None:
     assert plan == plan_rebalance(
         list(reversed(servers)), 2, policy
     )  # order of records is irrelevant
+
+
+# ------------------------------------------------------------------- plan_move
+
+
+def test_plan_move_is_the_servers_own_entry() -> None:
+    servers = [ServerInfo(f"p{i}", 0, 1.0) for i in range(3)] + [ServerInfo("q", 1, 1.0)]
+    policy = RebalancePolicy(load_s=0.0, min_gain=0.0)
+    plan = plan_rebalance(servers, 2, policy)
+    (move,) = plan.moves
+    assert plan_move(plan, move.peer_id) == move
+    assert plan_move(plan, "q") is None and plan_move(plan, "nobody") is None
+
+
+# ------------------------------------------------------------------- the remembered stage
+
+RUN_ID = "0123456789abcdef"
+
+
+def test_stage_claim_round_trip() -> None:
+    raw = encode_stage_claim(RUN_ID, 2)
+    assert raw == b'{"v":1,"run_id":"0123456789abcdef","stage":2}'
+    assert decode_stage_claim(raw) == StageClaim(run_id=RUN_ID, stage=2)
+    assert resume_stage(raw, RUN_ID, 3) == 2
+
+
+def test_stage_claim_of_another_run_or_stage_is_ignored() -> None:
+    raw = encode_stage_claim(RUN_ID, 2)
+    assert resume_stage(raw, "fedcba9876543210", 3) is None  # the spec changed
+    assert resume_stage(raw, RUN_ID, 2) is None  # the run has fewer stages now
+    assert resume_stage(None, RUN_ID, 3) is None  # never claimed
+
+
+def test_stage_claim_refuses_what_it_does_not_understand() -> None:
+    assert decode_stage_claim(b'{"v":2,"run_id":"0123456789abcdef","stage":2}') is None
+    assert decode_stage_claim(b'{"v":1,"run_id":"0123456789abcdef","stage":"2"}') is None  # strict
+    assert decode_stage_claim(b'{"v":1,"run_id":"0123456789abcdef","stage":-1}') is None
+    assert decode_stage_claim(b'{"v":1,"run_id":"0123456789abcdef","stage":2,"x":0}') is None
+    assert decode_stage_claim(b'{"v":1,"run_id":"../../etc/passwd","stage":2}') is None
+    assert decode_stage_claim(b"[]") is None and decode_stage_claim(b"\xff\xfe") is None
+    padded = encode_stage_claim(RUN_ID, 2)[:-1] + b" " * MAX_STAGE_CLAIM_BYTES + b"}"
+    assert decode_stage_claim(padded) is None  # oversize, though valid JSON
+    with pytest.raises(ValueError, match="invalid stage claim"):
+        encode_stage_claim("not-a-run-id", 0)
+    with pytest.raises(ValueError, match="invalid stage claim"):
+        encode_stage_claim(RUN_ID, -1)
+
+
+def test_truncated_stage_claim_is_ignored() -> None:
+    raw = encode_stage_claim(RUN_ID, 1)
+    for n in range(len(raw)):
+        assert decode_stage_claim(raw[:n]) is None, raw[:n]
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(hypothesis.strategies.binary(max_size=400))
+def test_stage_claim_from_random_bytes_never_raises(raw: bytes) -> None:
+    claim = decode_stage_claim(raw)
+    assert claim is None or resume_stage(raw, claim.run_id, 4096) == claim.stage
+
+
+def test_stage_claim_file_is_written_atomically(tmp_path: Path) -> None:
+    from wanswarm.node.swarm_node import STAGE_CLAIM_FILE, read_stage_claim, write_stage_claim
+
+    assert read_stage_claim(tmp_path) is None
+    write_stage_claim(tmp_path, RUN_ID, 1)
+    write_stage_claim(tmp_path, RUN_ID, 2)
+    assert resume_stage(read_stage_claim(tmp_path), RUN_ID, 3) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STAGE_CLAIM_FILE]  # no temporary left
+    write_stage_claim(tmp_path / "missing", RUN_ID, 1)  # an unwritable place: logged, not raised
+    assert read_stage_claim(tmp_path / "missing") is None
+
+
+# ------------------------------------------------------------------- the config section
+
+
+def test_rebalance_section_is_a_policy_with_daemon_fields() -> None:
+    section = RebalanceConfig()
+    assert isinstance(section, RebalancePolicy)
+    assert section.enabled and not section.move_pinned and section.drain_timeout_s == 20.0
+    with pytest.raises(pydantic.ValidationError, match="raise period_s"):
+        RebalanceConfig(period_s=5.0, load_s=5.0)
+    with pytest.raises(pydantic.ValidationError, match="drain_timeout_s"):
+        RebalanceConfig(drain_timeout_s=0.0)
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        RebalanceConfig.model_validate({"period": 5.0})
+
+
+# ------------------------------------------------------------------- the daemon's loop
+# ServerComponent with a fake stage server (no model, no hivemind) over a real Membership
+# and PeerTable fed by hand: what a move announces, in which order, and a leave mid-move.
+
+FAKE_PEERS = {  # peer id -> (stage, throughput); with ours (25 at stage 0) the plan moves us to 1
+    "Qm" + "a" * 44: (0, 10.0),
+    "Qm" + "b" * 44: (0, 10.0),
+    "Qm" + "c" * 44: (2, 30.0),
+}
+
+
+class _FakeStore:
+    def __init__(self) -> None:
+        self.states: list[tuple[str, int | None]] = []
+        self.published = asyncio.Event()
+
+    async def publish(self, server: Any, rtt: Any, expiration: float) -> bool:
+        if not self.states or self.states[-1] != (server.state, server.stage):
+            self.states.append((server.state, server.stage))
+        self.published.set()
+        return True
+
+    async def wait_published(self, state: str, stage: int) -> None:
+        async with asyncio.timeout(10):
+            while (state, stage) not in self.states:
+                self.published.clear()
+                await self.published.wait()
+
+    async def read_membership(self) -> Any:
+        raise AssertionError("the test feeds the peer table itself")
+
+
+class _FakeStageServer:
+    """Stands in for StageServer: starts online at 25 samples/s unless told to hang in loading."""
+
+    built: ClassVar[list[_FakeStageServer]] = []
+    move_built: ClassVar[asyncio.Event | None] = None  # set when the second server is built
+    hang_at_stage: ClassVar[int | None] = None
+    owner: ClassVar[Any] = None  # the ServerComponent, asked for own_info while loading
+
+    def __init__(self, spec: Any, stage: int, config: Any, **kwargs: Any) -> None:
+        self.stage, self.state, self.throughput, self.queue_len = stage, "joining", 0.0, 0
+        self.events: list[str] = []
+        self.own_info_while_loading: object = "unset"
+        self.loading = asyncio.Event()
+        _FakeStageServer.built.append(self)
+        if len(_FakeStageServer.built) == 2 and _FakeStageServer.move_built is not None:
+            _FakeStageServer.move_built.set()
+
+    async def start(self, ctx: Any) -> None:
+        ctx.membership.update(stage=self.stage, queue=0)
+        self.own_info_while_loading = _FakeStageServer.owner.own_info()
+        self.loading.set()
+        if self.stage == _FakeStageServer.hang_at_stage:
+            await asyncio.Event().wait()  # a download that never ends (until cancelled)
+        self.state, self.throughput = "online", 25.0
+        ctx.membership.update(throughput=self.throughput)
+
+    async def drain(self, deadline: float) -> None:
+        self.state = "draining"
+        self.events.append("drain")
+
+    async def close(self) -> None:
+        self.state = "draining"
+        self.events.append("close")
+
+    def status(self) -> dict[str, Any]:
+        return {"stage": self.stage, "state": self.state}
+
+
+def _component_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalance: Any) -> tuple[Any, Any, _FakeStore]:
+    from wanswarm.node import swarm_node
+    from wanswarm.node.component import ComponentContext
+    from wanswarm.node.config import load_config, parse_assignment
+    from wanswarm.node.membership import Membership
+    from wanswarm.node.peers import PeerTable
+    from wanswarm.node.records import QuicAddress, ServerRecord
+    from wanswarm.node.runspec import default_run_spec
+    from wanswarm.transport.identity import Identity
+
+    monkeypatch.setattr(swarm_node, "StageServer", _FakeStageServer)
+    monkeypatch.setattr(_FakeStageServer, "built", [])
+    settings = {"period_s": 0.05, "jitter": 0.0, "load_s": 0.01, "min_gain": 0.05, **rebalance}
+    assignments = [f"node.state_dir={tmp_path}", "node.join_backoff=0"]
+    assignments += [f"rebalance.{k}={v}" for k, v in settings.items()]
+    config = load_config(environ={}, overrides=[parse_assignment(a) for a in assignments])
+    spec = default_run_spec()
+    identity = Identity.generate()
+    table = PeerTable(identity.peer_id)
+    records = {
+        pid: (ServerRecord(peer_id=pid, state="online", stage=stage, throughput=t), 4e9)
+        for pid, (stage, t) in FAKE_PEERS.items()
+    }
+    table.apply(records, {}, now=0.0, wall_now=0.0)
+    store = _FakeStore()
+    membership = Membership(store, config.node, identity.peer_id, table, random.Random(0))
+    endpoint = SimpleNamespace(endpoint=SimpleNamespace(peer_id=identity.peer_id),
+                               announced=QuicAddress(host="127.0.0.1", port=9))
+    component = swarm_node.ServerComponent(config, spec, endpoint, random.Random(0))  # type: ignore[arg-type]
+    monkeypatch.setattr(_FakeStageServer, "owner", component)
+    tasks: list[asyncio.Task[Any]] = []
+
+    def spawn(coro: Any, name: str) -> asyncio.Task[Any]:
+        tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+        return tasks[-1]
+
+    ctx = ComponentContext(identity=identity, run="demo", state_dir=tmp_path, peers=table,
+                           membership=membership, spawn=spawn, dht=SimpleNamespace(hivemind_dht=None))
+    swarm_node.write_stage_claim(tmp_path, spec.run_id, 0)  # resume at stage 0, no back-off
+    return component, ctx, store
+
+
+async def _wait(event: asyncio.Event) -> None:
+    async with asyncio.timeout(10):
+        await event.wait()
+
+
+async def _start_online(component: Any, ctx: Any) -> None:
+    """The daemon's part: start the component, then announce the node online."""
+    _FakeStageServer.move_built = asyncio.Event()
+    await component.start(ctx)
+    ctx.membership.set_state("online")
+    await ctx.membership.announce()
+
+
+def test_daemon_moves_when_the_plan_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wanswarm.node.swarm_node import read_stage_claim
+
+    component, ctx, store = _component_world(tmp_path, monkeypatch)
+
+    async def scenario() -> None:
+        await _start_online(component, ctx)
+        (old,) = _FakeStageServer.built
+        assert old.stage == 0 and old.own_info_while_loading is None
+        assert component.own_info() is not None
+        assert _FakeStageServer.move_built is not None
+        await _wait(_FakeStageServer.move_built)
+        new = _FakeStageServer.built[1]
+        await _wait(new.loading)
+        assert new.own_info_while_loading is None  # no server of ours between the stages
+        # the move's last step: announce online (it counts the move before it waits again)
+        await store.wait_published("online", 1)
+        assert component.status()["moves"] == 1
+        assert component.own_info() is not None and component.own_info().state == "online"
+        await component.drain(asyncio.get_running_loop().time() + 5)
+        await component.close()
+        assert old.events == ["drain", "close"] and new.stage == 1 and new.events == ["drain", "close"]
+
+    asyncio.run(scenario())
+    status = component.status()
+    assert status["moves"] == 1 and status["stage"] == 1
+    move = status["last_move"]
+    assert (move["from"], move["to"]) == (0, 1)
+    assert move["bottleneck_before"] == 0.0 and move["bottleneck_after"] == 20.0
+    assert move["total_s"] >= move["load_s"] >= 0.0
+    assert resume_stage(read_stage_claim(tmp_path), component.spec.run_id, 3) == 1
+    # published in order: joining at 0, online, draining at 0, joining at 1, online at 1
+    assert store.states == [("joining", 0), ("online", 0), ("draining", 0), ("joining", 1), ("online", 1)]
+
+
+def test_leave_during_a_move_closes_what_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    component, ctx, store = _component_world(tmp_path, monkeypatch)
+    monkeypatch.setattr(_FakeStageServer, "hang_at_stage", 1)
+
+    async def scenario() -> None:
+        await _start_online(component, ctx)
+        assert _FakeStageServer.move_built is not None
+        await _wait(_FakeStageServer.move_built)
+        old, new = _FakeStageServer.built
+        await _wait(new.loading)  # loading stage 1 when the leave comes
+        ctx.membership.set_state("draining")  # the daemon's leave path, then its drain and close
+        await component.drain(asyncio.get_running_loop().time() + 5)
+        await component.close()
+        assert ctx.membership.state == "draining"
+        assert old.events == ["drain", "close"]
+        assert new.events == ["close"]  # never served: closed without a drain
+
+    asyncio.run(scenario())
+    assert component.status()["moves"] == 0
+    assert store.states[-1] == ("joining", 1)  # nothing announced after the leave began
+
+
+def test_pinned_server_does_not_rebalance_unless_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wanswarm.node.config import load_config, parse_assignment
+
+    component, _, _ = _component_world(tmp_path, monkeypatch)
+    pinned = load_config(environ={}, overrides=[parse_assignment(f"node.state_dir={tmp_path}"),
+                                                parse_assignment("node.stage=0")])
+    component.config = pinned
+    assert component.status()["rebalance"]["enabled"] is False
+    component.config = pinned.model_copy(update={"rebalance": pinned.rebalance.model_copy(update={"move_pinned": True})})
+    assert component.status()["rebalance"]["enabled"] is True

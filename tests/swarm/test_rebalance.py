@@ -1,0 +1,209 @@
+"""Rebalancing in the daemon: real ``wanswarm join`` subprocesses, the default tiny run.
+
+- 7 daemons on 3 stages laid out [3, 2, 2]; SIGKILL one of stage 1: once its record has
+  expired, within two rebalance periods one server of stage 0 moves to stage 1 (it drains,
+  closes, loads stage 1 from the surviving replica, goes online), and the trainer keeps
+  completing micro-batches, some of them through the moved server.
+- An unpinned server SIGKILLed and restarted on the same state directory claims the stage
+  it held, even when the swarm's least-served stage is now another one.
+
+Throughputs are fixed through each daemon's benchmark cache (``throughput.json``, keyed by
+run id, stage and device): measured on this shared 2-core machine they vary 4x from one
+start to the next, so the rebalance plan, a deterministic function of the announced
+throughputs, would not be.
+
+Which servers may move: the servers of stage 0 are pinned there with ``node.stage`` and
+``rebalance.move_pinned=true`` (node.stage only places them); those of stages 1 and 2 are
+pinned and never move. They start first, so that no stage-0 server ever sees a swarm in
+which moving pays before the kill (a check is made every few seconds from the moment a
+server is online; see docs/stage_selection.md for why a partly started swarm would move).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from wanswarm.node.runspec import default_run_spec
+
+from tests.swarm.helpers import FAST, DaemonProcess, LocalSwarm, wait_for
+
+pytestmark = pytest.mark.timeout(420)
+
+log = logging.getLogger(__name__)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+PERIOD_S = 8.0
+JITTER = 0.25
+RECORD_TTL_S = 6.0  # FAST's node.record_ttl
+THROUGHPUT = 10.0  # samples/s every server announces at every stage
+
+TRAINING: tuple[str, ...] = (
+    "--set", "stage_server.device=cpu",
+    "--set", "trainer.request_timeout_s=8",
+    "--set", "trainer.max_in_flight=2",
+    "--set", "averaging.matchmaking_time=2",
+    "--set", "averaging.averaging_timeout=20",
+    "--set", "averaging.load_state_timeout=60",
+    "--set", "node.shutdown_timeout=15",
+    "--set", f"rebalance.period_s={PERIOD_S}",
+    "--set", f"rebalance.jitter={JITTER}",
+    "--set", "rebalance.load_s=1",
+    "--set", "rebalance.min_gain=0.05",
+    "--set", "rebalance.drain_timeout_s=5",
+)
+NO_TRAINER = ("--set", "node.trainer=false")
+MOVABLE = ("--set", "rebalance.move_pinned=true")
+
+
+def seed_throughput(state_dir: Path) -> None:
+    """Every stage's benchmark result, as the stage server caches it (node/throughput.py)."""
+    run_id = default_run_spec().run_id
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cache = {f"{run_id}/{stage}/cpu": THROUGHPUT for stage in range(3)}
+    (state_dir / "throughput.json").write_text(json.dumps(cache), encoding="utf-8")
+
+
+def add(swarm: LocalSwarm, name: str, peers: list[str], *args: str) -> DaemonProcess:
+    seed_throughput(swarm.base_dir / name)
+    return swarm.add(name, peers, wait=False, extra_args=args)
+
+
+def crash(node: DaemonProcess) -> None:
+    """SIGKILL the daemon and every process it forked (hivemind's DHT and averagers), as when
+    its machine dies; then wait until its state directory's lock is free.
+
+    (Killing the daemon alone leaves its averager processes running, still holding the state
+    directory's lock and answering the stage's matchmaking.)
+    """
+    os.killpg(node.pid, signal.SIGKILL)
+    node.wait_exit(10)
+
+    def lock_free() -> bool:
+        fd = os.open(node.state_dir / "daemon.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    wait_for(lock_free, 10, f"{node.name}'s processes to die")
+
+
+def server(node: DaemonProcess) -> dict[str, Any]:
+    report = node.status()
+    return {} if report is None else report.components.get("stage_server", {})
+
+
+def completed(trainer: DaemonProcess) -> int:
+    report = trainer.status()
+    if report is None:
+        return 0
+    return int(report.components.get("trainer", {}).get("micro_batches", {}).get("completed", 0))
+
+
+def cli_status(node: DaemonProcess) -> dict[str, Any] | None:
+    """``wanswarm status --json`` as an operator runs it."""
+    result = node.cli("status", "--json", timeout=30)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
+    swarm = LocalSwarm(0, extra_args=(*FAST, *TRAINING), env=ENV)
+    try:
+        b0 = add(swarm, "b0", [], *NO_TRAINER, "--set", "node.stage=1")
+        b0.wait_online(timeout=90)
+        addrs = b0.status().dht_addrs
+        b1 = add(swarm, "b1", addrs, *NO_TRAINER, "--set", "node.stage=1")
+        c0 = add(swarm, "c0", addrs, "--set", "node.stage=2")  # also the trainer
+        c1 = add(swarm, "c1", addrs, *NO_TRAINER, "--set", "node.stage=2")
+        for node in (b1, c0, c1):
+            node.wait_online(timeout=120)
+        movers = [add(swarm, f"a{i}", addrs, *NO_TRAINER, *MOVABLE, "--set", "node.stage=0") for i in range(3)]
+        for node in movers:
+            node.wait_online(timeout=120)
+
+        wait_for(lambda: completed(c0) >= 2, 150, "the trainer to complete micro-batches", interval=1.0,
+                 explain=swarm.explain)
+        layout = {n.name: server(n).get("stage") for n in swarm.nodes}
+        assert layout == {"b0": 1, "b1": 1, "c0": 2, "c1": 2, "a0": 0, "a1": 0, "a2": 0}, layout
+        assert all(server(n).get("moves") == 0 for n in swarm.nodes), "a move before the kill"
+
+        crash(b1)
+        killed_at = time.time()
+
+        def moved() -> DaemonProcess | None:
+            done = [n for n in movers if server(n).get("stage") == 1 and server(n).get("state") == "online"]
+            return done[0] if len(done) == 1 else None
+
+        # b1's record expires within record_ttl; then the next check of every stage-0 server
+        # (each at most period * (1 + jitter) away) names one of them; plus its load.
+        bound = RECORD_TTL_S + 2 * PERIOD_S * (1 + JITTER) + 30
+        mover = wait_for(moved, bound, "a stage-0 server to serve stage 1", interval=0.5, explain=swarm.explain)
+        seen_at = time.time()
+        status = cli_status(mover)
+        assert status is not None and status["stage"] == 1, status
+        move = status["components"]["stage_server"]["last_move"]
+        assert status["components"]["stage_server"]["moves"] == 1
+        assert (move["from"], move["to"]) == (0, 1), move
+        assert move["bottleneck_before"] == pytest.approx(THROUGHPUT)  # b0 alone
+        assert move["bottleneck_after"] == pytest.approx(2 * THROUGHPUT)
+        log.info(
+            "kill -> move began %.1fs, kill -> online %.1fs (seen by polling after %.1fs); move took "
+            "%.1fs: drain %.1fs, close %.1fs, load %.1fs",
+            move["at_unix"] - killed_at, move["at_unix"] + move["total_s"] - killed_at, seen_at - killed_at,
+            move["total_s"], move["drain_s"], move["close_s"], move["load_s"],
+        )
+        # exactly one server moved, and stage 0 kept the other two
+        assert sorted(server(n).get("stage") for n in movers) == [0, 0, 1]
+
+        # training goes on, and the moved server takes part of stage 1's work
+        after = completed(c0)
+        wait_for(lambda: completed(c0) >= after + 4, 90, "training to continue after the move", interval=1.0,
+                 explain=swarm.explain)
+        wait_for(lambda: server(mover).get("applied", 0) > 0, 90, "the moved server to serve stage 1",
+                 interval=1.0, explain=swarm.explain)
+        assert all(n.running() for n in swarm.nodes if n is not b1)
+        assert mover.leave(timeout=30) == 0
+    finally:
+        swarm.close()
+
+
+def test_a_restarted_server_claims_its_stage_again() -> None:
+    # rebalancing off: with one stage empty the plan would move a server of the doubled stage
+    swarm = LocalSwarm(0, extra_args=(*FAST, *TRAINING, *NO_TRAINER, "--set", "rebalance.enabled=false"), env=ENV)
+    try:
+        first = add(swarm, "p0", [], "--set", "node.stage=0")
+        first.wait_online(timeout=90)
+        addrs = first.status().dht_addrs
+        roamer = add(swarm, "x", addrs, "--set", "node.join_backoff=0.5")
+        roamer.wait_online(timeout=120)
+        stage = server(roamer)["stage"]
+        assert stage in (1, 2)  # the empty stages; the tie is the rng's
+        claim = json.loads((roamer.state_dir / "stage.json").read_text())
+        assert claim == {"v": 1, "run_id": default_run_spec().run_id, "stage": stage}
+        crash(roamer)
+
+        # another server takes the stage it left: choosing anew, it would take the other
+        # empty stage, so only the remembered claim brings it back to `stage`
+        second = add(swarm, "p1", addrs, "--set", f"node.stage={stage}")
+        second_id = second.wait_online(timeout=120).peer_id
+        wait_for(lambda: second_id in first.peers(), 30, "the first server to list the second", explain=swarm.explain)
+
+        restarted = DaemonProcess("x", roamer.state_dir, roamer.args, ENV).start()
+        swarm.nodes.append(restarted)
+        restarted.wait_online(timeout=120)
+        assert server(restarted)["stage"] == stage
+        log_text = restarted.log_path.read_text(errors="replace")
+        assert f"serving stage {stage} of 3 again" in log_text, restarted.log_tail()
+    finally:
+        swarm.close()
