@@ -80,8 +80,8 @@ def crash(node: DaemonProcess) -> None:
     """SIGKILL the daemon and every process it forked (hivemind's DHT and averagers), as when
     its machine dies; then wait until its state directory's lock is free.
 
-    (Killing the daemon alone leaves its averager processes running, still holding the state
-    directory's lock and answering the stage's matchmaking.)
+    (Killing the daemon's process alone left its state directory locked by processes it had
+    forked, so the restart was refused: "another wanswarm daemon uses state dir".)
     """
     os.killpg(node.pid, signal.SIGKILL)
     node.wait_exit(10)
