@@ -1,7 +1,7 @@
 """The swarm trains: real daemons as subprocesses, the default tiny run, bounded waits.
 
 - ``wanswarm demo --json`` on a small token budget exits 0 and validation loss falls;
-- one swarm (stage 1 served twice, a pure trainer) checks that killing a middle replica
+- one swarm (stage 1 served twice, pinned with node.stage; a pure trainer) checks that killing a middle replica
   (SIGKILL) does not stop training and loses or doubles no micro-batch. It runs the
   product's default averaging (delayed updates): a blocking step would hold the surviving
   replica's device thread for the averaging timeout while it waits for the dead peer.
@@ -53,12 +53,6 @@ def _component(node, name: str) -> dict:
     return {} if report is None else report.components.get(name, {})
 
 
-@pytest.mark.xfail(
-    reason="known bug, issue 'The swarm trains' stays open: after SIGKILL of a stage-1 replica "
-    "the trainer sometimes completes no micro-batch within request timeout + 30 s on this "
-    "2-core machine (passed in some runs, stalled in others); the cause is not yet found",
-    strict=False,
-)
 def test_kill_middle_replica_training_continues() -> None:
     swarm = LocalSwarm(0, extra_args=(*FAST, *TRAINING), env=ENV)
     try:
