@@ -30,6 +30,7 @@ no clock and no sockets; the async parts only pump them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import json
@@ -37,8 +38,9 @@ import logging
 import math
 import random
 import re
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -142,6 +144,11 @@ class StateTransferConfig(BaseModel):
     max_state_bytes: int = Field(
         default=64 << 30, ge=0, le=_MAX_BYTES,
         description="Largest state a client accepts (it allocates the tensors up front).",
+    )
+    endgame_factor: float = Field(
+        default=3.0, ge=1.0, le=100.0,
+        description="When no chunk is left to hand out, an idle donor duplicates a chunk that "
+        "another donor has held for this many times the median chunk time (a straggler).",
     )
     busy_backoff_s: float = Field(
         default=0.2, ge=0.0, le=60.0, description="Pause of a worker after a 'busy' answer."
@@ -389,12 +396,13 @@ def group_manifests(manifests: Iterable[tuple[PeerAddress, Manifest]]) -> list[D
 
 
 class ChunkScheduler:
-    """Which chunk each donor fetches next; sans-I/O.
+    """Which chunk each donor fetches next; sans-I/O (times are arguments).
 
     Donors pull work (``take``), so faster donors serve more chunks. When nothing is left
-    to hand out, a donor may duplicate a chunk in flight at exactly one other donor
-    ("endgame"), so a stalled donor does not hold up the last chunks until its deadline.
-    ``ban`` puts a donor's in-flight chunks back up for grabs; accepted chunks stay done.
+    to hand out, a donor may duplicate a chunk that one other donor has held for at least
+    ``straggler_s`` ("endgame"), so a stalled donor holds up the last chunks for about
+    that long instead of until its deadline, and a healthy tail is not fetched twice.
+    ``ban`` re-offers a donor's in-flight chunks; accepted chunks stay done.
     """
 
     def __init__(self, n_chunks: int, donors: Iterable[str], *, done: Iterable[int] = ()) -> None:
@@ -402,7 +410,7 @@ class ChunkScheduler:
         self.donors = list(dict.fromkeys(donors))
         self.done: set[int] = set(done)
         self.banned: set[str] = set()
-        self.in_flight: dict[int, set[str]] = {}
+        self.in_flight: dict[int, dict[str, float]] = {}  # chunk -> {donor: since}
         self._pending = [i for i in range(n_chunks) if i not in self.done]
         heapq.heapify(self._pending)
 
@@ -415,21 +423,37 @@ class ChunkScheduler:
         """Every donor is banned and chunks are missing."""
         return not self.complete and all(d in self.banned for d in self.donors)
 
-    def take(self, donor: str) -> int | None:
+    def take(self, donor: str, now: float, straggler_s: float) -> int | None:
         """The next chunk for ``donor`` to fetch, or None (nothing it can usefully do now)."""
         if donor in self.banned or donor not in self.donors:
             return None
         while self._pending:
             index = heapq.heappop(self._pending)
             if index not in self.done and not self.in_flight.get(index):
-                self.in_flight.setdefault(index, set()).add(donor)
+                self.in_flight[index] = {donor: now}
                 return index
-        for index in sorted(self.in_flight):
-            holders = self.in_flight[index]
-            if len(holders) == 1 and donor not in holders:
-                holders.add(donor)
-                return index
-        return None
+        stragglers = [
+            (since, index)
+            for index, holders in self.in_flight.items()
+            if len(holders) == 1 and donor not in holders
+            for since in holders.values()
+            if now - since >= straggler_s
+        ]
+        if not stragglers:
+            return None
+        index = min(stragglers)[1]
+        self.in_flight[index][donor] = now
+        return index
+
+    def next_straggler(self, donor: str, now: float, straggler_s: float) -> float | None:
+        """Seconds until ``take`` may give ``donor`` a straggler, None if no chunk may become one."""
+        waits = [
+            since + straggler_s - now
+            for holders in self.in_flight.values()
+            if len(holders) == 1 and donor not in holders
+            for since in holders.values()
+        ]
+        return max(0.0, min(waits)) if waits else None
 
     def accept(self, donor: str, index: int) -> bool:
         """A verified chunk arrived; True when it was not done yet."""
@@ -440,11 +464,11 @@ class ChunkScheduler:
         return True
 
     def release(self, donor: str, index: int) -> None:
-        """``donor`` gave ``index`` back without fault (busy)."""
+        """``donor`` no longer fetches ``index`` (busy, failed, banned)."""
         holders = self.in_flight.get(index)
         if holders is None:
             return
-        holders.discard(donor)
+        holders.pop(donor, None)
         if not holders:
             del self.in_flight[index]
             if index not in self.done:
@@ -455,6 +479,7 @@ class ChunkScheduler:
         self.banned.add(donor)
         for index in [i for i, h in self.in_flight.items() if donor in h]:
             self.release(donor, index)
+
 
 # ---- donor -----------------------------------------------------------------------------------
 
@@ -665,6 +690,7 @@ class ChunkEvent:
     what: Literal["request", "accept", "duplicate", "busy", "fail"]
     index: int
     donor: str
+    at: float  # seconds since the download started
 
 
 @dataclass
@@ -709,7 +735,7 @@ class StateDownload:
         self.config = config or StateTransferConfig()
         self.progress = progress
         self.report = DownloadReport()
-        self._deadline = 0.0
+        self._started = self._deadline = 0.0
         self._layout: str | None = None
         self._tensors: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
@@ -720,7 +746,8 @@ class StateDownload:
         if not self.donors:
             raise StateTransferError(f"no donors to download {self.kind_prefix} from")
         loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + cfg.timeout_s
+        self._started = loop.time()
+        self._deadline = self._started + cfg.timeout_s
         try:
             async with asyncio.timeout_at(self._deadline):
                 results = await asyncio.gather(*(self._manifest(d) for d in self.donors))
@@ -792,45 +819,58 @@ class StateDownload:
         over = asyncio.Event()
         live = 0
 
+        loop = asyncio.get_running_loop()
+        took: deque[float] = deque(maxlen=16)  # seconds of the latest verified chunks
+
+        def straggler_s() -> float:
+            """How long a chunk may be out before an idle donor duplicates it."""
+            if len(took) < 3:
+                return self.config.chunk_timeout_s
+            return min(self.config.endgame_factor * statistics.median(took), self.config.chunk_timeout_s)
+
         async def worker(donor: PeerAddress, snapshot_id: int) -> None:
             nonlocal done_bytes, live
-            busy = 0
+            peer, busy = donor.peer_id, 0
             try:
                 while True:
                     async with wake:
-                        while (index := sched.take(donor.peer_id)) is None:
-                            if sched.complete or donor.peer_id in sched.banned:
+                        while (index := sched.take(peer, loop.time(), straggler_s())) is None:
+                            if sched.complete or peer in sched.banned:
                                 return
-                            await wake.wait()
-                    self.report.events.append(ChunkEvent("request", index, donor.peer_id))
-                    chunk = chunks[index]
+                            wait = sched.next_straggler(peer, loop.time(), straggler_s())
+                            with contextlib.suppress(TimeoutError):  # re-check for stragglers
+                                async with asyncio.timeout(None if wait is None else wait + 1e-3):
+                                    await wake.wait()
+                    self._event("request", index, peer)
+                    chunk, started = chunks[index], loop.time()
                     data, error = await self._fetch(donor, snapshot_id, manifest, chunk)
                     async with wake:
                         if data is not None:
                             busy = 0
-                            if sched.accept(donor.peer_id, index):
+                            took.append(loop.time() - started)
+                            if sched.accept(peer, index):
                                 scatter_chunk(self._views, chunk, data)
                                 self._have[index] = manifest.digests[index]
-                                self.report.chunks_from[donor.peer_id] += 1
-                                self.report.events.append(ChunkEvent("accept", index, donor.peer_id))
+                                self.report.chunks_from[peer] += 1
+                                self._event("accept", index, peer)
                                 done_bytes += chunk.nbytes
                                 self._report_progress(done_bytes, manifest.total_bytes)
                             else:
-                                self.report.events.append(ChunkEvent("duplicate", index, donor.peer_id))
+                                self._event("duplicate", index, peer)
                         elif error == StateErrorCode.BUSY and busy + 1 < self.config.max_busy:
                             busy += 1
-                            sched.release(donor.peer_id, index)
-                            self.report.events.append(ChunkEvent("busy", index, donor.peer_id))
+                            sched.release(peer, index)
+                            self._event("busy", index, peer)
                         else:
-                            self.report.events.append(ChunkEvent("fail", index, donor.peer_id))
-                            if donor.peer_id not in sched.banned:
-                                logger.info("state donor %s banned: %s", donor.peer_id, error)
-                                self.report.bans[donor.peer_id] = error
-                            sched.ban(donor.peer_id)
+                            self._event("fail", index, peer)
+                            if peer not in sched.banned:
+                                logger.info("state donor %s banned: %s", peer, error)
+                                self.report.bans[peer] = error
+                            sched.ban(peer)
                         wake.notify_all()
                         if sched.complete or sched.exhausted:
                             over.set()
-                    if busy:
+                    if error == StateErrorCode.BUSY:
                         await asyncio.sleep(self.config.busy_backoff_s)  # back-off, not a wait on state
             finally:
                 live -= 1
@@ -886,6 +926,10 @@ class StateDownload:
         if digest != manifest.digests[chunk.index]:
             return None, f"chunk {chunk.index} does not match its digest"
         return data, ""
+
+    def _event(self, what: Any, index: int, donor: str) -> None:
+        at = asyncio.get_running_loop().time() - self._started
+        self.report.events.append(ChunkEvent(what, index, donor, at))
 
     def _report_progress(self, done: int, total: int) -> None:
         if self.progress is not None:

@@ -220,42 +220,47 @@ def test_grouping_prefers_newest_epoch_then_most_donors() -> None:
 
 def test_scheduler_pulls_in_order_and_completes() -> None:
     s = ChunkScheduler(5, ["a", "b"], done=[1])
-    assert [s.take("a"), s.take("b"), s.take("a")] == [0, 2, 3]
+    assert [s.take("a", 0, 9), s.take("b", 0, 9), s.take("a", 0, 9)] == [0, 2, 3]
     assert s.accept("a", 0) and s.accept("b", 2)
-    assert s.take("b") == 4
+    assert s.take("b", 1, 9) == 4
     assert s.accept("a", 3) and s.accept("b", 4)
     assert s.complete and not s.exhausted
-    assert s.take("a") is None
+    assert s.take("a", 2, 9) is None and s.next_straggler("a", 2, 9) is None
 
 
 def test_scheduler_ban_reoffers_in_flight_chunks_and_keeps_done_ones() -> None:
     s = ChunkScheduler(4, ["a", "b"])
-    assert (s.take("a"), s.take("a"), s.take("b")) == (0, 1, 2)
+    assert (s.take("a", 0, 9), s.take("a", 0, 9), s.take("b", 0, 9)) == (0, 1, 2)
     assert s.accept("a", 0)
     s.ban("a")  # chunk 1 was in flight at a
-    assert s.take("a") is None
-    assert s.take("b") == 1 and s.take("b") == 3
+    assert s.take("a", 1, 9) is None
+    assert s.take("b", 1, 9) == 1 and s.take("b", 1, 9) == 3
     assert s.done == {0}  # the chunk a delivered is kept
     s.ban("b")
     assert s.exhausted and not s.complete
 
 
-def test_scheduler_endgame_duplicates_a_chunk_once_then_ignores_the_late_copy() -> None:
+def test_scheduler_duplicates_only_stragglers_and_ignores_the_late_copy() -> None:
     s = ChunkScheduler(2, ["a", "b", "c"])
-    assert (s.take("a"), s.take("b")) == (0, 1)
-    assert s.take("c") == 0  # nothing pending: duplicate the lowest chunk held by one donor
-    assert s.take("c") == 1 and s.take("a") is None  # a holds 0; 1 now has two holders
+    assert (s.take("a", 0.0, 5.0), s.take("b", 1.0, 5.0)) == (0, 1)
+    assert s.take("c", 4.0, 5.0) is None  # nothing pending, nobody late yet
+    assert s.next_straggler("c", 4.0, 5.0) == pytest.approx(1.0)  # chunk 0 turns late at 5
+    assert s.take("c", 5.5, 5.0) == 0  # a has held chunk 0 for 5.5 s: duplicate it
+    assert s.take("a", 5.5, 5.0) is None  # a holds 0 and chunk 1 is not late for a yet
+    assert s.take("c", 6.0, 5.0) == 1  # b's chunk 1 is late now
+    assert s.take("a", 99.0, 5.0) is None  # a chunk is duplicated at most once
     assert s.accept("c", 0) and not s.accept("a", 0)
-    s.release("b", 1)  # b answered busy: c still fetches chunk 1, which b may duplicate again
-    assert s.in_flight == {1: {"c"}} and s.take("b") == 1 and s.take("a") is None
+    s.release("b", 1)  # b answered busy: c still fetches chunk 1, since 6.0
+    assert s.in_flight == {1: {"c": 6.0}}
+    assert s.take("b", 7.0, 5.0) is None and s.take("b", 11.0, 5.0) == 1
     assert s.accept("c", 1) and s.complete
 
 
 def test_scheduler_release_puts_an_unheld_chunk_back() -> None:
     s = ChunkScheduler(1, ["a"])
-    assert s.take("a") == 0 and s.take("a") is None
+    assert s.take("a", 0, 1) == 0 and s.take("a", 5, 1) is None  # never duplicates itself
     s.release("a", 0)
-    assert s.take("a") == 0
+    assert s.take("a", 5, 1) == 0
 
 
 # ---- donor handlers (called directly, no sockets) -------------------------------------------

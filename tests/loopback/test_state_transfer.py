@@ -1,0 +1,287 @@
+"""State transfer over real QUIC on 127.0.0.1: several donors, failures, resume, hostile peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+from wanswarm.node.state_transfer import (
+    ChunkEvent,
+    Manifest,
+    Snapshot,
+    StateDonor,
+    StateDownload,
+    StateTransferConfig,
+    StateTransferError,
+    chunk_kind,
+    download_state,
+    manifest_kind,
+    stage_kind_prefix,
+)
+from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
+from wanswarm.transport.errors import RemoteError
+
+from .quic_helpers import address, config, endpoint, run
+
+PREFIX = stage_kind_prefix(2)
+CHUNK = 16 * 1024
+
+
+def _state(seed: int, mib: float = 0.25) -> dict[str, torch.Tensor]:
+    """Parameters and Adam buffers of mixed dtypes, about ``mib`` MiB of float32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(mib * (1 << 20) / 4 / 256)
+    w = torch.randn(n, 256, generator=g)
+    return {
+        "blocks.0.w": w,
+        "blocks.0.b": torch.randn(256, generator=g).to(torch.bfloat16),
+        "opt.exp_avg.w": w * 0.1,
+        "opt.exp_avg_sq.w": (w * w)[: n // 2],
+        "opt.step": torch.tensor(41.0),
+        "mask": torch.rand(1001, generator=g) > 0.3,
+    }
+
+
+def _snapshot(epoch: int, state: dict[str, torch.Tensor]) -> Callable[[], Awaitable[Snapshot]]:
+    async def take() -> Snapshot:
+        return Snapshot(epoch, state, {"epoch": epoch, "lr": 0.002, "names": list(state)})
+
+    return take
+
+
+def _assert_identical(got: Snapshot, epoch: int, state: dict[str, torch.Tensor]) -> None:
+    assert got.epoch == epoch and list(got.tensors) == list(state)
+    for name, t in state.items():
+        out = got.tensors[name]
+        assert out.dtype == t.dtype and out.shape == t.shape, name
+        assert torch.equal(out.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    assert dict(got.meta) == {"epoch": epoch, "lr": 0.002, "names": list(state)}
+
+
+def _no_refetch(events: list[ChunkEvent]) -> None:
+    """No chunk was requested after one copy of it had been accepted."""
+    accepted: set[int] = set()
+    for e in events:
+        if e.what == "request":
+            assert e.index not in accepted, f"chunk {e.index} requested again after it arrived"
+        elif e.what == "accept":
+            accepted.add(e.index)
+
+
+@asynccontextmanager
+async def _swarm(n: int) -> AsyncIterator[tuple[list[Endpoint], Endpoint]]:
+    async with AsyncExitStack() as stack:
+        # handshakes get 10 s: the shared test machine is loaded (3 s timed out there)
+        cfg = config(connect_timeout_s=10.0, handshake_timeout_s=10.0)
+        donors = [await stack.enter_async_context(endpoint(cfg)) for _ in range(n)]
+        client = await stack.enter_async_context(endpoint(cfg))
+        yield donors, client
+
+
+def _config(**fields: Any) -> StateTransferConfig:
+    base: dict[str, Any] = {
+        "chunk_bytes": CHUNK, "max_parallel_per_donor": 2, "timeout_s": 25.0,
+        "manifest_timeout_s": 5.0, "chunk_timeout_s": 5.0,
+    }
+    base.update(fields)
+    return StateTransferConfig(**base)
+
+
+def test_three_donors_share_the_download_bit_identically() -> None:
+    state = _state(1)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            donors = [StateDonor(ep, _snapshot(7, state), kind_prefix=PREFIX) for ep in eps]
+            seen: list[tuple[int, int]] = []
+            job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX,
+                                config=_config(), progress=lambda d, t: seen.append((d, t)))
+            got = await job.run()
+            _assert_identical(got, 7, state)
+            n_chunks = -(-job.report.total_bytes // CHUNK)
+            assert sum(job.report.chunks_from.values()) == n_chunks
+            assert set(job.report.chunks_from) == {ep.peer_id for ep in eps}
+            assert min(job.report.chunks_from.values()) >= 2  # every donor's workers got work
+            assert [d.counts["snapshots"] for d in donors] == [1, 1, 1]
+            assert seen[0] == (0, job.report.total_bytes) and seen[-1][0] == job.report.total_bytes
+            assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+            assert not job.report.bans
+
+    run(main(), timeout=30)
+
+
+def test_donor_closed_mid_download_the_rest_resumes_from_the_others() -> None:
+    state = _state(2)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            victim = eps[0]
+            donors = [StateDonor(ep, _snapshot(3, state), kind_prefix=PREFIX) for ep in eps]
+            closing: list[asyncio.Task[None]] = []
+
+            async def serve_then_die(request: Request) -> Response:
+                response = await donors[0].handle_chunk(request)
+                if donors[0].counts["chunks"] == 4 and not closing:  # after it served some
+                    closing.append(asyncio.create_task(victim.close()))
+                return response
+
+            victim.register(chunk_kind(PREFIX), serve_then_die)
+            job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX,
+                                config=_config())
+            got = await job.run()
+            _assert_identical(got, 3, state)
+            report = job.report
+            assert closing and victim.peer_id in report.bans
+            assert 1 <= report.chunks_from[victim.peer_id] <= 4
+            _no_refetch(report.events)  # chunks the victim delivered were kept
+            n_chunks = -(-report.total_bytes // CHUNK)
+            assert sum(report.chunks_from.values()) == n_chunks
+            others = sum(d.counts["chunks"] for d in donors[1:])
+            assert others < n_chunks  # the others did not serve everything again
+            await asyncio.wait_for(closing[0], timeout=10)
+
+    run(main(), timeout=30)
+
+
+def test_corrupt_chunk_is_detected_banned_and_fetched_elsewhere() -> None:
+    state = _state(3)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            liar = eps[1]
+            donors = [StateDonor(ep, _snapshot(4, state), kind_prefix=PREFIX) for ep in eps]
+
+            async def corrupt(request: Request) -> Response:
+                response = await donors[1].handle_chunk(request)
+                bad = response.tensors[0].clone()  # type: ignore[union-attr]
+                bad[len(bad) // 2] ^= 0x01
+                return Response(header=response.header, tensors=[bad])
+
+            liar.register(chunk_kind(PREFIX), corrupt)
+            job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX,
+                                config=_config())
+            got = await job.run()
+            _assert_identical(got, 4, state)
+            assert "digest" in job.report.bans[liar.peer_id]
+            assert job.report.chunks_from[liar.peer_id] == 0
+            assert set(job.report.chunks_from) == {eps[0].peer_id, eps[2].peer_id}
+
+    run(main(), timeout=30)
+
+
+def test_newest_epoch_wins_and_an_older_one_is_the_fallback() -> None:
+    old, new = _state(4), _state(5)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            for ep in eps[:2]:
+                StateDonor(ep, _snapshot(5, old), kind_prefix=PREFIX)
+            newest = StateDonor(eps[2], _snapshot(7, new), kind_prefix=PREFIX)
+            addrs = [address(ep) for ep in eps]
+            job = StateDownload(client, addrs, kind_prefix=PREFIX, config=_config())
+            _assert_identical(await job.run(), 7, new)
+            assert set(job.report.chunks_from) == {eps[2].peer_id}  # epoch-5 donors not used
+
+            # the epoch-7 donor turns bad: the download falls back to epoch 5 from the others
+            async def refuse(request: Request) -> Response:
+                raise RemoteError("internal", "disk on fire")
+
+            eps[2].register(chunk_kind(PREFIX), refuse)
+            job = StateDownload(client, addrs, kind_prefix=PREFIX, config=_config())
+            _assert_identical(await job.run(), 5, old)
+            assert [e for e, _ in job.report.groups_tried] == [7, 5]
+            assert set(job.report.chunks_from) == {eps[0].peer_id, eps[1].peer_id}
+            assert newest.counts["manifests"] == 2
+
+    run(main(), timeout=30)
+
+
+def test_no_reachable_donor_fails_quickly_naming_what_was_tried() -> None:
+    async def main() -> None:
+        async with _swarm(2) as (eps, client):
+            StateDonor(eps[0], _snapshot(1, _state(6, mib=0.05)), kind_prefix="state.s9")
+            gone = PeerAddress(eps[1].peer_id, *eps[1].address)
+            await eps[1].close()  # nothing listens there any more
+            donors = [address(eps[0]), gone]  # eps[0] serves another stage: unknown_kind
+            started = time.monotonic()
+            with pytest.raises(StateTransferError) as err:
+                await download_state(client, donors, kind_prefix=PREFIX,
+                                     config=_config(manifest_timeout_s=2.0))
+            assert time.monotonic() - started < 8.0
+            assert "unknown_kind" in str(err.value) and gone.peer_id[:12] in str(err.value)
+            with pytest.raises(StateTransferError):
+                await download_state(client, [], kind_prefix=PREFIX)
+
+    run(main(), timeout=30)
+
+
+def test_hostile_requests_get_error_replies_and_the_donor_keeps_serving() -> None:
+    state = _state(7, mib=0.1)
+
+    async def main() -> None:
+        async with _swarm(1) as ([ep], client):
+            donor = StateDonor(ep, _snapshot(11, state), kind_prefix=PREFIX)
+            peer = address(ep)
+            mk, ck = manifest_kind(PREFIX), chunk_kind(PREFIX)
+            reply = await client.request(peer, mk, {"v": 1, "chunk_bytes": CHUNK}, timeout=5)
+            body = reply.tensors[0]
+            assert isinstance(body, torch.Tensor)
+            sid = Manifest.model_validate_json(body.numpy().tobytes()).snapshot_id
+            good = {"v": 1, "epoch": 11, "snapshot_id": sid, "chunk_bytes": CHUNK, "index": 0}
+            hostile: list[tuple[str, dict[str, Any], list[torch.Tensor], str]] = [
+                (mk, {"v": 1, "chunk_bytes": 2**63}, [], "bad_request"),
+                (mk, {"v": 99, "chunk_bytes": CHUNK}, [], "bad_request"),
+                (mk, {"v": 1, "chunk_bytes": CHUNK}, [torch.zeros(4)], "bad_request"),
+                (ck, {**good, "index": 2**40}, [], "bad_request"),
+                (ck, {**good, "index": -5}, [], "bad_request"),
+                (ck, {**good, "epoch": 10**40}, [], "bad_request"),
+                (ck, {**good, "epoch": 12}, [], "unknown_snapshot"),
+                (ck, {**good, "snapshot_id": (sid + 1) % 2**63}, [], "unknown_snapshot"),
+                (ck, {**good, "snapshot_id": "x" * 10000}, [], "bad_request"),
+                (ck, {"index": [[[[]]]]}, [], "bad_request"),
+            ]
+            for kind, header, tensors, code in hostile:
+                with pytest.raises(RemoteError) as err:
+                    await client.request(peer, kind, header, tensors, timeout=5)
+                assert err.value.code == code, header
+            got = await download_state(client, [peer], kind_prefix=PREFIX, config=_config())
+            _assert_identical(got, 11, state)
+            assert donor.counts["errors.bad_request"] == 8
+            assert donor.counts["errors.unknown_snapshot"] == 2
+
+    run(main(), timeout=30)
+
+
+def test_a_stalled_donor_holds_up_the_tail_for_a_straggler_time_not_its_deadline() -> None:
+    state = _state(8)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            donors = [StateDonor(ep, _snapshot(2, state), kind_prefix=PREFIX) for ep in eps]
+            stalled = asyncio.Event()  # set when the stalled donor starts holding requests
+            never = asyncio.Event()
+
+            async def stall(request: Request) -> Response:
+                if donors[0].counts["chunks"] >= 2:
+                    stalled.set()
+                    await never.wait()  # like a peer that went silent: cancelled at close
+                return await donors[0].handle_chunk(request)
+
+            eps[0].register(chunk_kind(PREFIX), stall)
+            cfg = _config(chunk_timeout_s=20.0, timeout_s=25.0)
+            job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX, config=cfg)
+            started = time.monotonic()
+            _assert_identical(await job.run(), 2, state)
+            assert stalled.is_set() and time.monotonic() - started < cfg.chunk_timeout_s
+            assert not job.report.bans  # nobody failed: the held chunks were duplicated
+            held = {e.index for e in job.report.events
+                    if e.what == "request" and e.donor == eps[0].peer_id}
+            assert len(held) > job.report.chunks_from[eps[0].peer_id]
+            _no_refetch(job.report.events)
+
+    run(main(), timeout=30)
