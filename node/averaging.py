@@ -32,6 +32,17 @@ gradients of the stage, right before AdamW; the learning rate follows
 
 ``LocalOptimizer`` is the same contract for a stage with no peers to average with (a solo
 run, the in-process pipeline and tests): it accumulates to ``target_batch_size`` and steps.
+
+Checkpoints. ``export_state`` returns the stage's state as named CPU tensors (the module's
+state_dict and the optimizer's state, named as in checkpoint.py) plus JSON-able optimizer
+metadata; ``import_state`` installs such a state, all or nothing: names, shapes, dtypes and
+param_groups are checked first (``CheckpointError``), then parameters, optimizer state,
+hyperparameters, the lr schedule and the epoch are set. Both optimizers number parameters
+the same way (torch's state_dict order over ``param_groups``), so either reads the other's
+checkpoints. The hivemind side mirrors ``hivemind.Optimizer.load_state_from_peers``: the
+offloaded main parameters and optimizer state are written under the averager's lock, copied
+into the served module, and the tracker reports the imported epoch so that the replica
+counts (and shares its state) as being at that epoch.
 """
 
 from __future__ import annotations
@@ -47,6 +58,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from .checkpoint import (
+    MODEL_PREFIX,
+    check_fits,
+    checked_epoch,
+    checked_param_groups,
+    module_tensors,
+    optimizer_meta,
+    optimizer_tensors,
+    snapshot,
+)
 from .errors import NodeError
 from .model import param_groups
 from .runspec import OptimizerSpec, RunSpec
@@ -79,6 +100,16 @@ class AveragingConfig(BaseModel):
         gt=0.0,
         le=3600.0,
         description="Give up on an averaging round after this many seconds (about 2x an all-reduce).",
+    )
+    next_chunk_timeout: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "Seconds an all-reduce waits for a peer's next chunk before averaging without it; "
+            "unset: matchmaking_time (hivemind's default). Raise it on a loaded machine: a peer "
+            "dropped mid-round leaves the replicas with different averages."
+        ),
     )
     load_state_timeout: float = Field(
         default=120.0, gt=0.0, le=3600.0, description="Deadline of one download of the stage's state, seconds."
@@ -152,6 +183,17 @@ class StageOptimizer(Protocol):
     def shutdown(self) -> None:
         """Leave the collaboration; the optimizer is unusable afterwards."""
 
+    def background_busy(self) -> bool:
+        """Whether a background averaging round or delayed step is still running (so that
+        ``export_state`` would wait for it)."""
+
+    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """``(epoch, tensors, meta)``: the stage's state as private CPU copies (see checkpoint.py)."""
+
+    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Install a state from ``export_state`` (possibly another replica's); ``CheckpointError``
+        before anything changes when it does not fit."""
+
 
 # ---------------------------------------------------------------------------- shared parts
 
@@ -205,6 +247,14 @@ def make_schedule(spec: OptimizerSpec, opt: torch.optim.Optimizer) -> torch.opti
     return schedule
 
 
+def set_schedule_epoch(schedule: Any, opt: torch.optim.Optimizer, epoch: int) -> None:
+    """Put a LambdaLR at ``epoch`` as if it had stepped once per epoch (hivemind's convention,
+    ``_update_scheduler``), keeping the learning rates already in ``opt.param_groups``."""
+    schedule.last_epoch = epoch
+    schedule._step_count = epoch + 1
+    schedule._last_lr = [group["lr"] for group in opt.param_groups]
+
+
 def averaging_run_id(spec: RunSpec, stage: int) -> str:
     """hivemind run id of a stage's collaboration: ``{name}_{run_id}_stage{s}`` (no dots)."""
     return f"{spec.name}_{spec.run_id}_stage{stage}"
@@ -222,6 +272,7 @@ class LocalOptimizer:
     """
 
     def __init__(self, module: nn.Module, spec: RunSpec) -> None:
+        self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._target = spec.batch.target_batch_size
         self._opt = make_adamw(spec.optimizer, param_groups(module, spec.optimizer.weight_decay))
@@ -282,6 +333,31 @@ class LocalOptimizer:
     def shutdown(self) -> None:
         return None
 
+    def background_busy(self) -> bool:
+        return False
+
+    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        live = module_tensors(self._module) | optimizer_tensors(self._opt)
+        return self._epoch, snapshot(live), optimizer_meta(self._opt)
+
+    @torch.no_grad()
+    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        epoch = checked_epoch(epoch)
+        live = module_tensors(self._module) | optimizer_tensors(self._opt)
+        check_fits(live, tensors)
+        groups = checked_param_groups(self._opt, meta)
+        for name, tensor in live.items():
+            tensor.copy_(tensors[name])
+        for group, values in zip(self._opt.param_groups, groups, strict=True):
+            group.update(values)
+        set_schedule_epoch(self._schedule, self._opt, epoch)
+        self._epoch = epoch
+        for p, acc in zip(self._params, self._acc, strict=True):
+            p.grad = None
+            acc.zero_()  # gradients accumulated toward the old epoch do not carry over
+        self._samples = self._times = 0
+        self._anchor = None
+
 
 # ---------------------------------------------------------------------------- hivemind
 
@@ -340,6 +416,7 @@ class CollaborativeOptimizer:
                 scheduler=partial(make_schedule, spec.optimizer),
                 matchmaking_time=config.matchmaking_time,
                 averaging_timeout=config.averaging_timeout,
+                next_chunk_timeout=config.next_chunk_timeout,
                 load_state_timeout=config.load_state_timeout,
                 shutdown_timeout=config.shutdown_timeout,
                 offload_optimizer=True,
@@ -403,6 +480,66 @@ class CollaborativeOptimizer:
 
     def flush(self) -> None:
         self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
+    def background_busy(self) -> bool:
+        return any(not update.done() for update in self._opt.state_averager.pending_updates)
+
+    def _live_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> the tensors that hold them: hivemind's offloaded (CPU, float32)
+        main parameters, which its optimizer steps and its peers download, in place of the
+        served module's copies; the module's buffers; the offloaded optimizer's state."""
+        averager = self._opt.state_averager
+        offloaded = [p for group in averager.optimizer.param_groups for p in group["params"]]
+        names = {id(p): name for name, p in self._module.named_parameters()}
+        live = module_tensors(self._module)
+        for main, off in zip(averager.main_parameters, offloaded, strict=True):
+            live[MODEL_PREFIX + names[id(main)]] = off
+        return live | optimizer_tensors(averager.optimizer)
+
+    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        # a delayed step still running would leave the epoch counted but the parameters old
+        self.flush()
+        averager = self._opt.state_averager
+        with torch.no_grad(), averager.lock_averaged_tensors:
+            return self.local_epoch, snapshot(self._live_tensors()), optimizer_meta(averager.optimizer)
+
+    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        epoch = checked_epoch(epoch)
+        opt, averager = self._opt, self._opt.state_averager
+        live = self._live_tensors()
+        check_fits(live, tensors)
+        groups = checked_param_groups(averager.optimizer, meta)
+        try:
+            # as hivemind's load_state_from_peers: join a pre-scheduled gradient round with zero
+            # weight (cancelling it would stall the peers' matchmaking), and let a background
+            # step land now rather than on top of the imported state
+            if opt.scheduled_grads is not None and not opt.scheduled_grads.done():
+                opt._tag_along_with_zero_weight(opt.scheduled_grads)
+                opt.scheduled_grads = None
+            averager.step(wait_for_delayed_updates=True)
+            with opt.tracker.pause_updates():
+                with torch.no_grad(), averager.lock_averaged_tensors:
+                    for name, tensor in live.items():
+                        tensor.copy_(tensors[name])
+                    for group, values in zip(averager.optimizer.param_groups, groups, strict=True):
+                        group.update(values)
+                averager._apply_optimizer_parameters_()  # offloaded -> served module
+                if not averager.reuse_tensors:
+                    averager._load_local_tensors_into_averager_()
+                averager.local_epoch = epoch
+                set_schedule_epoch(averager.scheduler, averager.optimizer, epoch)
+                opt.tracker.update_epoch(new_epoch=epoch)  # reports (epoch, 0 samples)
+                opt._should_check_synchronization_on_update = True
+                if not opt.client_mode:
+                    averager.state_sharing_priority = epoch
+                if opt.use_gradient_averaging:
+                    opt.grad_averager.reset_accumulated_grads_()
+                    if not opt.client_mode:
+                        opt.grad_averager.state_sharing_priority = epoch
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            raise AveragingError(f"{self.run_id}: installing a checkpoint failed: {exc}") from exc
+        for p in self._module.parameters():
+            p.grad = None
 
     def shutdown(self) -> None:
         if self._shut:

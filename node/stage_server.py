@@ -32,6 +32,12 @@ averaging adapter): it steps when the stage's collaboration reaches ``target_bat
 The throughput announced in the DHT record is measured at start by a short local
 benchmark (forward+backward of one micro-batch) and cached in the state directory by
 ``(run_id, stage, device)``.
+
+With a state directory the server checkpoints its stage (docs/checkpoints.md) every
+``checkpoint_period_s``, checked after an optimizer step on the device thread (never on a
+half-updated state; a writer thread does the disk work), and in ``drain`` after the flush.
+``open`` resumes from our newest checkpoint when it is newer than what the stage's peers
+gave, or when no peer answered; ``status()`` says which source won.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -55,6 +61,7 @@ from ..transport.endpoint import Handler, Request, Response
 from ..transport.error_feedback import ErrorFeedback
 from ..transport.errors import RemoteError
 from .averaging import StageOptimizer
+from .checkpoint import Checkpointer, ResumeSource
 from .logs import get_logger
 from .model import StageModule, build_stage
 from .protocol import (
@@ -123,6 +130,18 @@ class StageServerConfig(BaseModel):
     benchmark_iterations: int = Field(
         default=3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
     )
+    checkpoint_period_s: float = Field(
+        default=300.0,
+        ge=0.0,
+        le=7 * 86400.0,
+        description=(
+            "Seconds between checkpoints of the stage in <state_dir>/checkpoints (taken after an "
+            "optimizer step once the epoch has moved); 0 disables periodic ones (leaving still saves one)."
+        ),
+    )
+    checkpoint_keep: int = Field(
+        default=2, ge=1, le=1000, description="Newest checkpoints of the stage kept on disk; older ones are deleted."
+    )
 
 
 @dataclass
@@ -143,6 +162,7 @@ class StageServerCounters:
     busy: int = 0  # event loop: refused because the queue was full
     refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
     compute_s: float = 0.0
+    export_failures: int = 0  # device thread: the state could not be exported for a checkpoint
 
 
 @dataclass
@@ -208,6 +228,10 @@ class StageServer:
         self._membership: Any = None
         self._closed = False
         self._digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
+        self.resumed_from: ResumeSource = "fresh"
+        self._checkpoints = None if state_dir is None else Checkpointer(
+            state_dir, spec.run_id, stage, period_s=config.checkpoint_period_s, keep=config.checkpoint_keep
+        )
         for kind, handler in (
             (Kind.FORWARD, self._on_forward),
             (Kind.FORWARD_LOSS, self._on_forward_loss),
@@ -220,12 +244,20 @@ class StageServer:
     # ---- lifecycle ----------------------------------------------------------------
 
     async def open(self) -> None:
-        """Load the stage's state from its peers, measure throughput, then serve."""
+        """Load the stage's state from its peers or our checkpoint, measure throughput, then serve."""
         loop = asyncio.get_running_loop()
         loaded = await loop.run_in_executor(self._executor, self.optimizer.load_state_from_peers)
+        peer_epoch = self.optimizer.local_epoch
         log.info("stage %d: %s, epoch %d", self.stage,
-                 "state loaded from peers" if loaded else "no peers to load state from",
-                 self.optimizer.local_epoch)
+                 "state loaded from peers" if loaded else "no peers to load state from", peer_epoch)
+        self.resumed_from = "peers" if loaded else "fresh"
+        if self._checkpoints is not None:
+            self.resumed_from = await loop.run_in_executor(
+                self._executor, self._checkpoints.resume,
+                lambda *state: self.optimizer.import_state(*state),  # looked up only when a checkpoint is found
+                loaded, peer_epoch,
+            )
+            self._checkpoints.schedule.mark(self.clock(), self.optimizer.local_epoch)
         self.throughput = await loop.run_in_executor(
             self._executor,
             cached_throughput,
@@ -244,15 +276,21 @@ class StageServer:
         ctx.membership.update(throughput=self.throughput, queue=self._pending)
 
     async def drain(self, deadline: float) -> None:
-        """Refuse new work, finish queued jobs and apply pending averaging by ``deadline``."""
+        """Refuse new work, finish queued jobs, apply pending averaging and save a checkpoint,
+        by ``deadline``."""
         self.state = "draining"
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
                 await self._idle.wait()
                 await loop.run_in_executor(self._executor, self.optimizer.flush)
+                if self._checkpoints is not None:
+                    written = await loop.run_in_executor(self._executor, self._checkpoint)
+                    if written is not None:
+                        await asyncio.wrap_future(written)
         except TimeoutError:
-            log.warning("stage %d: drain deadline reached with %d jobs queued", self.stage, self._pending)
+            log.warning("stage %d: drain deadline reached with %d jobs queued%s", self.stage, self._pending,
+                        "" if self._checkpoints is None else " (the final checkpoint may be missing)")
 
     async def close(self) -> None:
         """Leave the collaboration and stop the device thread."""
@@ -263,6 +301,8 @@ class StageServer:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.optimizer.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._checkpoints is not None:
+            await asyncio.to_thread(self._checkpoints.close)  # a write in flight finishes
 
     def status(self) -> dict[str, Any]:
         return {
@@ -277,6 +317,8 @@ class StageServer:
             "cache": len(self._cache),
             "digest_epoch": self._digest[0],
             "param_digest": self._digest[1],
+            "resumed_from": self.resumed_from,
+            **(Checkpointer.EMPTY_STATUS if self._checkpoints is None else self._checkpoints.status()),
             **asdict(self.counters),
         }
 
@@ -532,7 +574,26 @@ class StageServer:
         self.optimizer.step(batch)
         if self.optimizer.local_epoch != self._digest[0]:
             self._digest = (self.optimizer.local_epoch, self.param_digest())
+        if (
+            self._checkpoints is not None
+            and self._checkpoints.due(self.clock(), self.optimizer.local_epoch)
+            and not self.optimizer.background_busy()  # its export would wait for that work
+        ):
+            self._checkpoint()
         return reply
+
+    # ---- checkpoints (device thread) ------------------------------------------------
+
+    def _checkpoint(self) -> Future[None] | None:
+        """Copy the state and hand it to the writer (device thread); None if the export failed."""
+        assert self._checkpoints is not None
+        try:
+            epoch, tensors, meta = self.optimizer.export_state()
+        except Exception:  # a bug or a torch failure: the checkpoint is skipped, serving goes on
+            self.counters.export_failures += 1
+            log.exception("stage %d: exporting the state for a checkpoint failed", self.stage)
+            return None
+        return self._checkpoints.submit(self.clock(), epoch, tensors, meta)
 
     def param_digest(self) -> str:
         """SHA-256 (16 hex) of the stage's parameters and buffers, in state_dict order.

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from torch import nn
+from wanswarm.node.averaging import LocalOptimizer
+from wanswarm.node.checkpoint import list_checkpoints
 from wanswarm.node.model import build_full_model
 from wanswarm.node.protocol import (
     BackwardRequest,
@@ -499,3 +501,122 @@ def test_applied_log_forgets_oldest_keys_and_keeps_few_replies() -> None:
     assert ("t", 0, 0) not in log and all(("t", i, 0) in log for i in (1, 2, 3))
     assert log.reply(("t", 3, 0)) is replies[3] and log.reply(("t", 2, 0)) is None
     assert len(log) == 3
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+CKPT_SPEC = RunSpec(
+    name="ckptserver",
+    model=ModelSpec(d_model=16, n_heads=2, n_layers=2, seq_len=8),
+    stages=StagesSpec(blocks_per_stage=(1, 1)),
+    batch=BatchSpec(micro_batch_size=2, target_batch_size=4),  # an epoch every 2 micro-batches
+)
+
+
+def _last_stage(state_dir: Path, config: StageServerConfig, make_optimizer: Any = None, **kw: Any) -> tuple[Registry, StageServer]:
+    reg = Registry()
+    make = make_optimizer or (lambda m: LocalOptimizer(m, CKPT_SPEC))
+    return reg, StageServer(CKPT_SPEC, 1, config, endpoint=reg, make_optimizer=make, state_dir=state_dir, **kw)
+
+
+async def _train_last_stage(reg: Registry, micro_batches: range, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    B, T, C = CKPT_SPEC.batch.micro_batch_size, CKPT_SPEC.model.seq_len, CKPT_SPEC.model.d_model
+    for mb in micro_batches:
+        x, targets = torch.randn(B, T, C, generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+        await reg.call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(CKPT_SPEC, 1, mb), budget_s=30), [x, targets])
+
+
+def test_a_restarted_server_resumes_from_the_checkpoint_it_saved_on_drain(tmp_path: Path) -> None:
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, checkpoint_period_s=0)
+
+    async def first_life() -> tuple[dict[str, Any], str]:
+        reg, server = _last_stage(tmp_path, config)
+        await server.open()
+        assert server.status()["resumed_from"] == "fresh"
+        await _train_last_stage(reg, range(5))  # 2 epochs and half of a third
+        await server.drain(asyncio.get_running_loop().time() + 30)
+        status, digest = server.status(), server.param_digest()
+        await server.close()
+        return status, digest
+
+    status, digest = _run(first_life())
+    assert status["epoch"] == 2 and status["checkpoint_epoch"] == 2 and status["checkpoints_written"] == 1
+    assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [2]
+
+    async def second_life() -> tuple[dict[str, Any], str]:
+        reg, server = _last_stage(tmp_path, config)
+        assert server.param_digest() != digest  # a freshly built stage
+        await server.open()
+        status, resumed = server.status(), server.param_digest()
+        await _train_last_stage(reg, range(100, 102), seed=1)  # and it trains on from there
+        assert server.optimizer.local_epoch == 3
+        await server.close()
+        return status, resumed
+
+    status, resumed = _run(second_life())
+    assert status["resumed_from"] == "checkpoint" and status["epoch"] == 2 and status["checkpoint_epoch"] == 2
+    assert resumed == digest
+
+
+def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(tmp_path: Path) -> None:
+    clock = FakeClock()
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, checkpoint_period_s=60, checkpoint_keep=1)
+
+    async def body() -> None:
+        reg, server = _last_stage(tmp_path, config, clock=clock)
+        await server.open()
+        await _train_last_stage(reg, range(0, 2))  # epoch 1, but the period has not passed
+        clock.now += 61
+        await _train_last_stage(reg, range(2, 4))  # a step after the period: epoch 1 is saved
+        clock.now += 30
+        await _train_last_stage(reg, range(4, 6))  # within the period: nothing
+        clock.now += 31
+        await _train_last_stage(reg, range(6, 8))  # its first step (at epoch 3) saves; then epoch 4
+        await server.close()  # waits for the write in flight; no drain, so no final checkpoint
+        assert server.status()["checkpoints_written"] == 2
+
+    _run(body())
+    assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [3]  # keep=1 pruned epoch 1
+
+
+class PeersAt(LocalOptimizer):
+    """A LocalOptimizer whose 'peers' answer with a given state (as load_state_from_peers would)."""
+
+    def __init__(self, module: nn.Module, spec: RunSpec, peer_state: tuple[int, dict[str, torch.Tensor], dict[str, Any]]) -> None:
+        super().__init__(module, spec)
+        self.peer_state = peer_state
+
+    def load_state_from_peers(self) -> bool:
+        self.import_state(*self.peer_state)
+        return True
+
+
+@pytest.mark.parametrize(("peer_epoch", "winner", "epoch"), [(1, "checkpoint", 2), (2, "peers", 2), (3, "peers", 3)])
+def test_resume_takes_the_checkpoint_only_when_it_is_newer_than_the_peers(
+    tmp_path: Path, peer_epoch: int, winner: str, epoch: int
+) -> None:
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, checkpoint_period_s=0)
+
+    async def save_epoch_2() -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        reg, server = _last_stage(tmp_path, config)
+        await server.open()
+        await _train_last_stage(reg, range(4))
+        await server.drain(asyncio.get_running_loop().time() + 30)
+        await server.close()
+        return server.optimizer.export_state()
+
+    _, tensors, meta = _run(save_epoch_2())
+    peers = {name: t + 0.5 if name.startswith("model.") else t for name, t in tensors.items()}
+
+    async def restart() -> tuple[dict[str, Any], torch.Tensor]:
+        _, server = _last_stage(tmp_path, config, make_optimizer=lambda m: PeersAt(m, CKPT_SPEC, (peer_epoch, peers, meta)))
+        await server.open()
+        status, weights = server.status(), next(iter(server.module.state_dict().values())).clone()
+        await server.close()
+        return status, weights
+
+    status, weights = _run(restart())
+    assert status["resumed_from"] == winner and status["epoch"] == epoch
+    first = next(iter(tensors))
+    assert torch.equal(weights, tensors[first] if winner == "checkpoint" else peers[first])
