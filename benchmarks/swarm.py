@@ -11,7 +11,10 @@ trainers completed ``--tokens`` tokens. Each configuration reports:
 - tokens/s: tokens the trainers completed during the training phase / its duration (the
   phase runs between the swarm's first and last validation; start-up excluded);
 - wire bytes per token per stage boundary: the payload bytes the trainers sent and received
-  across stage boundaries during the training phase / its tokens / (stages - 1). Counted:
+  across stage boundaries during the training phase / the tokens those hops carried /
+  (stages - 1). Tokens carried = successful hops / (2 x stages - 1 hops per micro-batch) x
+  micro-batch x seq_len, so micro-batches in flight when the phase starts or ends count for
+  the hops they made within it (the trainers' completed-token counter would not). Counted:
   the encoded tensors of every successful hop (activations out of and into every stage
   after the first, output gradients of every stage but the last, and the stage input a
   backward carries when it cannot go by reference), as the trainers' ``payload_bytes``
@@ -20,9 +23,9 @@ trainers completed ``--tokens`` tokens. Each configuration reports:
   8 bytes, subtracted), request headers, QUIC and FEC overhead. Each boundary's activation
   crosses the network twice (stage s -> trainer -> stage s + 1), and so does its gradient:
   the "ideal" column is that exact codec payload (4 transfers per boundary). Hops of
-  micro-batches that failed later count; their tokens do not;
+  micro-batches that failed later count, with the tokens they carried;
 - QUIC bytes per token per boundary: UDP payload bytes every daemon's endpoint sent during
-  the training phase / tokens / boundaries: everything on the wire between daemons (token
+  the training phase / the same tokens / boundaries: everything on the wire between daemons (token
   ids, headers, FEC repair symbols, retransmissions, acknowledgements, pings). Averaging is
   not in it: hivemind averages over libp2p (TCP), outside QUIC and outside the emulator;
 - final validation loss: the swarm's own evaluation after training (``--eval-windows``
@@ -85,7 +88,7 @@ from wanswarm.transport.codecs import parse_codec
 from wanswarm.transport.errors import CodecError
 from wanswarm.transport.wan import PROFILES
 
-DEFAULT_TOKENS = 240_000  # per configuration; see --help for the time it takes
+DEFAULT_TOKENS = 200_000  # per configuration; see --help for the time it takes
 QUICK_TOKENS = 16_384  # two optimizer steps of the tiny run
 DEFAULT_REPLICAS = 2
 QUICK_REPLICAS = 1
@@ -180,11 +183,12 @@ def ideal_bytes_per_token(spec: RunSpec) -> float | None:
 
 def wire_figures(training: dict[str, Any], spec: RunSpec) -> dict[str, float | None]:
     """Per-token, per-boundary bytes from the training phase's traffic (``Demo.traffic`` deltas)."""
-    tokens = training["tokens"]
     boundaries = spec.n_stages - 1
+    hops = training["hops"]
+    micro_batches = sum(hops) / (2 * spec.n_stages - 1)  # S forward hops and S - 1 backward ones each
+    tokens = micro_batches * spec.batch.micro_batch_size * spec.model.seq_len
     if tokens <= 0 or boundaries < 1:
         return {"wire_bytes_per_token": None, "quic_bytes_per_token": None}
-    hops = training["hops"]
     ids = (hops[0] / 2 + hops[-1]) * spec.batch.micro_batch_size * spec.model.seq_len * TOKEN_ID_BYTES
     payload = training["payload_bytes_sent"] + training["payload_bytes_received"] - ids
     return {
@@ -366,11 +370,12 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(f"Time: every configuration costs start-up, two evaluations and shutdown (1-3 minutes "
-                f"with 6 daemons on a loaded 2-core machine) plus its tokens at the swarm's rate; the "
-                f"defaults ({DEFAULT_TOKENS} tokens, 6 configurations, {DEFAULT_REPLICAS} replicas) take "
-                f"about 30-40 minutes there, --quick ({QUICK_TOKENS} tokens, {QUICK_REPLICAS} replica, "
-                f"{QUICK_EVAL_WINDOWS} validation windows) about 10."),
+        epilog=(f"Time: every configuration costs start-up, two evaluations and shutdown (about 75 s with 3 "
+                f"daemons, about 200 s with 6, on a loaded 2-core machine) plus its tokens at the swarm's rate "
+                f"(1-2k tokens/s there). The defaults ({DEFAULT_TOKENS} tokens, 6 configurations, "
+                f"{DEFAULT_REPLICAS} replicas) should take 35-45 minutes there, --quick ({QUICK_TOKENS} tokens, "
+                f"{QUICK_REPLICAS} replica, {QUICK_EVAL_WINDOWS} validation windows) about 10 (95 s per "
+                f"configuration measured under load); --profiles/--codecs choose fewer configurations."),
     )
     parser.add_argument("--tokens", type=int, default=None,
                         help=f"training tokens per configuration, the same for all and for the reference "

@@ -10,12 +10,13 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
-from typing import Any, TextIO
+from types import ModuleType, SimpleNamespace
+from typing import Any, TextIO, cast
 
 import pytest
 import torch
-from wanswarm.node.demo import JSON_FIELDS, DemoError, DemoOptions
+from wanswarm.node.cli import build_parser
+from wanswarm.node.demo import JSON_FIELDS, Demo, DemoError, DemoOptions
 from wanswarm.node.runspec import (
     RunSpec,
     default_run_spec,
@@ -139,6 +140,10 @@ def test_wire_bytes_count_boundary_tensors_only(codec: str) -> None:
     extra = 10 * fwd / (50 * B * T) / (spec.n_stages - 1)
     assert carried["wire_bytes_per_token"] == pytest.approx(ideal + extra, abs=0.05)
     assert figures["quic_bytes_per_token"] is not None and figures["quic_bytes_per_token"] > ideal
+    # tokens come from the hops made in the phase, not from the completed-token counter (which
+    # misses micro-batches in flight at either end of the phase)
+    skewed = {**traffic_of(spec, micro_batches=50), "tokens": 47 * B * T}
+    assert bench.wire_figures(skewed, spec) == figures
 
 
 def test_wire_figures_without_tokens_or_boundaries() -> None:
@@ -360,3 +365,48 @@ def test_main_exits_2_on_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFix
     assert bench.main(["--spec", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
     assert "--codecs" in err and "missing.toml" in err
+
+
+# ---- what the benchmark uses of the demo ----------------------------------------------------
+
+
+def test_demo_sums_traffic_over_its_daemons(tmp_path: Path) -> None:
+    spec_file = tmp_path / "int4.toml"
+    variant, text = bench.spec_variant(default_run_spec(), "int4")
+    spec_file.write_text(text)
+    demo = Demo(DemoOptions(run_spec=spec_file, root=tmp_path))
+    assert demo.spec == variant and demo.spec_path == spec_file.resolve()
+
+    def status(tokens: int, hops: dict[str, int], out: int) -> dict[str, Any]:
+        return {"components": {
+            "trainer": {"tokens": tokens, "payload_bytes": {"sent": 10 * tokens, "received": 20 * tokens},
+                        "hops": hops, "retried_hops": 1, "cache_misses": 2, "micro_batches": {"failed": 3}},
+            "endpoint": {"bytes_out": out, "bytes_in": out - 1},
+        }}
+
+    demo.nodes = [
+        cast(Any, SimpleNamespace(status=status(1024, {"0": 4, "1": 4, "2": 2}, 500))),
+        cast(Any, SimpleNamespace(status=status(2048, {"0": 8, "1": 8, "2": 4, "9": 1}, 700))),
+        cast(Any, SimpleNamespace(status={})),  # not polled yet
+    ]
+    assert demo.traffic() == {
+        "tokens": 3072, "payload_bytes_sent": 30720, "payload_bytes_received": 61440, "hops": [12, 12, 6],
+        "retried_hops": 2, "cache_misses": 4, "failed_micro_batches": 6, "quic_bytes_out": 1200,
+        "quic_bytes_in": 1198,
+    }
+
+
+def test_demo_refuses_an_unusable_run_spec(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[codecs]\nforward_activations = "int3"\n')
+    with pytest.raises(DemoError, match="codecs.forward_activations"):
+        Demo(DemoOptions(run_spec=bad, root=tmp_path))
+    with pytest.raises(DemoError, match="cannot read run spec"):
+        Demo(DemoOptions(run_spec=tmp_path / "missing.toml", root=tmp_path))
+    assert list(tmp_path.glob("wanswarm-demo-*")) == []  # refused before making its directory
+
+
+def test_demo_cli_takes_a_run_spec() -> None:
+    args = build_parser().parse_args(["demo", "--run-spec", "runs/x.toml", "--replicas", "1"])
+    assert args.run_spec == Path("runs/x.toml")
+    assert build_parser().parse_args(["demo"]).run_spec is None
