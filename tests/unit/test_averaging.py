@@ -185,3 +185,91 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             dht.shutdown()
         del optimizers, dhts
         gc.collect()
+
+
+def _state_equal(a: tuple[int, dict[str, torch.Tensor], dict[str, object]], b: tuple[int, dict[str, torch.Tensor], dict[str, object]]) -> bool:
+    return a[0] == b[0] and a[2] == b[2] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_local_optimizer_export_then_import_restores_the_state_exactly() -> None:
+    module = build_stage(SPEC, STAGE)
+    opt = LocalOptimizer(module, SPEC)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2 * SPEC.batch.micro_batches_per_step):
+        _accumulate(module, gen)
+        opt.step(B)
+    saved = opt.export_state()
+    for _ in range(SPEC.batch.micro_batches_per_step):  # perturb: one more epoch
+        _accumulate(module, gen)
+        opt.step(B)
+    assert not _state_equal(saved, opt.export_state())
+    opt.import_state(*saved)
+    assert opt.local_epoch == 2 and _state_equal(saved, opt.export_state())
+    for name, p in module.named_parameters():
+        assert torch.equal(p, saved[1][f"model.{name}"])
+
+
+# the same two filters as the two-replica test, for the same reasons (hivemind's DHT clients)
+@pytest.mark.filterwarnings(r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__):pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(90)
+def test_collaborative_optimizer_export_then_import_restores_the_state_exactly() -> None:
+    hivemind = pytest.importorskip("hivemind")
+    config = AveragingConfig(matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opt: CollaborativeOptimizer | None = None
+    try:
+        module = build_stage(SPEC, STAGE)
+        opt = CollaborativeOptimizer(module, SPEC, STAGE, dht, config)
+        collab = opt
+        deadline = time.monotonic() + 45.0
+        gen = torch.Generator().manual_seed(0)
+
+        def train_to(epoch: int) -> None:
+            while collab.local_epoch < epoch and time.monotonic() < deadline:
+                _accumulate(module, gen)
+                collab.step(B)
+            collab.flush()  # apply the delayed (background) update
+            assert collab.local_epoch == epoch
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="device") as device:
+            device.submit(train_to, 1).result(timeout=60)
+            saved = device.submit(collab.export_state).result(timeout=30)
+            assert saved[0] == 1
+            device.submit(train_to, 2).result(timeout=60)  # perturb: parameters, moments, steps, epoch
+            assert not _state_equal(saved, device.submit(collab.export_state).result(timeout=30))
+
+            device.submit(collab.import_state, *saved).result(timeout=30)
+            assert _state_equal(saved, device.submit(collab.export_state).result(timeout=30))
+            inner = collab._opt
+            averager = inner.state_averager
+            offloaded = [p for g in averager.optimizer.param_groups for p in g["params"]]
+            for name, p in module.named_parameters():
+                assert torch.equal(p, saved[1][f"model.{name}"])
+            for main, off in zip(averager.main_parameters, offloaded, strict=True):
+                assert torch.equal(off, main)  # hivemind's offloaded copy == the served module
+            assert inner.local_epoch == 1 and inner.tracker.local_progress.epoch == 1
+            assert inner.tracker.local_progress.samples_accumulated == 0
+            assert averager.scheduler.last_epoch == 1
+
+            # a solo optimizer's state names the same tensors: it installs here as it is
+            solo_module = build_stage(SPEC, STAGE)
+            solo = LocalOptimizer(solo_module, SPEC)
+            solo_gen = torch.Generator().manual_seed(4)
+            for _ in range(3 * SPEC.batch.micro_batches_per_step):
+                _accumulate(solo_module, solo_gen)
+                solo.step(B)
+            device.submit(collab.import_state, *solo.export_state()).result(timeout=30)
+            assert _state_equal(solo.export_state(), device.submit(collab.export_state).result(timeout=30))
+
+            # a newer checkpoint: the tracker reports it, so the replica counts as being at epoch 5
+            device.submit(collab.import_state, 5, saved[1], saved[2]).result(timeout=30)
+            assert inner.local_epoch == 5 and inner.tracker.local_progress.epoch == 5
+            assert inner.tracker.global_epoch == 5 and collab.is_synchronized()
+            device.submit(train_to, 6).result(timeout=60)  # and it trains on from there
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+        del opt, dht
+        gc.collect()
