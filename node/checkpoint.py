@@ -34,6 +34,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -248,7 +249,7 @@ def write_checkpoint(
 def _same_state(path: Path, digest: str) -> bool:
     try:
         raw = json.loads((path / MANIFEST_FILE).read_bytes()[:MAX_MANIFEST_BYTES])
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(raw, dict) and raw.get("state_sha256") == digest
 
@@ -285,8 +286,8 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
         raise CheckpointError(f"{path.name}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         raw = json.loads(raw_bytes)
-    except ValueError as exc:
-        raise CheckpointError(f"{path.name}: manifest is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"{path.name}: manifest is not JSON ({type(exc).__name__})") from None
     if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path.name}: manifest version {raw['version']} is newer than this release")
     try:
@@ -304,7 +305,10 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
         raise CheckpointError(f"{path.name}: manifest says epoch {manifest.epoch}")
     state = path / STATE_FILE
     try:
-        size = state.stat().st_size
+        info = state.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path.name}: {STATE_FILE} is not a regular file")
+        size = info.st_size
         if size != manifest.state_bytes:
             raise CheckpointError(f"{path.name}: {STATE_FILE} has {size} bytes, the manifest says {manifest.state_bytes}")
         if _sha256(state) != manifest.state_sha256:

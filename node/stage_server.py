@@ -229,6 +229,7 @@ class StageServer:
         self._closed = False
         self._digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
         self.resumed_from: ResumeSource = "fresh"
+        self._state_settled = False  # open() has decided where the state comes from
         self._checkpoints = None if state_dir is None else Checkpointer(
             state_dir, spec.run_id, stage, period_s=config.checkpoint_period_s, keep=config.checkpoint_keep
         )
@@ -258,6 +259,7 @@ class StageServer:
                 loaded, peer_epoch,
             )
             self._checkpoints.schedule.mark(self.clock(), self.optimizer.local_epoch)
+        self._state_settled = True
         self.throughput = await loop.run_in_executor(
             self._executor,
             cached_throughput,
@@ -284,7 +286,8 @@ class StageServer:
             async with asyncio.timeout_at(deadline):
                 await self._idle.wait()
                 await loop.run_in_executor(self._executor, self.optimizer.flush)
-                if self._checkpoints is not None:
+                # a server that never settled its state (open failed) must not save a fresh one
+                if self._checkpoints is not None and self._state_settled:
                     written = await loop.run_in_executor(self._executor, self._checkpoint)
                     if written is not None:
                         await asyncio.wrap_future(written)

@@ -212,6 +212,15 @@ def test_random_bytes_never_crash_the_reader(tmp_path: Path, manifest: bytes, st
     assert latest(tmp_path, RUN, STAGE) is None
 
 
+def test_a_deeply_nested_manifest_is_refused_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINTS_DIR / checkpoint_name(RUN, STAGE, 1)
+    path.mkdir(parents=True)
+    (path / MANIFEST_FILE).write_text("[" * 200_000)
+    with pytest.raises(CheckpointError, match="not JSON"):
+        read_checkpoint(path, RUN, STAGE)
+    assert latest(tmp_path, RUN, STAGE) is None
+
+
 def test_random_tensor_bytes_under_a_valid_manifest_are_refused(tmp_path: Path) -> None:
     _, opt = _trained(epochs=1)
     path = _write(tmp_path, opt)

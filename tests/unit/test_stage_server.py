@@ -580,6 +580,19 @@ def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(
     assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [3]  # keep=1 pruned epoch 1
 
 
+def test_a_server_that_never_opened_saves_no_checkpoint_on_drain(tmp_path: Path) -> None:
+    config = StageServerConfig(device="cpu", benchmark_iterations=1)
+
+    async def body() -> None:
+        _, server = _last_stage(tmp_path, config)  # open() failed or was never reached
+        await server.drain(asyncio.get_running_loop().time() + 30)
+        await server.close()
+        assert server.status()["checkpoints_written"] == 0
+
+    _run(body())
+    assert list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1) == []
+
+
 class PeersAt(LocalOptimizer):
     """A LocalOptimizer whose 'peers' answer with a given state (as load_state_from_peers would)."""
 
