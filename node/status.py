@@ -150,6 +150,14 @@ def _training_lines(report: StatusReport) -> list[str]:
             f"{server.get('applied', 0)} micro-batches served   optimizer step {server.get('epoch', 0)}   "
             f"queue {server.get('queue', 0)}   {server.get('throughput', 0)} samples/s"
         )
+        state = [f"state from {server['resumed_from']}"] if server.get("resumed_from") else []
+        if server.get("checkpoint_epoch") is not None:
+            state.append(f"checkpoint at step {server['checkpoint_epoch']}")
+        last = server.get("last_move") or {}
+        if server.get("moves"):
+            state.append(f"moves {server['moves']} (last {last.get('from')} -> {last.get('to')})")
+        if state:
+            lines.append("          " + "   ".join(state))
     trainer = comps.get("trainer")
     if trainer:
         mb = trainer.get("micro_batches", {})

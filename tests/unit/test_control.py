@@ -149,3 +149,18 @@ def test_stale_socket_is_replaced_and_a_live_one_refused() -> None:
         directory.rmdir()
 
     asyncio.run(main())
+
+
+def test_text_status_shows_the_servers_state_source_checkpoint_and_moves() -> None:
+    server = {"stage": 1, "state": "online", "applied": 12, "epoch": 7, "queue": 0, "throughput": 9.5,
+              "resumed_from": "checkpoint", "checkpoint_epoch": 6, "moves": 2, "last_move": {"from": 0, "to": 1}}
+    report = StatusReport(
+        peer_id=PEER, run="demo", stage=1, state="online", server=True, trainer=False, pid=1, version="0",
+        uptime_s=3.0, dht_addrs=[], quic_addr=None, peers=[], components={"stage_server": server},
+    )
+    text = render_text(report)
+    assert "12 micro-batches served   optimizer step 7" in text
+    assert "state from checkpoint   checkpoint at step 6   moves 2 (last 0 -> 1)" in text
+    fresh = report.model_copy(update={"components": {"stage_server": {**server, "resumed_from": None,
+                                                                      "checkpoint_epoch": None, "moves": 0}}})
+    assert "state from" not in render_text(fresh) and "moves" not in render_text(fresh)
