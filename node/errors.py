@@ -2,7 +2,8 @@
 
 Every error that crosses a module boundary of the node is a ``NodeError``; exceptions of
 third-party libraries (hivemind, prometheus-client) are translated in the one adapter module
-that imports the library. The CLI maps the tree to exit statuses: ``ConfigError`` is 2
+that imports the library. Errors that belong to one module's concept live in that module
+(they are listed here so that the tree is read in one place). The CLI maps the tree to exit statuses: ``ConfigError`` is 2
 (a usage error), everything else 1. The tree::
 
     NodeError
@@ -14,6 +15,12 @@ that imports the library. The CLI maps the tree to exit statuses: ``ConfigError`
     │   ├── JoinError                could not start the DHT or reach any initial peer
     │   └── DhtTimeout               a DHT operation missed its deadline
     ├── ProbeError                   a ping got no answer in time
+    ├── AveragingError               the stage's collaborative optimizer failed (averaging.py)
+    ├── CheckpointError              a stage checkpoint that does not fit the stage (checkpoint.py)
+    ├── StateTransferError           no donor could serve the stage's state (state_transfer.py)
+    ├── BadReply                     a server's reply broke the protocol (protocol.py)
+    ├── HopFailed                    a hop failed on every attempt (trainer.py)
+    ├── DemoError                    the demo swarm could not start or lost a daemon (demo.py)
     └── ControlError                 the control socket (``wanswarm status`` / ``leave``)
         ├── DaemonNotRunning         nothing listens on the control socket
         └── ControlProtocolError     a malformed request or response
