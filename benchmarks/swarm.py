@@ -37,7 +37,10 @@ The reference (``wanswarm.node.reference_training``) runs last in this process, 
 thread by default, with the same model, init, data sampler, micro-batch, step size,
 optimizer, schedule and per-stage clipping, for the largest token count any swarm reached
 (whole steps, at least ``--tokens``), with the validation loss measured after every step
-over the same windows, so the curve can be read at each swarm's token count. It trains on
+over the same windows, so the curve can be read at each swarm's token count. Each point is
+measured with that step's update landed (on a copy: ``landed_val``), as the swarm's is by
+the time it evaluates (its averaging lands within about a second of the step, in the
+background), not with it still in flight as in the reference's own curve. It trains on
 one data stream (seed ``--data-seed``), not the swarm's interleaving of one stream per
 trainer: the same data order cannot be reproduced by an asynchronous swarm. It models the
 swarm's delayed parameter updates (hivemind's DPU) with ``--update-lag`` (the fraction of
@@ -327,6 +330,8 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "targets",
     ]
+    if meta.get("quick"):
+        lines.append("  (--quick: a smoke test of the benchmark; a few steps on one replica say little about them)")
     if not report["targets"]:
         lines.append("  (none measurable: needs lan and wan, or codec int8/int4)")
     for t in report["targets"]:
@@ -356,6 +361,7 @@ class Options:
     spec: Path | None
     json_only: bool
     keep: bool
+    quick: bool = False
 
 
 def _names(text: str, what: str) -> tuple[str, ...]:
@@ -441,7 +447,8 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     if not 0.0 <= lag <= 1.0:
         raise BenchmarkError(f"--update-lag must be in [0, 1], got {lag}")
     return Options(tokens, profiles, codecs, replicas, windows, lag, args.reference_threads, args.data_seed,
-                   args.max_train_s, args.progress_s, tuple(args.set), args.spec, args.json_only, args.keep)
+                   args.max_train_s, args.progress_s, tuple(args.set), args.spec, args.json_only, args.keep,
+                   args.quick)
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -493,15 +500,16 @@ def run_reference(opts: Options, spec: RunSpec, tokens: int) -> tuple[dict[str, 
 
     try:
         result = train_reference(spec, tokens, opts.data_seed, log_every=step_tokens, on_point=show,
-                                 update_lag=opts.update_lag, val_windows=opts.eval_windows)
+                                 update_lag=opts.update_lag, val_windows=opts.eval_windows, landed_val=True)
     finally:
         torch.set_num_threads(threads)
-    curve = [(p.tokens, p.val_loss) for p in result.curve]
-    at_budget = next(p for p in result.curve if p.tokens >= opts.tokens or p is result.curve[-1])
+    curve = [(p.tokens, p.val_loss if p.val_loss_landed is None else p.val_loss_landed) for p in result.curve]
+    at_budget = next(i for i, p in enumerate(result.curve) if p.tokens >= opts.tokens or p is result.curve[-1])
     return {
         "tokens_per_s": round(result.tokens_per_second, 1),
-        "val_loss": round(at_budget.val_loss, 4),
-        "tokens": at_budget.tokens,
+        "val_loss": round(curve[at_budget][1], 4),  # the last update landed
+        "val_loss_in_flight": round(result.curve[at_budget].val_loss, 4),  # not yet landed
+        "tokens": result.curve[at_budget].tokens,
         "val_loss_start": round(result.val_loss_start, 4),
         "update_lag": opts.update_lag,
         "threads": opts.reference_threads,
@@ -520,6 +528,7 @@ def build_report(opts: Options, spec: RunSpec, reference: dict[str, Any], curve:
             "run": spec.name, "run_id": spec.run_id, "stages": spec.n_stages, "replicas": opts.replicas,
             "tokens": opts.tokens, "eval_windows": opts.eval_windows, "update_lag": opts.update_lag,
             "reference_threads": opts.reference_threads, "data_seed": opts.data_seed, "sets": list(opts.sets),
+            "quick": opts.quick,
         },
     }
 

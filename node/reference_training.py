@@ -13,6 +13,7 @@ Used to tune the default run and as the baseline of ``benchmarks/swarm.py``:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -39,6 +40,9 @@ class CurvePoint:
     train_seconds: float  # training compute so far, evaluation excluded
     val_loss: float  # mean cross-entropy over the validation set, nats per byte
     train_loss: float  # mean training loss of the steps since the previous point
+    # val loss with the update still in flight landed (on a copy; training goes on without it),
+    # when train_reference(landed_val=True); equal to val_loss when no update is in flight
+    val_loss_landed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ def train_reference(
     on_point: Callable[[CurvePoint], None] | None = None,
     update_lag: float = 0.0,
     val_windows: int | None = None,
+    landed_val: bool = False,
 ) -> ReferenceResult:
     """Train the full model for at least ``tokens`` training tokens (whole steps).
 
@@ -106,6 +111,11 @@ def train_reference(
 
     ``val_windows`` evaluates only the first that many validation windows (all by default),
     e.g. to match a swarm evaluation that used that many.
+
+    ``landed_val`` also measures, at every point, the validation loss of a copy of the model
+    with the update still in flight (``update_lag`` > 0) applied: the state a swarm with
+    delayed updates reaches once step k's averaging lands, which is what an evaluation that
+    starts a moment after step k sees. Training itself is unchanged (``val_loss_landed``).
     """
     if tokens < 1:
         raise ValueError(f"tokens must be positive, got {tokens}")
@@ -135,7 +145,7 @@ def train_reference(
     every = max(1, every)
 
     start_loss = evaluate(model, val_x, val_y, eval_batch)
-    curve = [CurvePoint(0, 0, 0.0, start_loss, float("nan"))]
+    curve = [CurvePoint(0, 0, 0.0, start_loss, float("nan"), start_loss if landed_val else None)]
     if on_point is not None:
         on_point(curve[0])
     reached: int | None = None
@@ -144,6 +154,22 @@ def train_reference(
     params = list(model.parameters())
     pending: list[torch.Tensor | None] | None = None  # gradient whose update has not landed
     lag_micro = round(update_lag * micro_per_step)  # micro-batches run before it lands
+
+    def landed_loss(val_loss: float) -> float:
+        if pending is None:
+            return val_loss
+        shadow = copy.deepcopy(model)
+        shadow_opt = torch.optim.AdamW(
+            param_groups(shadow, opt_spec.weight_decay), **opt_spec.adamw_kwargs()
+        )
+        # a deep copy: load_state_dict keeps the very tensors it is given when dtype and device
+        # match, and the shadow's step would then move the real optimizer's moments
+        shadow_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # and its lr
+        for p, grad in zip(shadow.parameters(), pending, strict=True):
+            p.grad = None if grad is None else grad.clone()
+        clip_per_stage(shadow, opt_spec.grad_clip)
+        shadow_opt.step()
+        return evaluate(shadow, val_x, val_y, eval_batch)
 
     def apply(grads: list[torch.Tensor | None]) -> None:
         accumulating = [p.grad for p in params]
@@ -180,7 +206,12 @@ def train_reference(
         if step % every == 0 or step == total_steps:
             val_loss = evaluate(model, val_x, val_y, eval_batch)
             point = CurvePoint(
-                step * tokens_per_step, step, train_seconds, val_loss, sum(losses) / len(losses)
+                step * tokens_per_step,
+                step,
+                train_seconds,
+                val_loss,
+                sum(losses) / len(losses),
+                landed_loss(val_loss) if landed_val else None,
             )
             losses.clear()
             curve.append(point)

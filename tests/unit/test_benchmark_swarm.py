@@ -252,6 +252,9 @@ def test_report_table_and_json_line() -> None:
     for row in decoded["results"]:
         assert set(row) >= {"profile", "codec", "tokens_per_s", "wire_bytes_per_token", "val_loss"}
     assert decoded["meta"]["run_id"] == spec.run_id and decoded["meta"]["tokens"] == 40_000
+    assert "--quick" not in text
+    quick = bench.build_report(bench.parse_options(["--quick"]), spec, report["reference"], CURVE, results)
+    assert "(--quick: a smoke test" in bench.format_report(quick)
 
 
 # ---- running, with a fake swarm --------------------------------------------------------------
@@ -318,6 +321,8 @@ def test_main_trains_the_reference_and_ends_with_the_json_line(
     assert reference["curve"][-1][0] == -(-reach // step) * step and reference["tokens"] == 2 * step
     assert [t for t, _ in reference["curve"]] == list(range(0, reference["curve"][-1][0] + 1, step))
     assert reference["update_lag"] == 0.125 and reference["tokens_per_s"] > 0
+    assert reference["val_loss"] != reference["val_loss_in_flight"]  # read with the last update landed
+    assert reference["curve"][-1][1] != reference["curve"][-2][1]
     assert [r["codec"] for r in report["results"]] == ["int8", "int4"] * 2
     assert all(r["reference_val_loss"] is not None for r in report["results"])
     assert len(report["targets"]) == 2 + 4

@@ -140,3 +140,29 @@ def test_cli_prints_the_curve_and_a_json_summary(
     assert summary["steps"] == 2 and summary["tokens"] == 2 * 8 * 16
     assert [tokens for tokens, _ in summary["curve"]] == [0, 8 * 16, 2 * 8 * 16]
     assert len(lines) == 4  # one line per curve point, then the JSON line
+
+
+def test_landed_val_applies_the_update_in_flight_on_a_copy(tmp_path: Path) -> None:
+    spec = tiny_spec()
+    corpus = load_corpus(spec.data, corpus_file(tmp_path))
+    step = 8 * 16
+
+    def run(lag: float, landed: bool) -> list[tuple[float, float | None]]:
+        result = train_reference(
+            spec, 3 * step, log_every=step, corpus=corpus, update_lag=lag, landed_val=landed
+        )
+        return [(p.val_loss, p.val_loss_landed) for p in result.curve]
+
+    stale, stale_landed = run(1.0, False), run(1.0, True)
+    synchronous = run(0.0, True)
+    # training is unchanged by the extra evaluation
+    assert [v for v, _ in stale_landed] == [v for v, _ in stale]
+    assert all(landed is None for _, landed in stale)
+    # nothing in flight: the landed loss is the loss
+    assert all(landed == v for v, landed in synchronous)
+    assert stale_landed[0][1] == stale_landed[0][0]
+    # after step 1 the in-flight update is the synchronous run's first one
+    assert stale_landed[1][1] == pytest.approx(synchronous[1][0], abs=1e-6)
+    assert stale_landed[1][1] != stale_landed[1][0]
+    # and it lands in the real run one step later
+    assert stale_landed[2][0] == pytest.approx(stale_landed[1][1], abs=1e-6)
