@@ -37,10 +37,11 @@ The reference (``wanswarm.node.reference_training``) runs last in this process, 
 thread by default, with the same model, init, data sampler, micro-batch, step size,
 optimizer, schedule and per-stage clipping, for the largest token count any swarm reached
 (whole steps, at least ``--tokens``), with the validation loss measured after every step
-over the same windows, so the curve can be read at each swarm's token count. Each point is
-measured with that step's update landed (on a copy: ``landed_val``), as the swarm's is by
-the time it evaluates (its averaging lands within about a second of the step, in the
-background), not with it still in flight as in the reference's own curve. It trains on
+over the same windows, so the curve can be read at each swarm's token count (the last step
+at or before it: parameters change only when a step lands). Each point is measured with
+that step's update landed (on a copy: ``landed_val``), as the swarm's is by the time it
+evaluates (its averaging lands within about a second of the step, in the background), not
+with it still in flight as in the reference's own curve. It trains on
 one data stream (seed ``--data-seed``), not the swarm's interleaving of one stream per
 trainer: the same data order cannot be reproduced by an asynchronous swarm. It models the
 swarm's delayed parameter updates (hivemind's DPU) with ``--update-lag`` (the fraction of
@@ -230,17 +231,19 @@ def failed_row(profile: str, codec: str, error: str) -> dict[str, Any]:
 
 
 def curve_at(curve: Sequence[tuple[int, float]], tokens: float) -> float | None:
-    """The validation loss at ``tokens``, linear between the curve's points (None outside it)."""
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
-        if t0 <= tokens <= t1:
-            return v0 if t1 == t0 else v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
-    if curve and tokens == curve[-1][0]:
-        return curve[-1][1]
-    return None
+    """The validation loss after ``tokens``: the last point at or before them (None past the end).
+
+    A step function, not an interpolation: parameters change only when a step's update
+    lands, so between steps k and k + 1 a swarm holds step k's parameters (its trainers'
+    gradients for step k + 1 are still accumulating).
+    """
+    if not curve or not curve[0][0] <= tokens <= curve[-1][0]:
+        return None
+    return next(v for t, v in reversed(curve) if t <= tokens)
 
 
 def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, float]]) -> None:
-    """Add the reference's val loss at each swarm's evaluation (mean of tokens before and after)."""
+    """Add the reference's val loss at each swarm's evaluation (mean of tokens before and after it)."""
     for row in results:
         if row.get("val_loss") is None:
             continue

@@ -154,13 +154,15 @@ def test_wire_figures_without_tokens_or_boundaries() -> None:
     assert bench.ideal_bytes_per_token(one_stage) is None
 
 
-def test_curve_reads_between_points() -> None:
+def test_curve_holds_each_step_until_the_next() -> None:
     curve = [(0, 5.0), (100, 3.0), (200, 2.0)]
     assert bench.curve_at(curve, 0) == 5.0
-    assert bench.curve_at(curve, 50) == 4.0
-    assert bench.curve_at(curve, 150) == 2.5
+    assert bench.curve_at(curve, 99.5) == 5.0
+    assert bench.curve_at(curve, 100) == 3.0
+    assert bench.curve_at(curve, 150) == 3.0
     assert bench.curve_at(curve, 200) == 2.0
     assert bench.curve_at(curve, 201) is None and bench.curve_at([], 0) is None
+    assert bench.curve_at(curve, -1) is None
 
 
 # ---- results, targets, report --------------------------------------------------------------
