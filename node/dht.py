@@ -302,6 +302,7 @@ class Dht:
                 startup_timeout=config.bootstrap_timeout,
                 wait_timeout=config.rpc_timeout,
                 bootstrap_timeout=config.bootstrap_timeout,
+                num_replicas=config.num_replicas,
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise JoinError(f"cannot start the DHT process: {exc}") from None

@@ -171,6 +171,16 @@ class DhtConfig(_Section):
         le=600,
         description="Seconds one store or lookup (several RPCs across the DHT) may take.",
     )
+    num_replicas: int = Field(
+        default=5,
+        ge=1,
+        le=20,
+        description=(
+            "DHT nodes that store each record (Kademlia's k; hivemind's default 5); lookups ask "
+            "about as many. Fewer means fewer RPCs per store and lookup, at the cost of records "
+            "lost sooner when their holders leave: a few for a small, stable swarm."
+        ),
+    )
 
     @field_validator("host")
     @classmethod

@@ -85,6 +85,8 @@ from .protocol import (
 )
 from .runspec import RunSpec
 from .stage_memory import AppliedLog, InputCache
+from .stage_state import DonorSource, StageStateSharing
+from .state_transfer import StateTransferConfig
 from .throughput import cached_throughput
 
 log = get_logger(__name__)
@@ -141,6 +143,10 @@ class StageServerConfig(BaseModel):
     )
     checkpoint_keep: int = Field(
         default=2, ge=1, le=1000, description="Newest checkpoints of the stage kept on disk; older ones are deleted."
+    )
+    state_transfer: StateTransferConfig = Field(
+        default=StateTransferConfig(),
+        description="Downloading the stage's state from its replicas on open, and donating ours.",
     )
 
 
@@ -203,6 +209,7 @@ class StageServer:
         make_optimizer: Callable[[nn.Module], StageOptimizer],
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        donors: DonorSource | None = None,
     ) -> None:
         """Build the stage and its optimizer. Call on the main thread: hivemind's Optimizer
         (inside ``make_optimizer``) installs signal handlers."""
@@ -233,6 +240,12 @@ class StageServer:
         self._checkpoints = None if state_dir is None else Checkpointer(
             state_dir, spec.run_id, stage, period_s=config.checkpoint_period_s, keep=config.checkpoint_keep
         )
+        # ``donors``: the stage's online replicas, to download from (then ``endpoint`` must send
+        # requests too, i.e. be a transport Endpoint); every server donates its own state
+        self._sharing = StageStateSharing(
+            endpoint, stage, self.optimizer, self._executor, config.state_transfer,
+            donors=donors, serving=lambda: self.state == "online",
+        )
         for kind, handler in (
             (Kind.FORWARD, self._on_forward),
             (Kind.FORWARD_LOSS, self._on_forward_loss),
@@ -247,7 +260,7 @@ class StageServer:
     async def open(self) -> None:
         """Load the stage's state from its peers or our checkpoint, measure throughput, then serve."""
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(self._executor, self.optimizer.load_state_from_peers)
+        loaded = await self._sharing.load()
         peer_epoch = self.optimizer.local_epoch
         log.info("stage %d: %s, epoch %d", self.stage,
                  "state loaded from peers" if loaded else "no peers to load state from", peer_epoch)
@@ -301,6 +314,7 @@ class StageServer:
             return
         self._closed = True
         self.state = "draining"
+        self._sharing.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.optimizer.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -321,6 +335,9 @@ class StageServer:
             "digest_epoch": self._digest[0],
             "param_digest": self._digest[1],
             "resumed_from": self.resumed_from,
+            "state_download": self._sharing.last_download,
+            "state_donated": {"manifests": self._sharing.donor.counts["manifests"],
+                              "chunks": self._sharing.donor.counts["chunks"]},
             **(Checkpointer.EMPTY_STATUS if self._checkpoints is None else self._checkpoints.status()),
             **asdict(self.counters),
         }

@@ -254,8 +254,19 @@ class ServerComponent:
             endpoint=self.endpoint.endpoint,
             make_optimizer=lambda module: CollaborativeOptimizer(module, self.spec, stage, dht, averaging),
             state_dir=Path(ctx.state_dir),
+            donors=lambda: self._replicas(ctx, stage),
         )
         await self.server.start(ctx)
+
+    def _replicas(self, ctx: ComponentContext, stage: int) -> list[PeerAddress]:
+        """The online servers of ``stage`` in this run (state donors for a server opening there)."""
+        out = []
+        for peer in ctx.peers.peers():
+            r = peer.record
+            if r.server and r.stage == stage and r.state == "online" and r.quic is not None \
+                    and r.run_id == self.spec.run_id:
+                out.append(PeerAddress(r.peer_id, r.quic.host, r.quic.port))
+        return out
 
     async def _claim(self, ctx: ComponentContext) -> int:
         """The stage to serve: ``node.stage`` when set, else the stage this server held in this run

@@ -157,6 +157,10 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         assert (move["from"], move["to"]) == (0, 1), move
         assert move["bottleneck_before"] == pytest.approx(THROUGHPUT)  # b0 alone
         assert move["bottleneck_after"] == pytest.approx(2 * THROUGHPUT)
+        # it downloaded stage 1's state from the surviving replica before announcing online
+        moved_server = status["components"]["stage_server"]
+        assert moved_server["resumed_from"] == "peers", moved_server
+        assert moved_server["state_download"] is not None and moved_server["state_download"]["donors"] == 1, moved_server
         log.info(
             "kill -> move began %.1fs, kill -> online %.1fs (seen by polling after %.1fs); move took "
             "%.1fs: drain %.1fs, close %.1fs, load %.1fs",

@@ -1,0 +1,105 @@
+"""A stage server's state in the swarm: it donates it, and a newcomer downloads it.
+
+Every stage server runs a :class:`~.state_transfer.StateDonor` under its stage's request
+kinds. Its snapshot is the stage optimizer's ``export_state`` (parameters, optimizer
+buffers, epoch), taken on the server's device thread so that it never sees a half-applied
+step, and only while the server is ``online``: a server still loading answers
+``not_ready`` instead of handing out a fresh, untrained state.
+
+A server that opens (a join, a restart, a move to another stage) downloads the state from
+every online replica of its stage at once (``download_state``: chunks spread over the
+donors, a donor that fails part-way is replaced without losing the chunks already
+verified) and installs it with ``import_state`` before it announces ``online``. When no
+donor is known, or the download fails, it falls back to hivemind's own
+``load_state_from_peers`` (one donor at a time), which also covers peers that are in the
+averaging group but not yet in our peer table. The checkpoint decision (checkpoint.py)
+comes after either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from ..transport.endpoint import PeerAddress
+from .averaging import AveragingError, StageOptimizer
+from .checkpoint import CheckpointError
+from .logs import get_logger
+from .state_transfer import (
+    Snapshot,
+    StateDonor,
+    StateTransferConfig,
+    StateTransferError,
+    download_state,
+    stage_kind_prefix,
+)
+
+log = get_logger(__name__)
+
+DonorSource = Callable[[], Sequence[PeerAddress]]
+
+
+class StageStateSharing:
+    """Donates ``optimizer``'s state under ``stage``'s kinds; downloads it on open."""
+
+    def __init__(
+        self,
+        endpoint: Any,  # registers the donor's kinds; with ``donors``, also sends requests
+        stage: int,
+        optimizer: StageOptimizer,
+        executor: Executor,
+        config: StateTransferConfig,
+        *,
+        donors: DonorSource | None,
+        serving: Callable[[], bool],
+    ) -> None:
+        self.stage = stage
+        self._endpoint = endpoint
+        self._optimizer = optimizer
+        self._executor = executor
+        self._config = config
+        self._donors = donors
+        self._serving = serving
+        self.prefix = stage_kind_prefix(stage)
+        self.donor = StateDonor(endpoint, self._snapshot, kind_prefix=self.prefix, config=config)
+        self.last_download: dict[str, Any] | None = None
+
+    async def _snapshot(self) -> Snapshot:
+        if not self._serving():
+            raise RuntimeError("this server is not online yet")
+        loop = asyncio.get_running_loop()
+        epoch, tensors, meta = await loop.run_in_executor(self._executor, self._optimizer.export_state)
+        return Snapshot(epoch, tensors, meta)
+
+    async def load(self) -> bool:
+        """Install the stage's state from its replicas; True if some peer supplied it."""
+        loop = asyncio.get_running_loop()
+        donors = list(self._donors()) if self._donors is not None else []
+        if donors:
+            started = time.monotonic()
+            try:
+                snap = await download_state(self._endpoint, donors, kind_prefix=self.prefix, config=self._config)
+                await loop.run_in_executor(
+                    self._executor, self._optimizer.import_state, snap.epoch, dict(snap.tensors), dict(snap.meta)
+                )
+            except (StateTransferError, CheckpointError, AveragingError) as exc:
+                log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
+                            "asking hivemind's averagers instead", self.stage, len(donors), exc)
+            else:
+                seconds = time.monotonic() - started
+                nbytes = sum(t.numel() * t.element_size() for t in snap.tensors.values())
+                self.last_download = {"epoch": snap.epoch, "donors": len(donors), "bytes": nbytes,
+                                      "seconds": round(seconds, 2)}
+                log.info("stage %d: state of epoch %d downloaded from %d donor(s): %.1f MB in %.1fs",
+                         self.stage, snap.epoch, len(donors), nbytes / 1e6, seconds)
+                return True
+        return bool(await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers))
+
+    def close(self) -> None:
+        self.donor.close()
+
+
+__all__ = ["DonorSource", "StageStateSharing"]
