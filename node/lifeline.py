@@ -7,8 +7,11 @@ a supervisor's stop timeout, ``kill -9``) left them running forever, each holdin
 client and its share of the machine (seen in the demo: two orphans per killed daemon).
 
 ``install()`` registers an at-fork hook: a child forked from the daemon's main thread asks
-the kernel to send it SIGTERM when its parent dies (Linux ``PR_SET_PDEATHSIG``), and exits at
-once if the parent is already gone. Forks from other threads are left alone: the death
+the kernel to send it SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``), and exits at
+once if the parent is already gone. SIGKILL, not SIGTERM: a forked child inherits the
+daemon's Python-level SIGTERM handler (the graceful leave), which in the child does nothing,
+so a SIGTERM would be swallowed (seen: orphaned averagers with SIGTERM caught). The children
+hold no state of their own worth a clean exit: the daemon that owned it is gone. Forks from other threads are left alone: the death
 signal fires when the *forking thread* ends, which for a worker thread is not the daemon's
 death. (The DHT process sets the same thing itself and also leaves the process group:
 node/dht.py.) Elsewhere than Linux ``install()`` does nothing.
@@ -37,7 +40,7 @@ def _after_fork_in_child() -> None:
     if not _forking["main_thread"]:
         return
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != _forking["pid"]:
         os._exit(1)  # the daemon died between the fork and the prctl
 

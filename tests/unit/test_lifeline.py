@@ -18,8 +18,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 # worker's pid and waits to be killed.
 PARENT = textwrap.dedent(
     """
-    import multiprocessing as mp, sys, time
+    import multiprocessing as mp, signal, sys, time
     from wanswarm.node import lifeline
+
+    # like the daemon: a Python SIGTERM handler, which a forked child inherits
+    signal.signal(signal.SIGTERM, lambda *_: None)
 
     def worker():
         time.sleep(120)
