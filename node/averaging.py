@@ -431,6 +431,9 @@ class CollaborativeOptimizer:
                 # replicas in one process (tests, a node serving while another leaves) would
                 # overwrite each other's progress: give each optimizer its own key
                 tracker_opts={"private_key": RSAPrivateKey()},
+                # hivemind warns that a matchmaking request_timeout (its default: 3 s) not
+                # shorter than min_matchmaking_time can deadlock matchmaking in rare cases
+                averager_opts={"request_timeout": config.matchmaking_time / 2},
             )
         except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
             raise AveragingError(f"cannot start the optimizer of {self.run_id}: {exc}") from exc

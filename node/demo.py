@@ -53,6 +53,9 @@ PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
 STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
 SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
 DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see _spawn_daemon)
+# Training time of the default demo: start-up, two evaluations and shutdown took 57 s more
+# (6 daemons, 2 idle cores), so the whole demo stays under 10 minutes with a minute to spare.
+DEMO_DURATION_S = 480.0
 # the fields of the --json line, in order (run_swarm returns these and more)
 JSON_FIELDS = ("val_loss_start", "val_loss_end", "tokens", "tokens_per_s", "daemons", "stages", "elapsed_s", "epoch")
 
@@ -64,7 +67,7 @@ class DemoError(NodeError):
 @dataclass(frozen=True)
 class DemoOptions:
     replicas: int = 2
-    duration_s: float = 380.0
+    duration_s: float = DEMO_DURATION_S
     tokens: int = 1_500_000
     wan: str | None = None
     json: bool = False
@@ -144,12 +147,23 @@ class Demo:
             # replicas and all daemons but the first start at once (no claim to wait for)
             f"node.stage={index % self.spec.n_stages}",
             "node.record_ttl=15",
-            "node.membership_period=2",
+            "node.membership_period=5",
             # micro-batches in flight over the whole swarm make gradients stale by about
-            # (in flight / micro-batches per step) epochs, plus one for delayed updates: with
-            # the tiny run's 6 micro-batches per step, one per trainer keeps that near 2
+            # (in flight / micro-batches per step) epochs: one per trainer keeps that small
             f"trainer.max_in_flight={DEMO_MAX_IN_FLIGHT}",
+            "trainer.request_timeout_s=15",  # loopback: a hop that takes longer is stuck
             "averaging.matchmaking_time=2",  # loopback: peers answer at once
+            # Synchronous steps: the demo's few, large-lr steps lose more to one epoch of
+            # staleness (delayed updates: val loss 2.99 after 237k tokens) than the swarm loses
+            # to the all-reduce stall (2.70 after 209k tokens, single-process reference 2.57);
+            # docs/tiny_run.md has the figures.
+            "averaging.delayed_updates=false",
+            # on a loaded machine a peer's chunk can take seconds; dropping it from the round
+            # would leave the replicas with different averages
+            "averaging.next_chunk_timeout=10",
+            # parameters are averaged every 5th epoch: the gradient all-reduce already keeps the
+            # replicas together, and each averaging round costs DHT matchmaking on 2 shared cores
+            "averaging.average_state_every=5",
         ]
         if self.spec_path is not None:
             sets.append(f"node.run_spec={self.spec_path}")
