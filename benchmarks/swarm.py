@@ -45,8 +45,9 @@ with it still in flight as in the reference's own curve. It trains on
 one data stream (seed ``--data-seed``), not the swarm's interleaving of one stream per
 trainer: the same data order cannot be reproduced by an asynchronous swarm. It models the
 swarm's delayed parameter updates (hivemind's DPU) with ``--update-lag`` (the fraction of
-the next step's micro-batches that run before an update lands; 0 when the daemons get
-``--set averaging.delayed_updates=false``); it does not model codec error or the staleness
+the next step's micro-batches that run before an update lands; 0 by default, since the
+demo's daemons step synchronously, and 0.125 when they get ``--set
+averaging.delayed_updates=true``); it does not model codec error or the staleness
 of micro-batches in flight while a step lands. Its tokens/s is one process's compute
 without the evaluations; the swarm's daemons (one thread each) share the machine's cores.
 
@@ -99,6 +100,8 @@ QUICK_REPLICAS = 1
 DEFAULT_EVAL_WINDOWS = 64
 QUICK_EVAL_WINDOWS = 16
 DEFAULT_UPDATE_LAG = 0.125  # DPU lag on loopback, estimated at 0.1-0.2 in docs/tiny_run.md
+# (the reference's lag when the daemons get --set averaging.delayed_updates=true; the demo's
+# daemons, which the benchmark starts, step synchronously: lag 0)
 THROUGHPUT_TARGET = 0.70  # wan tokens/s over lan tokens/s, per codec
 VAL_LOSS_TOLERANCE = {"int8": 0.02, "int4": 0.03}  # final val loss over the reference's
 TOKEN_ID_BYTES = torch.empty((), dtype=torch.int64).element_size()  # TrainStream gives int64 ids
@@ -399,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-windows", type=int, default=None,
                         help=f"validation windows, swarm and reference (default {DEFAULT_EVAL_WINDOWS}; --quick {QUICK_EVAL_WINDOWS})")
     parser.add_argument("--update-lag", type=float, default=None,
-                        help=f"reference's delayed-update model, fraction of a step (default {DEFAULT_UPDATE_LAG}; "
-                             "0 with --set averaging.delayed_updates=false)")
+                        help="reference's delayed-update model, fraction of a step (default 0: the demo's "
+                             f"daemons step synchronously; {DEFAULT_UPDATE_LAG} with --set averaging.delayed_updates=true)")
     parser.add_argument("--reference-threads", type=int, default=1, help="torch threads of the reference (default 1)")
     parser.add_argument("--data-seed", type=int, default=0,
                         help="reference data seed; swarm trainer i uses this + i (default 0)")
@@ -438,7 +441,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             parse_codec(codec)
         except CodecError as exc:
             raise BenchmarkError(f"--codecs: {exc}") from None
-    delayed = True
+    delayed = False  # the demo's daemons step synchronously (node/demo.py)
     for item in args.set:
         try:
             override = parse_assignment(item)

@@ -343,12 +343,13 @@ def test_defaults_and_quick() -> None:
     opts = bench.parse_options([])
     assert (opts.tokens, opts.replicas, opts.eval_windows) == (bench.DEFAULT_TOKENS, 2, 64)
     assert opts.profiles == ("lan", "wan") and opts.codecs == ("none", "int8", "int4")
-    assert opts.update_lag == bench.DEFAULT_UPDATE_LAG
+    assert opts.update_lag == 0.0  # the demo's daemons step synchronously
     quick = bench.parse_options(["--quick", "--replicas", "2"])
     assert (quick.tokens, quick.replicas, quick.eval_windows) == (bench.QUICK_TOKENS, 2, 16)
-    synchronous = bench.parse_options(["--set", "averaging.delayed_updates=false"])
-    assert synchronous.update_lag == 0.0
-    assert bench.parse_options(["--set", "averaging.delayed_updates=false", "--update-lag", "0.3"]).update_lag == 0.3
+    delayed = bench.parse_options(["--set", "averaging.delayed_updates=true"])
+    assert delayed.update_lag == bench.DEFAULT_UPDATE_LAG
+    assert bench.parse_options(["--set", "averaging.delayed_updates=false"]).update_lag == 0.0
+    assert bench.parse_options(["--set", "averaging.delayed_updates=true", "--update-lag", "0.3"]).update_lag == 0.3
 
 
 @pytest.mark.parametrize(("argv", "message"), [
