@@ -236,6 +236,13 @@ class Router:
         state.banned_until = now + duration
         return duration
 
+    def clear_ban(self, peer_id: str) -> None:
+        """Forget ``peer_id``'s failures and ban (it now serves another stage: a new server)."""
+        state = self._peers.get(peer_id)
+        if state is not None:
+            state.failures = 0
+            state.banned_until = -math.inf
+
     def in_flight(self, peer_id: str) -> int:
         """Requests this trainer has in flight to ``peer_id``."""
         state = self._peers.get(peer_id)

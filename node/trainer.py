@@ -200,6 +200,7 @@ class Trainer:
         self._started_at: float | None = None
         self._completions: deque[tuple[float, int]] = deque()
         self._live: dict[str, ServerInfo] = {}
+        self._stage_of: dict[str, int] = {}  # the stage each server was last seen serving
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -433,6 +434,12 @@ class Trainer:
         view = self.servers()
         live = [s for s in view.get(stage, ()) if s.state == "online"]
         self._live.update((s.peer_id, s) for s in live)
+        for server in live:
+            if self._stage_of.get(server.peer_id, stage) != stage:
+                # it moved here from another stage (rebalancing): the refusals that banned it
+                # while it drained the old stage say nothing about it as a server of this one
+                self.router.clear_ban(server.peer_id)
+            self._stage_of[server.peer_id] = stage
         out = []
         for server in live:
             stats = self.endpoint.path_stats(server.peer_id)

@@ -310,8 +310,10 @@ def test_main_trains_the_reference_and_ends_with_the_json_line(
     spec_file.write_text(bench.to_toml(spec.model_dump(mode="json")))
     monkeypatch.setattr(bench, "run_swarm", FakeSwarm())
     step = 8 * 16
+    # daemons with delayed updates: the reference models their lag (and reads landed updates)
     code = bench.main(["--spec", str(spec_file), "--tokens", str(2 * step), "--codecs", "int8,int4",
-                       "--eval-windows", "4", "--progress-s", "0.001"])
+                       "--eval-windows", "4", "--progress-s", "0.001",
+                       "--set", "averaging.delayed_updates=true"])
     captured = capsys.readouterr()
     assert code == 0
     lines = captured.out.strip().splitlines()
@@ -322,7 +324,7 @@ def test_main_trains_the_reference_and_ends_with_the_json_line(
     reach = 4 * 4 * 16 + 4096 + 2048
     assert reference["curve"][-1][0] == -(-reach // step) * step and reference["tokens"] == 2 * step
     assert [t for t, _ in reference["curve"]] == list(range(0, reference["curve"][-1][0] + 1, step))
-    assert reference["update_lag"] == 0.125 and reference["tokens_per_s"] > 0
+    assert reference["update_lag"] == bench.DEFAULT_UPDATE_LAG and reference["tokens_per_s"] > 0
     assert reference["val_loss"] != reference["val_loss_in_flight"]  # read with the last update landed
     assert reference["curve"][-1][1] != reference["curve"][-2][1]
     assert [r["codec"] for r in report["results"]] == ["int8", "int4"] * 2

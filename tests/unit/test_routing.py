@@ -156,6 +156,21 @@ def test_banned_peer_is_avoided_until_its_ban_ends() -> None:
     assert pick is not None and pick.peer_id == "fast"
 
 
+def test_clear_ban_makes_a_moved_server_a_fresh_candidate() -> None:
+    router = _router(ban_base_s=5.0, ban_jitter=0.0, temperature=0.0, min_temperature_s=0.0)
+    rng = random.Random(3)
+    fast, slow = Candidate("fast", 100.0), Candidate("slow", 1.0)
+    for t in (0.0, 6.0, 17.0):  # refused three times while it drained: banned 5, 10, 20 s
+        router.finished("fast", ok=False, now=t, rng=rng)
+    assert router.failures("fast") == 3 and router.is_banned("fast", 20.0)
+    router.clear_ban("fast")  # it now serves another stage
+    assert router.failures("fast") == 0 and not router.is_banned("fast", 20.0)
+    pick = router.choose([fast, slow], payload_bytes=0, batch_size=1, now=20.0, rng=rng)
+    assert pick is not None and pick.peer_id == "fast"
+    router.clear_ban("never-seen")  # a no-op
+    assert router.banned_until("never-seen") is None
+
+
 def test_when_every_peer_is_banned_the_bans_are_ignored() -> None:
     router = _router(temperature=0.0, min_temperature_s=0.0)
     rng = random.Random(4)
