@@ -26,6 +26,17 @@ staleness (gradients computed at ``theta_k`` are applied to ``theta_{k+1}``), wh
 shows to be harmless at the large batches this targets. ``delayed_updates = false`` gives
 exactly synchronous training (equivalent to one big batch) at the cost of the stall.
 
+Forming the group ahead of time. hivemind pre-schedules an epoch's gradient round when, at
+a ``step`` call, the epoch is estimated to end within ``matchmaking_time``; but ``step``
+only runs once per micro-batch (seconds apart here), so the check usually misses and the
+whole matchmaking lands in the stall at the epoch boundary. ``form_group_early`` schedules
+the round when the estimated end is within ``matchmaking_time`` plus two intervals between
+this replica's ``step`` calls: the group is formed by the time the epoch ends and waits for
+the trigger (up to ``averaging_timeout``), leaving only the all-reduce in the stall. A
+pre-scheduled round that failed before being used (no group in time) is dropped before the
+step: hivemind would otherwise take the epoch's step with this replica's local gradients
+alone, and the replicas would drift apart.
+
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
 ``OptimizerSpec.lr_multiplier(local_epoch)``.
@@ -50,6 +61,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from functools import partial
 from typing import Any, Literal, Protocol
@@ -75,6 +87,10 @@ from .runspec import OptimizerSpec, RunSpec
 logger = logging.getLogger(__name__)
 
 CompressionName = Literal["none", "fp16", "scaled_fp16", "uint8", "quantile8"]
+
+
+# the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
+IDLE_ROUND_WEIGHT = 1e-3
 
 
 class AveragingError(NodeError):
@@ -141,6 +157,14 @@ class AveragingConfig(BaseModel):
         default="none",
         description="Compression of a newcomer's state download; 'none' makes it an exact copy.",
     )
+    form_group_early: bool = Field(
+        default=True,
+        description=(
+            "Start matchmaking for an epoch's gradient round when the epoch is estimated to end "
+            "within matchmaking_time plus two micro-batch intervals, so the group is ready at the "
+            "boundary; false: only hivemind's own pre-scheduling (matchmaking_time ahead)."
+        ),
+    )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
 
     @model_validator(mode="after")
@@ -158,6 +182,11 @@ class StageOptimizer(Protocol):
 
     def step(self, batch_size: int) -> None:
         """``batch_size`` samples' gradients were added to ``.grad``: take them (and clear them)."""
+
+    def step_if_due(self) -> bool:
+        """Called periodically while no micro-batch arrives: take the collaboration's epoch step
+        if it is due (a synchronous all-reduce needs every replica, busy or not); True if
+        this replica stepped."""
 
     def load_state_from_peers(self) -> bool:
         """Download the stage's state from its peers; False if there was nobody to ask."""
@@ -309,6 +338,9 @@ class LocalOptimizer:
         self._samples = self._times = 0
         self._anchor = None
 
+    def step_if_due(self) -> bool:
+        return False  # no peers: its own micro-batches complete each epoch
+
     def load_state_from_peers(self) -> bool:
         return False
 
@@ -443,14 +475,74 @@ class CollaborativeOptimizer:
         for p in module.parameters():
             p.grad = None
         self._shut = False
+        self._last_call: float | None = None
+        self.call_interval_s = 0.0  # EMA of the time between step / step_if_due calls
+        self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
+        self.rounds_formed_early = 0
+        self.failed_rounds_dropped = 0
 
     def step(self, batch_size: int) -> None:
+        self._prepare_round()
         try:
             self._opt.step(batch_size=batch_size)
         finally:
             # hivemind copied the gradients into its accumulators (or dropped them when this
             # replica had to resync): either way they must not count again
             self._opt.zero_grad(set_to_none=False)
+
+    def step_if_due(self) -> bool:
+        opt = self._opt
+        self._prepare_round()
+        progress = opt.tracker.global_progress
+        # samples_accumulated: what the replicas reported for this epoch (no extrapolation);
+        # hivemind's ETA alone can pass with nothing accumulated anywhere
+        if progress.num_peers <= 1 or progress.samples_accumulated <= 0 or not opt.tracker.ready_to_update_epoch:
+            return False
+        if self.local_epoch < opt.tracker.global_epoch:
+            return False  # behind the stage: the next micro-batch's step resyncs first
+        epoch = self.local_epoch
+        averager = opt.grad_averager
+        if averager.local_samples_accumulated == 0:
+            # the round is weighted by samples: with every part that reaches us weighing 0 (the
+            # busy replica's chunks late or lost) hivemind's average would be 0/0, NaN. A token
+            # weight keeps it finite; its zero gradient shifts the others' mean by 1e-3 / 64
+            averager.local_samples_accumulated = IDLE_ROUND_WEIGHT
+        # what hivemind's step does once due, without accumulating a (zero) micro-batch: its
+        # mean gradient divides by the number of accumulations, which that would inflate
+        opt._update_global_epoch(None)
+        self.idle_steps += 1
+        return self.local_epoch != epoch
+
+    def _prepare_round(self) -> None:
+        """Drop a failed pre-scheduled round; schedule the next one early (module docstring)."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        now = time.monotonic()
+        if self._last_call is not None:
+            gap = now - self._last_call
+            self.call_interval_s = gap if self.call_interval_s == 0.0 else 0.7 * self.call_interval_s + 0.3 * gap
+        self._last_call = now
+        opt = self._opt
+        control = opt.scheduled_grads
+        if control is not None and control.done() and not control.triggered:
+            logger.info("%s: a pre-scheduled averaging round failed before the epoch ended; "
+                        "a new one starts at the boundary", self.run_id)
+            control.cancel()  # marks it used: hivemind warns about an unused control's deletion
+            opt.scheduled_grads = control = None
+            self.failed_rounds_dropped += 1
+        if not self.config.form_group_early or opt.tracker.global_progress.num_peers <= 1:
+            return
+        if control is not None and not control.triggered:
+            return  # a round is already being formed for this epoch
+        eta = opt.tracker.estimated_next_update_time - get_dht_time()
+        if eta > self.config.matchmaking_time + max(1.0, 2 * self.call_interval_s):
+            return
+        try:
+            opt.scheduled_grads = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
+        except (RuntimeError, OSError, ValueError) as exc:  # the averager is shutting down
+            logger.debug("%s: cannot schedule an averaging round: %s", self.run_id, exc)
+            return
+        self.rounds_formed_early += 1
 
     def load_state_from_peers(self) -> bool:
         epoch = self.local_epoch

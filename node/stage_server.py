@@ -28,6 +28,11 @@ the forward codec.
 
 After each applied micro-batch the device thread calls ``optimizer.step(batch_size)`` (the
 averaging adapter): it steps when the stage's collaboration reaches ``target_batch_size``.
+Every ``step_check_period_s`` a check job on the device thread calls
+``optimizer.step_if_due()`` as well: a synchronous all-reduce needs every replica of the
+stage, and a replica that no micro-batch reaches (trainers route around the one stalled in
+the all-reduce) would otherwise join only when its next request arrives, leaving the other
+blocked until the round times out.
 
 The throughput announced in the DHT record is measured at start by a short local
 benchmark (forward+backward of one micro-batch) and cached in the state directory by
@@ -144,6 +149,15 @@ class StageServerConfig(BaseModel):
     checkpoint_keep: int = Field(
         default=2, ge=1, le=1000, description="Newest checkpoints of the stage kept on disk; older ones are deleted."
     )
+    step_check_period_s: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=60.0,
+        description=(
+            "Seconds between checks, on the device thread, whether the stage's epoch step is due "
+            "without a micro-batch arriving here (the replica then joins the all-reduce)."
+        ),
+    )
     state_transfer: StateTransferConfig = Field(
         default=StateTransferConfig(),
         description="Downloading the stage's state from its replicas on open, and donating ours.",
@@ -168,6 +182,11 @@ class StageServerCounters:
     busy: int = 0  # event loop: refused because the queue was full
     refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
     compute_s: float = 0.0
+    # device thread: inside the optimizer (accumulating; at an epoch's end, a synchronous
+    # step also waits there for the stage's all-reduce, and every queued request with it)
+    optimizer_s: float = 0.0
+    optimizer_max_s: float = 0.0
+    idle_steps: int = 0  # epoch steps joined by the periodic check, no micro-batch at hand
     export_failures: int = 0  # device thread: the state could not be exported for a checkpoint
 
 
@@ -234,6 +253,7 @@ class StageServer:
         self._idle.set()
         self._membership: Any = None
         self._closed = False
+        self._checker: asyncio.Task[None] | None = None
         self._digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
         self.resumed_from: ResumeSource = "fresh"
         self._state_settled = False  # open() has decided where the state comes from
@@ -279,6 +299,7 @@ class StageServer:
             self.module, self.spec, self.stage, self.device, self.state_dir, self.config.benchmark_iterations,
         )
         self.state = "online"
+        self._checker = asyncio.create_task(self._check_step_loop(), name=f"stage{self.stage}-step-check")
         log.info("stage %d online: %.1f samples/s on %s", self.stage, self.throughput, self.device)
 
     async def start(self, ctx: Any) -> None:
@@ -314,6 +335,8 @@ class StageServer:
             return
         self._closed = True
         self.state = "draining"
+        if self._checker is not None:
+            self._checker.cancel()
         self._sharing.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.optimizer.shutdown)
@@ -381,6 +404,19 @@ class StageServer:
         except asyncio.CancelledError:
             job.cancelled = True
             raise
+
+    async def _check_step_loop(self) -> None:
+        """While online: every step_check_period_s, a device-thread job joins a due epoch step
+        (one job at a time: it waits behind queued requests)."""
+        loop = asyncio.get_running_loop()
+        while self.state == "online":
+            await asyncio.sleep(self.config.step_check_period_s)
+            if self.state != "online":
+                return
+            try:
+                await loop.run_in_executor(self._executor, self._step_if_due)
+            except RuntimeError:  # the executor was shut down
+                return
 
     def _job_done(self, future: asyncio.Future[Response]) -> None:
         self._pending -= 1
@@ -591,9 +627,7 @@ class StageServer:
         self._applied.add(key, reply)
         self.counters.applied += 1
         self.counters.samples_accumulated += batch
-        self.optimizer.step(batch)
-        if self.optimizer.local_epoch != self._digest[0]:
-            self._digest = (self.optimizer.local_epoch, self.param_digest())
+        self._in_optimizer(lambda: self.optimizer.step(batch))
         if (
             self._checkpoints is not None
             and self._checkpoints.due(self.clock(), self.optimizer.local_epoch)
@@ -601,6 +635,28 @@ class StageServer:
         ):
             self._checkpoint()
         return reply
+
+    def _in_optimizer(self, call: Callable[[], object]) -> object:
+        """Device thread: ``call`` into the optimizer, timed; refresh the digest after a step."""
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            took = time.perf_counter() - started
+            self.counters.optimizer_s += took
+            self.counters.optimizer_max_s = max(self.counters.optimizer_max_s, took)
+            if self.optimizer.local_epoch != self._digest[0]:
+                self._digest = (self.optimizer.local_epoch, self.param_digest())
+
+    def _step_if_due(self) -> None:
+        """Device thread (the periodic check): join the stage's epoch step if it is due."""
+        if self.state != "online":
+            return
+        try:
+            if self._in_optimizer(self.optimizer.step_if_due):
+                self.counters.idle_steps += 1
+        except Exception:  # keep serving: the next micro-batch's step tries again
+            log.exception("stage %d: the periodic step check failed", self.stage)
 
     # ---- checkpoints (device thread) ------------------------------------------------
 

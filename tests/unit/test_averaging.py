@@ -3,7 +3,8 @@
 Two replicas of the last stage train on different data, each stepping from its own
 "device" thread; after the collaboration's first epoch their parameters are identical
 and differ from the initial ones; a third replica that joins afterwards downloads the
-same state. The solo LocalOptimizer is checked against a hand-written AdamW loop.
+same state. A replica that no micro-batch reaches joins a synchronous step through
+``step_if_due``. The solo LocalOptimizer is checked against a hand-written AdamW loop.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ SPEC = RunSpec(
     batch=BatchSpec(micro_batch_size=2, target_batch_size=4),
     optimizer=OptimizerSpec(lr=1e-2, warmup_steps=0, schedule="constant"),
 )
+# four micro-batches per epoch, for the idle-replica test
+SPEC4 = SPEC.model_copy(update={"batch": BatchSpec(micro_batch_size=2, target_batch_size=8)})
 STAGE = 1  # the last stage: activations in, loss out
 B, T, C = SPEC.batch.micro_batch_size, SPEC.model.seq_len, SPEC.model.d_model
 
@@ -178,6 +181,88 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         assert optimizers[2].local_epoch == 1
         for p, q in zip(replicas[0].parameters(), newcomer.parameters(), strict=False):
             assert torch.equal(p, q)
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        del optimizers, dhts
+        gc.collect()
+
+
+# same filters as above (hivemind's DHT clients)
+@pytest.mark.filterwarnings(r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__):pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(90)
+def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> None:
+    """Replica A gets every micro-batch of the epoch and blocks in the all-reduce; replica B
+    gets none after its first, and only runs the stage server's periodic ``step_if_due``.
+    B must join the round (without it, A waits for B's chunks until the round times out):
+    both end the epoch with the same parameters, B through one idle step."""
+    hivemind = pytest.importorskip("hivemind")
+    config = AveragingConfig(
+        matchmaking_time=2.0,
+        averaging_timeout=30.0,
+        next_chunk_timeout=25.0,
+        load_state_timeout=15.0,
+        delayed_updates=False,
+        grad_compression="none",
+        state_compression="none",
+    )
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [dht_a]
+    optimizers: list[CollaborativeOptimizer] = []
+    try:
+        dhts.append(hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht_a.get_visible_maddrs()
+        ))
+        initial = [p.detach().clone() for p in build_stage(SPEC4, STAGE).parameters()]
+        replicas = [build_stage(SPEC4, STAGE) for _ in range(2)]
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            optimizers = [CollaborativeOptimizer(m, SPEC4, STAGE, d, config) for m, d in zip(replicas, dhts, strict=True)]
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        busy, idle = optimizers
+        deadline = time.monotonic() + 60.0
+        both_visible = threading.Barrier(2, timeout=30.0)
+        tick = threading.Event()  # never set: a bounded wait between checks
+
+        def first_micro_batch(module: torch.nn.Module, opt: CollaborativeOptimizer, gen: torch.Generator) -> None:
+            # one micro-batch each (a quarter of the epoch), then both wait until each sees
+            # the other's progress: a replica counts its peers from what the DHT reports
+            _accumulate(module, gen)
+            opt.step(B)
+            while opt.num_peers < 2 and time.monotonic() < deadline:
+                tick.wait(0.05)
+            both_visible.wait()
+
+        def busy_thread() -> None:
+            gen = torch.Generator().manual_seed(0)
+            first_micro_batch(replicas[0], busy, gen)
+            while busy.local_epoch < 1 and time.monotonic() < deadline:
+                _accumulate(replicas[0], gen)
+                busy.step(B)  # the epoch's last one blocks in the all-reduce until the idle one joins
+            busy.flush()  # apply the background parameter averaging that follows the step
+
+        def idle_thread() -> None:
+            gen = torch.Generator().manual_seed(1)
+            first_micro_batch(replicas[1], idle, gen)
+            while idle.local_epoch < 1 and time.monotonic() < deadline:
+                idle.step_if_due()  # what the stage server's check job calls
+                tick.wait(0.1)
+            idle.flush()
+
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
+            runs = [pool.submit(busy_thread), pool.submit(idle_thread)]
+            for run in runs:
+                run.result(timeout=75)
+        assert [o.local_epoch for o in optimizers] == [1, 1]
+        assert idle.idle_steps == 1 and busy.idle_steps == 0
+        assert idle.failed_rounds_dropped == 0 and busy.failed_rounds_dropped == 0
+        for p, q, p0 in zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=True):
+            assert torch.equal(p, q)
+            assert not torch.equal(p, p0)
     finally:
         for opt in optimizers:
             opt.shutdown()

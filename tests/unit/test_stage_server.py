@@ -77,6 +77,9 @@ class RecordingOptimizer:
         self.steps: list[int] = []
         self.gate = gate
         self.entered = threading.Event()
+        self.checks = 0
+        self.check_threads: set[str] = set()
+        self.due = False  # the next step_if_due reports a step taken
 
     def step(self, batch_size: int) -> None:
         self.entered.set()
@@ -87,6 +90,12 @@ class RecordingOptimizer:
                 self.grads[name] += p.grad
                 p.grad = None
         self.steps.append(batch_size)
+
+    def step_if_due(self) -> bool:
+        self.checks += 1
+        self.check_threads.add(threading.current_thread().name)
+        due, self.due = self.due, False
+        return due
 
     def load_state_from_peers(self) -> bool:
         return False
@@ -356,6 +365,33 @@ def test_a_full_queue_answers_busy_and_a_late_job_expires_unrun() -> None:
         assert exc.value.code == ErrorCode.EXPIRED
         assert opt.steps == [2] and server.counters.expired == 1 and server.queue_len == 0
         await server.close()
+
+    _run(main())
+
+
+def test_an_online_server_checks_for_a_due_step_on_its_device_thread_until_closed() -> None:
+    spec = _spec("none")
+    reg = Registry()
+    config = StageServerConfig(device="cpu", benchmark_iterations=1, step_check_period_s=0.05)
+    server = StageServer(spec, 1, config, endpoint=reg, make_optimizer=RecordingOptimizer)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(30):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        opt = _opt(server)
+        await server.open()
+        await until(lambda: opt.checks >= 2)
+        assert server.counters.idle_steps == 0
+        opt.due = True  # the collaboration's epoch is due: the next check steps
+        await until(lambda: server.counters.idle_steps == 1)
+        assert opt.check_threads == {"stage1-device_0"}  # never the event loop
+        await server.close()
+        checks = opt.checks
+        await asyncio.sleep(0.2)
+        assert opt.checks == checks  # no check after close
 
     _run(main())
 
