@@ -5,12 +5,10 @@ for real on a two-stage toy spec."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any, TextIO, cast
 
 import pytest
@@ -26,20 +24,12 @@ from wanswarm.node.runspec import (
 )
 from wanswarm.transport.codecs import parse_codec
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmark_loader import load_benchmark
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "runs"
 
 
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_swarm", BENCHMARKS / "swarm.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_benchmark()
+bench = load_benchmark("swarm.py", "bench_swarm")
 
 
 @pytest.fixture(autouse=True)

@@ -5,32 +5,18 @@ last line is the JSON object of the documented shape."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import Coroutine
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 
+from tests.benchmark_loader import load_benchmark
+
 T = TypeVar("T")
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def load_benchmark() -> ModuleType:
-    if str(BENCHMARKS) not in sys.path:  # the script imports its baseline helper by name
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_transport", BENCHMARKS / "transport.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_benchmark()
+bench = load_benchmark("transport.py", "bench_transport")
 
 SIZE_MB = 0.125  # 128 KiB: above the FEC threshold, so the wanswarm variant uses datagrams
 REPEATS = 2

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import random
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 from wanswarm.node.stage_selection import RebalancePolicy
 
+from tests.benchmark_loader import load_benchmark
 
-def load_sim() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "rebalance_sim.py"
-    spec = importlib.util.spec_from_file_location("rebalance_sim", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = load_sim()
+sim = load_benchmark("rebalance_sim.py", "rebalance_sim")
 
 
 def brute_force_optimum(throughputs: list[float], n_stages: int) -> float:
