@@ -17,7 +17,7 @@ that imports the library. Errors that belong to one module's concept live in tha
     ├── ProbeError                   a ping got no answer in time
     ├── AveragingError               the stage's collaborative optimizer failed (averaging.py)
     ├── CheckpointError              a stage checkpoint that does not fit the stage (checkpoint.py)
-    ├── StateTransferError           no donor could serve the stage's state (state_transfer.py)
+    ├── StateTransferError           no donor could serve the stage's state (state_plan.py)
     ├── BadReply                     a server's reply broke the protocol (protocol.py)
     ├── HopFailed                    a hop failed on every attempt (trainer.py)
     ├── DemoError                    the demo swarm could not start or lost a daemon (demo.py)

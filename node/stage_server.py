@@ -91,7 +91,7 @@ from .protocol import (
 from .runspec import RunSpec
 from .stage_memory import AppliedLog, InputCache
 from .stage_state import DonorSource, StageStateSharing
-from .state_transfer import StateTransferConfig
+from .state_plan import StateTransferConfig
 from .throughput import cached_throughput
 
 log = get_logger(__name__)

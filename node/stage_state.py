@@ -1,6 +1,6 @@
 """A stage server's state in the swarm: it donates it, and a newcomer downloads it.
 
-Every stage server runs a :class:`~.state_transfer.StateDonor` under its stage's request
+Every stage server runs a :class:`~.state_donor.StateDonor` under its stage's request
 kinds. Its snapshot is the stage optimizer's ``export_state`` (parameters, optimizer
 buffers, epoch), taken on the server's device thread so that it never sees a half-applied
 step, and only while the server is ``online``: a server still loading answers
@@ -28,13 +28,17 @@ from ..transport.endpoint import PeerAddress
 from .averaging import AveragingError, StageOptimizer
 from .checkpoint import CheckpointError
 from .logs import get_logger
-from .state_transfer import (
-    Snapshot,
+from .state_donor import (
     StateDonor,
+)
+from .state_plan import (
+    Snapshot,
     StateTransferConfig,
     StateTransferError,
-    download_state,
     stage_kind_prefix,
+)
+from .state_transfer import (
+    download_state,
 )
 
 log = get_logger(__name__)

@@ -10,18 +10,22 @@ from typing import Any
 
 import pytest
 import torch
-from wanswarm.node.state_transfer import (
-    ChunkEvent,
+from wanswarm.node.state_donor import (
+    StateDonor,
+)
+from wanswarm.node.state_plan import (
     Manifest,
     Snapshot,
-    StateDonor,
-    StateDownload,
     StateTransferConfig,
     StateTransferError,
     chunk_kind,
-    download_state,
     manifest_kind,
     stage_kind_prefix,
+)
+from wanswarm.node.state_transfer import (
+    ChunkEvent,
+    StateDownload,
+    download_state,
 )
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
 from wanswarm.transport.errors import RemoteError

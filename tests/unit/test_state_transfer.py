@@ -12,13 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from wanswarm.node.state_transfer import (
+from wanswarm.node.state_donor import (
+    StateDonor,
+)
+from wanswarm.node.state_plan import (
     MIN_CHUNK_BYTES,
     ChunkScheduler,
     Manifest,
     Segment,
     Snapshot,
-    StateDonor,
     StateErrorCode,
     StateTransferConfig,
     TensorEntry,

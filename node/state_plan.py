@@ -1,0 +1,445 @@
+"""State transfer, the pure parts: errors, settings, the chunk plan, the wire messages and
+manifest, donor grouping and the chunk scheduler. No clock and no sockets here; the donor
+(``state_donor.py``) and the download (``state_transfer.py``, whose docstring describes the
+protocol) pump them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+
+from ..transport.codecs import WIRE_DTYPES
+from ..transport.endpoint import PeerAddress
+from ..transport.errors import RemoteError
+from .errors import NodeError
+
+STATE_VERSION: Final[int] = 1
+MIN_CHUNK_BYTES: Final[int] = 4096
+MAX_CHUNK_BYTES: Final[int] = 64 << 20
+DEFAULT_CHUNK_BYTES: Final[int] = 4 << 20
+MAX_TENSORS: Final[int] = 65536
+MAX_CHUNKS: Final[int] = 1 << 20
+MAX_MANIFEST_BYTES: Final[int] = 16 << 20
+_MAX_BYTES: Final[int] = 1 << 50
+THREAD_BYTES: Final[int] = 1 << 20  # hash larger buffers in a worker thread
+PLANS_PER_SNAPSHOT: Final[int] = 4
+PREFIX_PATTERN: Final[str] = r"^[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,47}$"
+
+
+class StateTransferError(NodeError):
+    """No donor could deliver the stage's state; the message names what was tried."""
+
+
+class StateErrorCode(StrEnum):
+    """Error codes a donor answers with (``RemoteError.code``)."""
+
+    BAD_REQUEST = "bad_request"  # malformed header, index out of range, tensors attached
+    BUSY = "busy"  # too many chunk requests at once: retry later or elsewhere
+    NOT_READY = "not_ready"  # the donor could not take a snapshot (still loading itself)
+    UNKNOWN_SNAPSHOT = "unknown_snapshot"  # expired or evicted: fetch a new manifest
+    GONE = "gone"  # the donor no longer serves this stage (it moved or is leaving)
+    INTERNAL = "internal"  # the donor's own state cannot be sent (unsupported dtype, ...)
+
+
+def refuse_state(code: StateErrorCode, message: str) -> RemoteError:
+    return RemoteError(str(code), message[:300])
+
+
+def manifest_kind(prefix: str) -> str:
+    return f"{prefix}.manifest"
+
+
+def chunk_kind(prefix: str) -> str:
+    return f"{prefix}.chunk"
+
+
+def stage_kind_prefix(stage: int) -> str:
+    """The request-kind prefix under which the servers of ``stage`` donate its state."""
+    return f"state.s{stage}"
+
+
+def state_digest(data: Any) -> str:
+    """BLAKE2b-256 of a buffer (hex)."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+class StateTransferConfig(BaseModel):
+    """Settings of both sides of state transfer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunk_bytes: int = Field(
+        default=DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES,
+        description="Bytes per chunk of the flattened state (the last chunk may be shorter).",
+    )
+    max_parallel_per_donor: int = Field(
+        default=4, ge=1, le=64, description="Chunk requests in flight to one donor at once."
+    )
+    timeout_s: float = Field(
+        default=600.0, gt=0.0, le=86400.0, description="Deadline of a whole download, seconds."
+    )
+    manifest_timeout_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0,
+        description="Deadline of one manifest request (the donor snapshots and hashes its state).",
+    )
+    chunk_timeout_s: float = Field(
+        default=60.0, gt=0.0, le=3600.0,
+        description="Deadline of one chunk request; past it the donor is banned from this "
+        "download. Must cover chunk_bytes * max_parallel_per_donor at the slowest useful rate.",
+    )
+    max_state_bytes: int = Field(
+        default=64 << 30, ge=0, le=_MAX_BYTES,
+        description="Largest state a client accepts (it allocates the tensors up front).",
+    )
+    endgame_factor: float = Field(
+        default=3.0, ge=1.0, le=100.0,
+        description="When no chunk is left to hand out, an idle donor duplicates a chunk that "
+        "another donor has held for this many times the median chunk time (a straggler).",
+    )
+    busy_backoff_s: float = Field(
+        default=0.2, ge=0.0, le=60.0, description="Pause of a worker after a 'busy' answer."
+    )
+    max_busy: int = Field(
+        default=50, ge=1, le=10000, description="'busy' answers in a row after which a donor is banned."
+    )
+    snapshot_reuse_s: float = Field(
+        default=10.0, ge=0.0, le=3600.0,
+        description="A donor hands its newest snapshot to a new downloader while it is younger "
+        "than this instead of taking another (snapshots copy the whole state).",
+    )
+    snapshot_idle_ttl_s: float = Field(
+        default=120.0, gt=0.0, le=86400.0,
+        description="A retained snapshot no request touched for this long is dropped.",
+    )
+    snapshot_max_age_s: float = Field(
+        default=3600.0, gt=0.0, le=86400.0, description="A retained snapshot is dropped at this age."
+    )
+    max_retained: int = Field(
+        default=2, ge=1, le=8,
+        description="Snapshots a donor keeps at once. When all are in use, a new downloader "
+        "gets the newest one rather than evicting one that is being downloaded.",
+    )
+    max_concurrent_chunks: int = Field(
+        default=16, ge=1, le=1024, description="Chunk requests a donor serves at once; more are 'busy'."
+    )
+
+
+# ---- the snapshot and its chunk plan (pure) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A stage's state at one instant; ``Snapshot(*optimizer.export_state())``.
+
+    The donor never copies ``tensors``: whoever builds a Snapshot must not modify them
+    afterwards (export_state returns copies).
+    """
+
+    epoch: int
+    tensors: Mapping[str, torch.Tensor]
+    meta: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, end)`` of tensor number ``tensor`` (manifest order)."""
+
+    tensor: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes ``[start, end)`` of the flattened state, and the tensor pieces they cover."""
+
+    index: int
+    start: int
+    end: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_chunks(nbytes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
+    """Cut the concatenation of tensors of ``nbytes`` bytes into chunks of ``chunk_bytes``.
+
+    Every byte lies in exactly one chunk; zero-byte tensors lie in none.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if any(n < 0 for n in nbytes):
+        raise ValueError("tensor sizes must be non-negative")
+    offsets = [0]
+    for n in nbytes:
+        offsets.append(offsets[-1] + n)
+    total = offsets[-1]
+    chunks: list[Chunk] = []
+    t = 0
+    for index, start in enumerate(range(0, total, chunk_bytes)):
+        end = min(start + chunk_bytes, total)
+        segments: list[Segment] = []
+        pos = start
+        while pos < end:
+            while offsets[t + 1] <= pos:  # skip tensors that end before pos (and empty ones)
+                t += 1
+            stop = min(end, offsets[t + 1])
+            segments.append(Segment(t, pos - offsets[t], stop - offsets[t]))
+            pos = stop
+        chunks.append(Chunk(index, start, end, tuple(segments)))
+    return chunks
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def chunk_digests(views: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> list[str]:
+    """The digest of each chunk of the state whose tensors' bytes are ``views``."""
+    out = []
+    for chunk in chunks:
+        h = hashlib.blake2b(digest_size=32)
+        for seg in chunk.segments:
+            h.update(views[seg.tensor][seg.start : seg.end].numpy().data)
+        out.append(h.hexdigest())
+    return out
+
+
+def gather_chunk(views: Sequence[torch.Tensor], chunk: Chunk) -> torch.Tensor:
+    """The bytes of ``chunk`` as one uint8 tensor (a view when it lies in one tensor)."""
+    parts = [views[s.tensor][s.start : s.end] for s in chunk.segments]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def scatter_chunk(views: Sequence[torch.Tensor], chunk: Chunk, data: torch.Tensor) -> None:
+    """Write the bytes of ``chunk`` into the tensors' byte views."""
+    pos = 0
+    for s in chunk.segments:
+        n = s.end - s.start
+        views[s.tensor][s.start : s.end].copy_(data[pos : pos + n])
+        pos += n
+
+
+# ---- wire models --------------------------------------------------------------------------
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+_Dim = Annotated[int, Field(ge=0, le=_MAX_BYTES)]
+_Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+_Epoch = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class ManifestRequest(_Wire):
+    """``{prefix}.manifest``: no tensors."""
+
+    v: Literal[1] = Field(default=1, description="State transfer version (STATE_VERSION).")
+    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Chunk size.")
+
+
+class ManifestReply(_Wire):
+    """Answer to ``{prefix}.manifest``: tensors ``[manifest JSON as uint8 (nbytes,)]``."""
+
+    v: Literal[1] = Field(default=1, description="State transfer version.")
+    nbytes: int = Field(ge=2, le=MAX_MANIFEST_BYTES, description="Bytes of the manifest JSON.")
+
+
+class ChunkRequest(_Wire):
+    """``{prefix}.chunk``: no tensors."""
+
+    v: Literal[1] = Field(default=1, description="State transfer version.")
+    epoch: _Epoch = Field(description="Epoch of the manifest this chunk belongs to.")
+    snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of that snapshot.")
+    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Plan's chunk size.")
+    index: int = Field(ge=0, lt=MAX_CHUNKS, description="Chunk number in the plan.")
+
+
+class ChunkReply(_Wire):
+    """Answer to ``{prefix}.chunk``: tensors ``[chunk bytes as uint8 (nbytes,)]``."""
+
+    v: Literal[1] = Field(default=1, description="State transfer version.")
+    index: int = Field(ge=0, lt=MAX_CHUNKS, description="Chunk number.")
+    nbytes: int = Field(ge=1, le=MAX_CHUNK_BYTES, description="Bytes of the chunk.")
+
+
+class TensorEntry(_Wire):
+    """One tensor of the state, in flattening order."""
+
+    name: str = Field(min_length=1, max_length=512, description="State dict key.")
+    dtype: str = Field(description="Wire dtype name (transport.codecs.WIRE_DTYPES).")
+    shape: tuple[_Dim, ...] = Field(max_length=16, description="Tensor shape.")
+    nbytes: int = Field(ge=0, le=_MAX_BYTES, description="Bytes: numel * itemsize.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TensorEntry:
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype[:40]!r}")
+        numel = math.prod(self.shape)
+        if numel * WIRE_DTYPES[self.dtype].itemsize != self.nbytes:
+            raise ValueError(f"{self.name[:60]!r}: nbytes does not match shape and dtype")
+        return self
+
+
+class Manifest(_Wire):
+    """What one donor's snapshot holds, and how its chunks hash (travels as JSON)."""
+
+    v: Literal[1] = Field(default=1, description="State transfer version.")
+    epoch: _Epoch = Field(description="Optimizer epoch of the snapshot.")
+    snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of the snapshot.")
+    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Chunk size.")
+    total_bytes: int = Field(ge=0, le=_MAX_BYTES, description="Bytes of the flattened state.")
+    tensors: tuple[TensorEntry, ...] = Field(max_length=MAX_TENSORS, description="Tensors, in order.")
+    digests: tuple[_Digest, ...] = Field(max_length=MAX_CHUNKS, description="BLAKE2b-256 per chunk.")
+    meta: dict[str, Any] = Field(description="The optimizer's JSON meta.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("tensor names repeat")
+        if sum(t.nbytes for t in self.tensors) != self.total_bytes:
+            raise ValueError("total_bytes is not the sum of the tensors' bytes")
+        if len(self.digests) != -(-self.total_bytes // self.chunk_bytes):
+            raise ValueError("one digest per chunk is needed")
+        return self
+
+    def content_key(self) -> str:
+        """Equal for snapshots whose bytes, layout and meta are equal (the snapshot id aside)."""
+        return state_digest(self.model_dump_json(exclude={"snapshot_id"}).encode())
+
+    def layout_key(self) -> str:
+        """Equal for states that flatten the same way (tensors and chunk size)."""
+        return state_digest(self.model_dump_json(include={"tensors", "chunk_bytes"}).encode())
+
+
+@dataclass(frozen=True)
+class DonorGroup:
+    """Donors that hold the same snapshot content; they share one download."""
+
+    manifest: Manifest
+    members: tuple[tuple[PeerAddress, int], ...]  # (donor, its snapshot_id)
+
+
+def group_manifests(manifests: Iterable[tuple[PeerAddress, Manifest]]) -> list[DonorGroup]:
+    """Donors grouped by snapshot content: newest epoch first, then most donors."""
+    groups: dict[str, list[tuple[PeerAddress, Manifest]]] = {}
+    for donor, manifest in manifests:
+        groups.setdefault(manifest.content_key(), []).append((donor, manifest))
+    ordered = sorted(groups.items(), key=lambda kv: (-kv[1][0][1].epoch, -len(kv[1]), kv[0]))
+    return [
+        DonorGroup(members[0][1], tuple((d, m.snapshot_id) for d, m in members))
+        for _, members in ordered
+    ]
+
+
+# ---- the download schedule (pure) --------------------------------------------------------
+
+
+class ChunkScheduler:
+    """Which chunk each donor fetches next; sans-I/O (times are arguments).
+
+    Donors pull work (``take``), so faster donors serve more chunks. When nothing is left
+    to hand out, a donor may duplicate a chunk that one other donor has held for at least
+    ``straggler_s`` ("endgame"), so a stalled donor holds up the last chunks for about
+    that long instead of until its deadline, and a healthy tail is not fetched twice.
+    ``ban`` re-offers a donor's in-flight chunks; accepted chunks stay done.
+    """
+
+    def __init__(self, n_chunks: int, donors: Iterable[str], *, done: Iterable[int] = ()) -> None:
+        self.n_chunks = n_chunks
+        self.donors = list(dict.fromkeys(donors))
+        self.done: set[int] = set(done)
+        self.banned: set[str] = set()
+        self.in_flight: dict[int, dict[str, float]] = {}  # chunk -> {donor: since}
+        self._pending = [i for i in range(n_chunks) if i not in self.done]
+        heapq.heapify(self._pending)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.n_chunks
+
+    @property
+    def exhausted(self) -> bool:
+        """Every donor is banned and chunks are missing."""
+        return not self.complete and all(d in self.banned for d in self.donors)
+
+    def take(self, donor: str, now: float, straggler_s: float) -> int | None:
+        """The next chunk for ``donor`` to fetch, or None (nothing it can usefully do now)."""
+        if donor in self.banned or donor not in self.donors:
+            return None
+        while self._pending:
+            index = heapq.heappop(self._pending)
+            if index not in self.done and not self.in_flight.get(index):
+                self.in_flight[index] = {donor: now}
+                return index
+        stragglers = [
+            (since, index)
+            for index, holders in self.in_flight.items()
+            if len(holders) == 1 and donor not in holders
+            for since in holders.values()
+            if now - since >= straggler_s
+        ]
+        if not stragglers:
+            return None
+        index = min(stragglers)[1]
+        self.in_flight[index][donor] = now
+        return index
+
+    def next_straggler(self, donor: str, now: float, straggler_s: float) -> float | None:
+        """Seconds until ``take`` may give ``donor`` a straggler, None if no chunk may become one."""
+        waits = [
+            since + straggler_s - now
+            for holders in self.in_flight.values()
+            if len(holders) == 1 and donor not in holders
+            for since in holders.values()
+        ]
+        return max(0.0, min(waits)) if waits else None
+
+    def accept(self, donor: str, index: int) -> bool:
+        """A verified chunk arrived; True when it was not done yet."""
+        self.in_flight.pop(index, None)
+        if index in self.done:
+            return False
+        self.done.add(index)
+        return True
+
+    def release(self, donor: str, index: int) -> None:
+        """``donor`` no longer fetches ``index`` (busy, failed, banned)."""
+        holders = self.in_flight.get(index)
+        if holders is None:
+            return
+        holders.pop(donor, None)
+        if not holders:
+            del self.in_flight[index]
+            if index not in self.done:
+                heapq.heappush(self._pending, index)
+
+    def ban(self, donor: str) -> None:
+        """``donor`` failed: it gets no more chunks and its in-flight ones are re-offered."""
+        self.banned.add(donor)
+        for index in [i for i, h in self.in_flight.items() if donor in h]:
+            self.release(donor, index)
