@@ -129,10 +129,14 @@ def test_donor_closed_mid_download_the_rest_resumes_from_the_others() -> None:
             closing: list[asyncio.Task[None]] = []
 
             async def serve_then_die(request: Request) -> Response:
-                response = await donors[0].handle_chunk(request)
-                if donors[0].counts["chunks"] == 4 and not closing:  # after it served some
-                    closing.append(asyncio.create_task(victim.close()))
-                return response
+                # after serving two chunks, the donor closes with this request unanswered
+                # (its close cancels the handler): a request in flight there always fails,
+                # however the scheduler spread the chunks
+                if donors[0].counts["chunks"] >= 2:
+                    if not closing:
+                        closing.append(asyncio.create_task(victim.close()))
+                    await asyncio.sleep(3600)
+                return await donors[0].handle_chunk(request)
 
             victim.register(chunk_kind(PREFIX), serve_then_die)
             job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX,
@@ -140,8 +144,10 @@ def test_donor_closed_mid_download_the_rest_resumes_from_the_others() -> None:
             got = await job.run()
             _assert_identical(got, 3, state)
             report = job.report
-            assert closing and victim.peer_id in report.bans
-            assert 1 <= report.chunks_from[victim.peer_id] <= 4
+            # the victim closed mid-download; whether it was banned depends on whether the
+            # others finished before its unanswered requests failed, so that is not asserted
+            assert closing
+            assert 2 <= report.chunks_from[victim.peer_id] <= 3  # a third may start before the second ends
             _no_refetch(report.events)  # chunks the victim delivered were kept
             n_chunks = -(-report.total_bytes // CHUNK)
             assert sum(report.chunks_from.values()) == n_chunks

@@ -135,7 +135,9 @@ def test_echo_rtt_loss_and_counters() -> None:
     samples = sorted(client.rtts.values())
     median = statistics.median(samples)
     assert samples[0] >= rtt - 0.0011
-    assert rtt - 0.001 <= median <= rtt + 0.008
+    # the upper bound is what the relay measured itself being late, not a fixed margin: a
+    # loaded machine (a CI run) delays the shared event loop by more than any fixed bound
+    assert rtt - 0.001 <= median
     assert median <= rtt + up["mean_late_s"] + down["mean_late_s"] + 0.003
 
     # loss: each direction drops 2%, so a round trip loses 1 - 0.98^2 = 3.96%
