@@ -29,9 +29,10 @@ exactly synchronous training (equivalent to one big batch) at the cost of the st
 Forming the group ahead of time. hivemind pre-schedules an epoch's gradient round when, at
 a ``step`` call, the epoch is estimated to end within ``matchmaking_time``; but ``step``
 only runs once per micro-batch (seconds apart here), so the check usually misses and the
-whole matchmaking lands in the stall at the epoch boundary. ``form_group_early`` schedules
-the round when the estimated end is within ``matchmaking_time`` plus two intervals between
-this replica's ``step`` calls: the group is formed by the time the epoch ends and waits for
+whole matchmaking lands in the stall at the epoch boundary. With synchronous steps,
+``form_group_early`` schedules the round when the estimated end is within
+``matchmaking_time`` plus two intervals between this replica's ``step`` or ``step_if_due``
+calls (at least a second): the group is formed by the time the epoch ends and waits for
 the trigger (up to ``averaging_timeout``), leaving only the all-reduce in the stall. A
 pre-scheduled round that failed before being used (no group in time) is dropped before the
 step: hivemind would otherwise take the epoch's step with this replica's local gradients
@@ -160,9 +161,10 @@ class AveragingConfig(BaseModel):
     form_group_early: bool = Field(
         default=True,
         description=(
-            "Start matchmaking for an epoch's gradient round when the epoch is estimated to end "
-            "within matchmaking_time plus two micro-batch intervals, so the group is ready at the "
-            "boundary; false: only hivemind's own pre-scheduling (matchmaking_time ahead)."
+            "With synchronous steps (delayed_updates false): start matchmaking for an epoch's "
+            "gradient round when the epoch is estimated to end within matchmaking_time plus two "
+            "check intervals, so the group is ready at the boundary; false: only hivemind's own "
+            "pre-scheduling (matchmaking_time ahead)."
         ),
     )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
@@ -493,6 +495,8 @@ class CollaborativeOptimizer:
     def step_if_due(self) -> bool:
         opt = self._opt
         self._prepare_round()
+        if self.config.delayed_updates:
+            return False  # the step runs in the background: nobody blocks waiting for this replica
         progress = opt.tracker.global_progress
         # samples_accumulated: what the replicas reported for this epoch (no extrapolation);
         # hivemind's ETA alone can pass with nothing accumulated anywhere
@@ -530,7 +534,8 @@ class CollaborativeOptimizer:
             control.cancel()  # marks it used: hivemind warns about an unused control's deletion
             opt.scheduled_grads = control = None
             self.failed_rounds_dropped += 1
-        if not self.config.form_group_early or opt.tracker.global_progress.num_peers <= 1:
+        early = self.config.form_group_early and not self.config.delayed_updates
+        if not early or opt.tracker.global_progress.num_peers <= 1:
             return
         if control is not None and not control.triggered:
             return  # a round is already being formed for this epoch
