@@ -421,8 +421,9 @@ class Demo:
                 "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
                 "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
                 "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
-                # device-thread seconds, summed over the stage's servers: running requests,
-                # and inside the optimizer (a synchronous step waits there for the all-reduce)
+                # device-thread seconds, summed over the stage's servers: running requests, and
+                # inside the optimizer, from requests or the periodic step check (a synchronous
+                # step waits there for the all-reduce)
                 "compute_s": round(sum(c.get("stage_server", {}).get("compute_s", 0.0) for c in comp), 1),
                 "optimizer_s": round(sum(c.get("stage_server", {}).get("optimizer_s", 0.0) for c in comp), 1),
                 "epoch": max((c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0),
@@ -451,8 +452,9 @@ class Demo:
             rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
             self.say(f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} {_bytes(r['bytes_sent']):>12} "
                      f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}")
-        self.say("(device s: seconds the stage's servers ran requests, summed; in step s: the part of "
-                 "it inside the optimizer, where a step waits for the stage's all-reduce)")
+        self.say("(device s: seconds the stage's servers ran requests, summed; in step s: seconds inside "
+                 "the optimizer, from requests and from the periodic step check, where a synchronous step "
+                 "waits for the stage's all-reduce)")
         start, end = self.traffic_start, self.traffic_end
         training = {
             key: ([b - a for a, b in zip(start[key], end[key], strict=True)] if isinstance(start[key], list)

@@ -156,6 +156,10 @@ def _training_lines(report: StatusReport) -> list[str]:
         last = server.get("last_move") or {}
         if server.get("moves"):
             state.append(f"moves {server['moves']} (last {last.get('from')} -> {last.get('to')})")
+        if server.get("compute_s"):
+            # a synchronous step waits inside the optimizer for the stage's all-reduce
+            state.append(f"requests ran {server['compute_s']:.0f}s   in the optimizer "
+                         f"{server.get('optimizer_s', 0.0):.0f}s (longest {server.get('optimizer_max_s', 0.0):.1f}s)")
         if state:
             lines.append("          " + "   ".join(state))
     trainer = comps.get("trainer")

@@ -151,7 +151,7 @@ def test_stale_socket_is_replaced_and_a_live_one_refused() -> None:
     asyncio.run(main())
 
 
-def test_text_status_shows_the_servers_state_source_checkpoint_and_moves() -> None:
+def test_text_status_shows_the_servers_state_source_checkpoint_moves_and_device_times() -> None:
     server = {"stage": 1, "state": "online", "applied": 12, "epoch": 7, "queue": 0, "throughput": 9.5,
               "resumed_from": "checkpoint", "checkpoint_epoch": 6, "moves": 2, "last_move": {"from": 0, "to": 1}}
     report = StatusReport(
@@ -161,6 +161,10 @@ def test_text_status_shows_the_servers_state_source_checkpoint_and_moves() -> No
     text = render_text(report)
     assert "12 micro-batches served   optimizer step 7" in text
     assert "state from checkpoint   checkpoint at step 6   moves 2 (last 0 -> 1)" in text
+    assert "requests ran" not in text  # nothing ran yet
+    busy = report.model_copy(update={"components": {"stage_server": {
+        **server, "compute_s": 120.4, "optimizer_s": 31.2, "optimizer_max_s": 2.46}}})
+    assert "requests ran 120s   in the optimizer 31s (longest 2.5s)" in render_text(busy)
     fresh = report.model_copy(update={"components": {"stage_server": {**server, "resumed_from": None,
                                                                       "checkpoint_epoch": None, "moves": 0}}})
     assert "state from" not in render_text(fresh) and "moves" not in render_text(fresh)
