@@ -7,7 +7,7 @@ picks its stage with ``choose_stage`` and serves after ``--load`` seconds of loa
 With rebalancing, every server runs ``rebalance_decision`` at jittered ``--period``
 intervals and, when the plan names it, moves (and loads again). Both variants replay the
 same membership trace and call the same pure code as the daemon
-(``wanswarm.node.stage_selection``).
+(``wanswarm.node.stage.selection``).
 
 Measured: the swarm's bottleneck (lowest total throughput of a stage, counting only
 servers that are serving) as a fraction of the optimum for the servers present (loading
@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from wanswarm.node.stage_selection import (
+from wanswarm.node.stage.selection import (
     RebalancePolicy,
     ServerInfo,
     ServerState,

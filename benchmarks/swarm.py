@@ -4,7 +4,7 @@ codecs, side by side with the single-process reference trainer.
 For every (profile, codec) configuration this script writes a run spec variant (a temporary
 TOML file, the base spec with ``codecs.forward_activations`` and ``codecs.backward_gradients``
 both set to the codec, so a different run id) and trains it on a local swarm of real daemons
-(``wanswarm.node.demo.run_swarm``: replicas x stages daemons on 127.0.0.1, every QUIC port
+(``wanswarm.node.tools.demo.run_swarm``: replicas x stages daemons on 127.0.0.1, every QUIC port
 behind a WAN emulator of the profile, trainer i on data seed ``--data-seed`` + i) until the
 trainers completed ``--tokens`` tokens. Each configuration reports:
 
@@ -33,7 +33,7 @@ trainers completed ``--tokens`` tokens. Each configuration reports:
   while it runs, so it is compared with the reference at the mean of the token counts
   before and after it.
 
-The reference (``wanswarm.node.reference_training``) runs last in this process, one torch
+The reference (``wanswarm.node.tools.reference_training``) runs last in this process, one torch
 thread by default, with the same model, init, data sampler, micro-batch, step size,
 optimizer, schedule and per-stage clipping, for the largest token count any swarm reached
 (whole steps, at least ``--tokens``), with the validation loss measured after every step
@@ -78,17 +78,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from wanswarm.node.config_layers import parse_assignment
-from wanswarm.node.demo import DemoError, DemoOptions, run_swarm
-from wanswarm.node.errors import NodeError
-from wanswarm.node.reference_training import CurvePoint, train_reference
-from wanswarm.node.runspec import (
+from wanswarm.node.config.layers import parse_assignment
+from wanswarm.node.config.runspec import (
     RunSpec,
     RunSpecError,
     default_run_spec,
     load_run_spec,
     parse_run_spec,
 )
+from wanswarm.node.errors import NodeError
+from wanswarm.node.tools.demo import DemoError, DemoOptions, run_swarm
+from wanswarm.node.tools.reference_training import CurvePoint, train_reference
 from wanswarm.transport.codecs import parse_codec
 from wanswarm.transport.errors import CodecError
 from wanswarm.transport.wan import PROFILES
@@ -441,7 +441,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             parse_codec(codec)
         except CodecError as exc:
             raise BenchmarkError(f"--codecs: {exc}") from None
-    delayed = False  # the demo's daemons step synchronously (node/demo.py)
+    delayed = False  # the demo's daemons step synchronously (node/tools/demo.py)
     for item in args.set:
         try:
             override = parse_assignment(item)

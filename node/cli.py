@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import __version__
-from .config_layers import Override, parse_assignment
+from .config.layers import Override, parse_assignment
+from .config.sections import ClientConfig, load_client_config
 from .control import ControlClient
 from .errors import ConfigError, NodeError
-from .sections import ClientConfig, load_client_config
 from .status import render_text
 
 if TYPE_CHECKING:
-    from .config import NodeConfig
+    from .config.node_config import NodeConfig
 
 PROG = "wanswarm"
 
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     leave.add_argument("--no-wait", action="store_true", help="return once the daemon accepted the request")
 
-    from .demo import DEMO_DURATION_S  # no torch: the module imports it only when it runs
+    from .tools.demo import DEMO_DURATION_S  # no torch: the module imports it only when it runs
 
     demo = sub.add_parser(
         "demo", help="train the default run on a local swarm of daemons and show its progress",
@@ -208,7 +208,9 @@ def _overrides(args: argparse.Namespace) -> list[Override]:
 
 
 def _load(args: argparse.Namespace) -> NodeConfig:
-    from .config import load_config  # composes every section, torch-importing owners included
+    from .config.node_config import (
+        load_config,  # composes every section, torch-importing owners included
+    )
 
     return load_config(file=args.config, environ=os.environ, overrides=_overrides(args))
 
@@ -255,8 +257,8 @@ def _leave(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import NodeConfig
-    from .config_template import render_template, render_values
+    from .config.node_config import NodeConfig
+    from .config.template import render_template, render_values
 
     if args.defaults:
         print(render_template(NodeConfig), end="")
@@ -270,7 +272,7 @@ def _demo(args: argparse.Namespace) -> int:
         parse_assignment(item)  # a usage error now, not six daemons failing later
     if args.replicas < 1 or args.duration <= 0 or args.tokens < 1 or args.eval_windows < 1:
         raise ConfigError("--replicas, --tokens and --eval-windows must be >= 1, --duration > 0")
-    from .demo import DemoOptions, run_demo  # imports torch: only for 'demo'
+    from .tools.demo import DemoOptions, run_demo  # imports torch: only for 'demo'
 
     return run_demo(DemoOptions(
         replicas=args.replicas, duration_s=args.duration, tokens=args.tokens, wan=args.wan,

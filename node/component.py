@@ -17,7 +17,7 @@ instead of dying silently) and are cancelled on leave. Lifecycle code never chan
         def status(self): return {"queue": len(self.queue)}
 
 Optional capabilities are found by shape: a component with ``async ping(peer_id, timeout=)``
-(:class:`~wanswarm.node.prober.RttSource`) replaces the DHT ping as the prober's RTT source, one
+(:class:`~wanswarm.node.membership.prober.RttSource`) replaces the DHT ping as the prober's RTT source, one
 with ``traffic() -> (bytes_in, bytes_out)`` (:class:`TrafficSource`) feeds status and metrics.
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..transport.identity import Identity
-from .membership import Membership
-from .peers import PeerTable
+from .membership.peers import PeerTable
+from .membership.tracker import Membership
 
 
 @dataclass(frozen=True)

@@ -34,19 +34,20 @@ import uvloop
 
 from ..transport.errors import TransportError
 from ..transport.identity import Identity
-from . import __version__, lifeline
+from . import __version__
 from .component import Component, ComponentContext, TrafficSource
-from .config import NodeConfig
+from .config.node_config import NodeConfig
 from .control import ControlServer, LeaveAck
-from .dht import Dht, route_hivemind_logs
 from .errors import DhtError, JoinError, NodeError
 from .logs import get_logger, set_log_context, setup_logging
-from .membership import Membership
+from .membership.dht import Dht, route_hivemind_logs
+from .membership.peers import PeerTable
+from .membership.prober import Prober, RttSource
+from .membership.tracker import Membership
 from .metrics import NodeMetrics
-from .peers import PeerTable
-from .prober import Prober, RttSource
-from .sdnotify import SdNotifier, notifier_from_env
-from .statedir import StateDirLock, load_identity, prepare_state_dir
+from .service import lifeline
+from .service.sdnotify import SdNotifier, notifier_from_env
+from .service.statedir import StateDirLock, load_identity, prepare_state_dir
 from .status import DaemonState, PeerStatus, StatusReport
 from .timing import jittered
 

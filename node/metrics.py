@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import NodeError
-from .peers import PeerTable
+from .membership.peers import PeerTable
 
 STATES = ["starting", "joining", "online", "draining", "left"]
 

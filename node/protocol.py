@@ -36,8 +36,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..transport.errors import RemoteError
+from .config.runspec import RunSpec
 from .errors import NodeError
-from .runspec import RunSpec
 
 PROTOCOL_VERSION: Final[int] = 1
 

@@ -35,15 +35,21 @@ from typing import Any
 
 from ..transport.endpoint import Endpoint, PeerAddress, Request, Response
 from ..transport.errors import TransportError
-from .averaging import CollaborativeOptimizer
 from .component import Component, ComponentContext
-from .config import NodeConfig
+from .config.node_config import NodeConfig
+from .config.runspec import (
+    RunSpec,
+    RunSpecError,
+    default_run_spec,
+    describe_mismatch,
+    load_run_spec,
+)
 from .errors import DhtError, JoinError, ProbeError, RecordError
 from .logs import get_logger
-from .records import QuicAddress
-from .records import ServerState as ServerRecordState
-from .runspec import RunSpec, RunSpecError, default_run_spec, describe_mismatch, load_run_spec
-from .stage_selection import (
+from .membership.records import QuicAddress
+from .membership.records import ServerState as ServerRecordState
+from .stage.averaging import CollaborativeOptimizer
+from .stage.selection import (
     MAX_STAGE_CLAIM_BYTES,
     Move,
     RebalancePlan,
@@ -55,10 +61,10 @@ from .stage_selection import (
     plan_rebalance,
     resume_stage,
 )
-from .stage_selection import ServerInfo as SelectionInfo
-from .stage_selection import ServerState as SelectionState
-from .stage_server import StageServer
-from .trainer import ServerInfo, Trainer, servers_from_peers
+from .stage.selection import ServerInfo as SelectionInfo
+from .stage.selection import ServerState as SelectionState
+from .stage.server import StageServer
+from .training.trainer import ServerInfo, Trainer, servers_from_peers
 
 log = get_logger(__name__)
 

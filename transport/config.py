@@ -1,6 +1,6 @@
 """TransportConfig: every setting of wanswarm.transport, one frozen pydantic tree.
 
-The node's root config (node/config.py) embeds this tree as its ``transport`` section;
+The node's root config (node/config/node_config.py) embeds this tree as its ``transport`` section;
 transport components receive only this tree or their own sub-section of it.
 """
 

@@ -22,11 +22,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from wanswarm.node.averaging import LocalOptimizer
-from wanswarm.node.data import TrainStream, validation_set
-from wanswarm.node.runspec import BatchSpec, DataSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
-from wanswarm.node.stage_server import StageServer, StageServerConfig
-from wanswarm.node.trainer import ServerInfo, Trainer, TrainerConfig
+from wanswarm.node.config.runspec import (
+    BatchSpec,
+    DataSpec,
+    ModelSpec,
+    OptimizerSpec,
+    RunSpec,
+    StagesSpec,
+)
+from wanswarm.node.stage.averaging import LocalOptimizer
+from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.training.data import TrainStream, validation_set
+from wanswarm.node.training.trainer import ServerInfo, Trainer, TrainerConfig
 from wanswarm.transport.config import TransportConfig
 from wanswarm.transport.endpoint import Endpoint
 from wanswarm.transport.identity import Identity

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from wanswarm.node.state_donor import (
+from wanswarm.node.stage.state_donor import (
     StateDonor,
 )
-from wanswarm.node.state_plan import (
+from wanswarm.node.stage.state_plan import (
     Manifest,
     Snapshot,
     StateTransferConfig,
@@ -22,7 +22,7 @@ from wanswarm.node.state_plan import (
     manifest_kind,
     stage_kind_prefix,
 )
-from wanswarm.node.state_transfer import (
+from wanswarm.node.stage.state_transfer import (
     ChunkEvent,
     StateDownload,
     download_state,

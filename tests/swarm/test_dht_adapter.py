@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from wanswarm.node.config import DhtConfig
+from wanswarm.node.config.node_config import DhtConfig
 from wanswarm.node.errors import JoinError, ProbeError
-from wanswarm.node.records import QuicAddress, RttEntry, RttRecord, ServerRecord
-from wanswarm.node.statedir import load_identity
+from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.node.service.statedir import load_identity
 
-dht_module = pytest.importorskip("wanswarm.node.dht")
+dht_module = pytest.importorskip("wanswarm.node.membership.dht")
 pytestmark = pytest.mark.slow
 
 CONFIG = DhtConfig(host="127.0.0.1", bootstrap_timeout=20, rpc_timeout=3, request_timeout=5)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wanswarm.node.runspec import default_run_spec
+from wanswarm.node.config.runspec import default_run_spec
 
 from tests.swarm.helpers import FAST, DaemonProcess, LocalSwarm, wait_for
 
@@ -64,7 +64,7 @@ MOVABLE = ("--set", "rebalance.move_pinned=true")
 
 
 def seed_throughput(state_dir: Path) -> None:
-    """Every stage's benchmark result, as the stage server caches it (node/throughput.py)."""
+    """Every stage's benchmark result, as the stage server caches it (node/stage/throughput.py)."""
     run_id = default_run_spec().run_id
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     cache = {f"{run_id}/{stage}/cpu": THROUGHPUT for stage in range(3)}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from wanswarm.node.errors import DhtTimeout, JoinError, ProbeError
-from wanswarm.node.records import MembershipRead, RttRecord, ServerRecord
+from wanswarm.node.membership.records import MembershipRead, RttRecord, ServerRecord
 
 
 class MemoryDht:

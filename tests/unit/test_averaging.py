@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from wanswarm.node.averaging import (
+from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.stage.averaging import (
     AveragingConfig,
     AveragingError,
     CollaborativeOptimizer,
@@ -25,8 +26,7 @@ from wanswarm.node.averaging import (
     averaging_run_id,
     make_adamw,
 )
-from wanswarm.node.model import build_stage, param_groups
-from wanswarm.node.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.training.model import build_stage, param_groups
 
 SPEC = RunSpec(
     name="avgtest",

@@ -14,14 +14,14 @@ from typing import Any, TextIO, cast
 import pytest
 import torch
 from wanswarm.node.cli import build_parser
-from wanswarm.node.demo import JSON_FIELDS, Demo, DemoError, DemoOptions
-from wanswarm.node.runspec import (
+from wanswarm.node.config.runspec import (
     RunSpec,
     default_run_spec,
     differing_fields,
     load_run_spec,
     parse_run_spec,
 )
+from wanswarm.node.tools.demo import JSON_FIELDS, Demo, DemoError, DemoOptions
 from wanswarm.transport.codecs import parse_codec
 
 from tests.benchmark_loader import load_benchmark

@@ -18,8 +18,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wanswarm.node.averaging import LocalOptimizer
-from wanswarm.node.checkpoint import (
+from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.errors import NodeError
+from wanswarm.node.stage.averaging import LocalOptimizer
+from wanswarm.node.stage.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
     STATE_FILE,
@@ -33,9 +35,7 @@ from wanswarm.node.checkpoint import (
     resume_source,
     write_checkpoint,
 )
-from wanswarm.node.errors import NodeError
-from wanswarm.node.model import build_stage
-from wanswarm.node.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.training.model import build_stage
 
 SPEC = RunSpec(
     name="ckpttest",
@@ -171,7 +171,7 @@ def test_a_checkpoint_whose_hash_does_not_match_is_skipped(tmp_path: Path, caplo
     data = bytearray((newest / STATE_FILE).read_bytes())
     data[-1] ^= 0x01  # same size, one bit off in the last tensor's data
     (newest / STATE_FILE).write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="wanswarm.node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="wanswarm.node.stage.checkpoint"):
         found = latest(tmp_path, RUN, STAGE)
     assert found is not None and found.epoch == 1
     assert "SHA-256" in caplog.text

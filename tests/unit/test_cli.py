@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from wanswarm.node.cli import main
-from wanswarm.node.config import NodeConfig
-from wanswarm.node.config_template import render_template
+from wanswarm.node.config.node_config import NodeConfig
+from wanswarm.node.config.template import render_template
 
 CLI = [sys.executable, "-m", "wanswarm.node.cli"]
 

@@ -9,8 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from wanswarm.node.config import NodeConfig, Override, env_overrides, load_config, parse_assignment
-from wanswarm.node.config_template import render_template, render_values
+from wanswarm.node.config.node_config import (
+    NodeConfig,
+    Override,
+    env_overrides,
+    load_config,
+    parse_assignment,
+)
+from wanswarm.node.config.template import render_template, render_values
 from wanswarm.node.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +27,7 @@ ENV = {"HOME": "/home/volunteer"}
 def test_committed_template_matches_the_generator() -> None:
     assert TEMPLATE.read_text() == render_template(NodeConfig), (
         "configs/node.toml is stale: regenerate it with "
-        "'python -m wanswarm.node.config --dump-toml > configs/node.toml'"
+        "'python -m wanswarm.node.config.node_config --dump-toml > configs/node.toml'"
     )
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from wanswarm.node.component import ComponentContext
-from wanswarm.node.config import NodeConfig, load_config, parse_assignment
+from wanswarm.node.config.node_config import NodeConfig, load_config, parse_assignment
 from wanswarm.node.control import ControlClient
 from wanswarm.node.daemon import Daemon
-from wanswarm.node.records import ServerRecord
+from wanswarm.node.membership.records import ServerRecord
 from wanswarm.transport.identity import Identity
 
 from .fake_dht import FakeDht

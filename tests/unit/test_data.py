@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from wanswarm.node.data import CorpusError, TrainStream, load_corpus, resolve_corpus, validation_set
-from wanswarm.node.runspec import DataSpec, RunSpec
+from wanswarm.node.config.runspec import DataSpec, RunSpec
+from wanswarm.node.training.data import (
+    CorpusError,
+    TrainStream,
+    load_corpus,
+    resolve_corpus,
+    validation_set,
+)
 
 
 def make_files(root: Path, n: int = 40, size: int = 300) -> None:

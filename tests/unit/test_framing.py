@@ -362,7 +362,9 @@ def test_mutated_headers_raise_only_protocol_errors(
     except ProtocolError:
         return
     heads = [e for e in events if isinstance(e, HeaderReceived)]
-    assert len(heads) == 1 and heads[0].header.header == header
+    # A frame without the optional "header" field decodes to the documented default, {}.
+    expected = {} if "header" in drop else header
+    assert len(heads) == 1 and heads[0].header.header == expected
 
 
 @settings(max_examples=200, deadline=None)

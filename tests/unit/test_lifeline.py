@@ -1,4 +1,4 @@
-"""A SIGKILLed daemon takes its forked helpers (hivemind's averagers) with it (node/lifeline.py)."""
+"""A SIGKILLed daemon takes its forked helpers (hivemind's averagers) with it (node/service/lifeline.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 PARENT = textwrap.dedent(
     """
     import multiprocessing as mp, signal, sys, time
-    from wanswarm.node import lifeline
+    from wanswarm.node.service import lifeline
 
     # like the daemon: a Python SIGTERM handler, which a forked child inherits
     signal.signal(signal.SIGTERM, lambda *_: None)

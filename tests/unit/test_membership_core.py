@@ -6,12 +6,12 @@ import asyncio
 import random
 
 import pytest
-from wanswarm.node.config import NodeSection
+from wanswarm.node.config.node_config import NodeSection
 from wanswarm.node.errors import DhtError, ProbeError
-from wanswarm.node.membership import Membership
-from wanswarm.node.peers import PeerTable
-from wanswarm.node.prober import Prober, ProberConfig, choose_targets
-from wanswarm.node.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.node.membership.peers import PeerTable
+from wanswarm.node.membership.prober import Prober, ProberConfig, choose_targets
+from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.node.membership.tracker import Membership
 from wanswarm.transport.identity import Identity
 
 from .fake_dht import MemoryDht

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 from wanswarm.node.logs import LogConfig, get_logger, log_context, set_log_context, setup_logging
+from wanswarm.node.membership.peers import PeerTable
+from wanswarm.node.membership.records import ServerRecord
 from wanswarm.node.metrics import NodeMetrics
-from wanswarm.node.peers import PeerTable
-from wanswarm.node.records import ServerRecord
 from wanswarm.transport.identity import Identity
 
 A, B, C = (Identity.generate().peer_id for _ in range(3))

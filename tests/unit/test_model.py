@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from wanswarm.node.model import (
+from wanswarm.node.config.runspec import RunSpec
+from wanswarm.node.training.model import (
     StageInputError,
     apply_rotary,
     build_full_model,
@@ -18,7 +19,6 @@ from wanswarm.node.model import (
     param_groups,
     rotary_tables,
 )
-from wanswarm.node.runspec import RunSpec
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from wanswarm.node.config import NodeConfig, load_config
+from wanswarm.node.config.node_config import NodeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = NodeConfig()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wanswarm.node.config.runspec import ModelSpec, RunSpec, StagesSpec
 from wanswarm.node.protocol import (
     BackwardReply,
     BackwardRequest,
@@ -28,7 +29,6 @@ from wanswarm.node.protocol import (
     parse_request,
     to_header,
 )
-from wanswarm.node.runspec import ModelSpec, RunSpec, StagesSpec
 from wanswarm.transport.errors import RemoteError
 
 SPEC = RunSpec(

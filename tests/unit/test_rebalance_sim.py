@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from wanswarm.node.stage_selection import RebalancePolicy
+from wanswarm.node.stage.selection import RebalancePolicy
 
 from tests.benchmark_loader import load_benchmark
 

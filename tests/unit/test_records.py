@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wanswarm.node.errors import RecordError, UnsupportedRecordVersion
-from wanswarm.node.records import (
+from wanswarm.node.membership.records import (
     MAX_RECORD_BYTES,
     QuicAddress,
     RttEntry,
@@ -119,7 +119,7 @@ def test_signing_message_binds_every_field() -> None:
 
 # ------------------------------------------------------------------ the hivemind validator
 
-hivemind_dht = pytest.importorskip("wanswarm.node.dht")
+hivemind_dht = pytest.importorskip("wanswarm.node.membership.dht")
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
 from hivemind.dht.validation import DHTRecord  # noqa: E402

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from wanswarm.node.data import load_corpus, validation_set
-from wanswarm.node.model import build_full_model
-from wanswarm.node.reference_training import clip_per_stage, evaluate, main, train_reference
-from wanswarm.node.runspec import RunSpec
+from wanswarm.node.config.runspec import RunSpec
+from wanswarm.node.tools.reference_training import clip_per_stage, evaluate, main, train_reference
+from wanswarm.node.training.data import load_corpus, validation_set
+from wanswarm.node.training.model import build_full_model
 
 
 @pytest.fixture(autouse=True)

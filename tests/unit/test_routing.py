@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from wanswarm.node.routing import Candidate, Router, RouterConfig
+from wanswarm.node.training.routing import Candidate, Router, RouterConfig
 
 
 def _router(**overrides: float) -> Router:

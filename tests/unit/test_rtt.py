@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from wanswarm.node.rtt import RttEstimator, WindowedMin
+from wanswarm.node.membership.rtt import RttEstimator, WindowedMin
 
 
 def test_rfc6298_first_and_second_sample() -> None:

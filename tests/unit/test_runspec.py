@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from wanswarm.node.runspec import (
+from wanswarm.node.config.runspec import (
     RunSpec,
     RunSpecError,
     default_run_spec,

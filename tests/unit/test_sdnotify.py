@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from wanswarm.node.sdnotify import notifier_from_env
+from wanswarm.node.service.sdnotify import notifier_from_env
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from wanswarm.node.stage_layout import StageLayout, even_split
+from wanswarm.node.stage.layout import StageLayout, even_split
 
 
 def test_three_stages() -> None:

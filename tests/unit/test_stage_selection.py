@@ -13,8 +13,8 @@ import hypothesis
 import hypothesis.strategies
 import pydantic
 import pytest
-from wanswarm.node.sections import RebalanceConfig
-from wanswarm.node.stage_selection import (
+from wanswarm.node.config.sections import RebalanceConfig
+from wanswarm.node.stage.selection import (
     MAX_STAGE_CLAIM_BYTES,
     RebalancePolicy,
     ServerInfo,
@@ -385,11 +385,11 @@ class _FakeStageServer:
 def _component_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalance: Any) -> tuple[Any, Any, _FakeStore]:
     from wanswarm.node import swarm_node
     from wanswarm.node.component import ComponentContext
-    from wanswarm.node.config import load_config, parse_assignment
-    from wanswarm.node.membership import Membership
-    from wanswarm.node.peers import PeerTable
-    from wanswarm.node.records import QuicAddress, ServerRecord
-    from wanswarm.node.runspec import default_run_spec
+    from wanswarm.node.config.node_config import load_config, parse_assignment
+    from wanswarm.node.config.runspec import default_run_spec
+    from wanswarm.node.membership.peers import PeerTable
+    from wanswarm.node.membership.records import QuicAddress, ServerRecord
+    from wanswarm.node.membership.tracker import Membership
     from wanswarm.transport.identity import Identity
 
     monkeypatch.setattr(swarm_node, "StageServer", _FakeStageServer)
@@ -495,7 +495,7 @@ def test_leave_during_a_move_closes_what_it_holds(tmp_path: Path, monkeypatch: p
 
 
 def test_pinned_server_does_not_rebalance_unless_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from wanswarm.node.config import load_config, parse_assignment
+    from wanswarm.node.config.node_config import load_config, parse_assignment
 
     component, _, _ = _component_world(tmp_path, monkeypatch)
     pinned = load_config(environ={}, overrides=[parse_assignment(f"node.state_dir={tmp_path}"),

@@ -16,9 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from torch import nn
-from wanswarm.node.averaging import LocalOptimizer
-from wanswarm.node.checkpoint import list_checkpoints
-from wanswarm.node.model import build_full_model
+from wanswarm.node.config.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
 from wanswarm.node.protocol import (
     BackwardRequest,
     ErrorCode,
@@ -30,10 +28,12 @@ from wanswarm.node.protocol import (
     Kind,
     to_header,
 )
-from wanswarm.node.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
-from wanswarm.node.stage_memory import AppliedLog, InputCache
-from wanswarm.node.stage_server import StageServer, StageServerConfig
-from wanswarm.node.throughput import THROUGHPUT_CACHE
+from wanswarm.node.stage.averaging import LocalOptimizer
+from wanswarm.node.stage.checkpoint import list_checkpoints
+from wanswarm.node.stage.memory import AppliedLog, InputCache
+from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.stage.throughput import THROUGHPUT_CACHE
+from wanswarm.node.training.model import build_full_model
 from wanswarm.transport.codecs import EncodedTensor, decode
 from wanswarm.transport.endpoint import Handler, Request, Response
 from wanswarm.transport.errors import RemoteError

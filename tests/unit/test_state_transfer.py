@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from wanswarm.node.state_donor import (
+from wanswarm.node.stage.state_donor import (
     StateDonor,
 )
-from wanswarm.node.state_plan import (
+from wanswarm.node.stage.state_plan import (
     MIN_CHUNK_BYTES,
     ChunkScheduler,
     Manifest,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from wanswarm.node.errors import StateDirError
-from wanswarm.node.statedir import StateDirLock, load_identity, prepare_state_dir
+from wanswarm.node.service.statedir import StateDirLock, load_identity, prepare_state_dir
 
 
 def test_created_private_and_identity_persists(tmp_path: Path) -> None:

@@ -16,14 +16,14 @@ from typing import Any, Self
 
 import pytest
 import torch
-from wanswarm.node.averaging import LocalOptimizer
-from wanswarm.node.model import build_full_model
-from wanswarm.node.peers import PeerTable
-from wanswarm.node.records import QuicAddress, ServerRecord
-from wanswarm.node.routing import RouterConfig
-from wanswarm.node.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
-from wanswarm.node.stage_server import StageServer, StageServerConfig
-from wanswarm.node.trainer import ServerInfo, Trainer, TrainerConfig, servers_from_peers
+from wanswarm.node.config.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
+from wanswarm.node.membership.peers import PeerTable
+from wanswarm.node.membership.records import QuicAddress, ServerRecord
+from wanswarm.node.stage.averaging import LocalOptimizer
+from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.training.model import build_full_model
+from wanswarm.node.training.routing import RouterConfig
+from wanswarm.node.training.trainer import ServerInfo, Trainer, TrainerConfig, servers_from_peers
 from wanswarm.transport.codecs import CodecSpec, EncodedTensor, decode, encode
 from wanswarm.transport.endpoint import Handler, PathStats, PeerAddress, Request, Response
 from wanswarm.transport.errors import ConnectError, RemoteError, RequestTimeout

@@ -47,8 +47,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from .errors import NodeError
-from .logs import get_logger
+from ..errors import NodeError
+from ..logs import get_logger
 
 log = get_logger(__name__)
 

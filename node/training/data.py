@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .runspec import STDLIB_CORPUS, DataSpec, RunSpec
+from ..config.runspec import STDLIB_CORPUS, DataSpec, RunSpec
 
 logger = logging.getLogger(__name__)
 

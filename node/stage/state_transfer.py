@@ -43,10 +43,10 @@ from pydantic import (
     ValidationError,
 )
 
-from ..transport.codecs import WIRE_DTYPES
-from ..transport.endpoint import Endpoint, PeerAddress
-from ..transport.errors import RemoteError, TransportError
-from .protocol import to_header
+from ...transport.codecs import WIRE_DTYPES
+from ...transport.endpoint import Endpoint, PeerAddress
+from ...transport.errors import RemoteError, TransportError
+from ..protocol import to_header
 from .state_plan import (
     THREAD_BYTES,
     Chunk,

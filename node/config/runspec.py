@@ -268,8 +268,8 @@ class CodecsSpec(_Section):
             raise ValueError(f"codec {value!r} contains whitespace; write e.g. 'int8'")
         # Imported here: the codec parser pulls in torch, which a spec without codecs to
         # check (and this module's import) should not need.
-        from ..transport.codecs import parse_codec
-        from ..transport.errors import CodecError
+        from ...transport.codecs import parse_codec
+        from ...transport.errors import CodecError
 
         try:
             parse_codec(value)

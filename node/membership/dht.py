@@ -42,8 +42,9 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from ..transport.identity import Identity, verify_signature
-from .errors import (
+from ...transport.identity import Identity, verify_signature
+from ..config.sections import DhtConfig
+from ..errors import (
     DhtError,
     DhtTimeout,
     JoinError,
@@ -52,7 +53,7 @@ from .errors import (
     RecordError,
     UnsupportedRecordVersion,
 )
-from .logs import get_logger
+from ..logs import get_logger
 from .records import (
     MembershipRead,
     RttRecord,
@@ -65,7 +66,6 @@ from .records import (
     signing_message,
     unseal,
 )
-from .sections import DhtConfig
 
 log = get_logger(__name__)
 T = TypeVar("T")

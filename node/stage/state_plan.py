@@ -23,10 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from ..transport.codecs import WIRE_DTYPES
-from ..transport.endpoint import PeerAddress
-from ..transport.errors import RemoteError
-from .errors import NodeError
+from ...transport.codecs import WIRE_DTYPES
+from ...transport.endpoint import PeerAddress
+from ...transport.errors import RemoteError
+from ..errors import NodeError
 
 STATE_VERSION: Final[int] = 1
 MIN_CHUNK_BYTES: Final[int] = 4096

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .logs import get_logger
+from ..logs import get_logger
 
 log = get_logger(__name__)
 

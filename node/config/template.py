@@ -23,7 +23,7 @@ HEADER = """\
 # wanswarm node configuration: every setting, its default and what it does.
 #
 # Generated from the config models by `wanswarm config --defaults` (or
-# `python -m wanswarm.node.config --dump-toml`); tests/unit/test_config.py fails when this
+# `python -m wanswarm.node.config.node_config --dump-toml`); tests/unit/test_config.py fails when this
 # file and the generator disagree, so edit the models' descriptions, not this file.
 #
 # Precedence, lowest first: defaults < this file (`wanswarm join --config FILE`)

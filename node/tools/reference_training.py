@@ -7,7 +7,7 @@ weight decay, and gradient clipping per stage (each stage steps on its own in th
 What it does not model: codec quantization on the wire and stale parameters in flight.
 
 Used to tune the default run and as the baseline of ``benchmarks/swarm.py``:
-``python -m wanswarm.node.reference_training --tokens 600000 --target 2.5``.
+``python -m wanswarm.node.tools.reference_training --tokens 600000 --target 2.5``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .data import Corpus, TrainStream, load_corpus, validation_set
-from .model import PipelineModel, build_full_model, param_groups
-from .runspec import RunSpec, default_run_spec, load_run_spec
+from ..config.runspec import RunSpec, default_run_spec, load_run_spec
+from ..training.data import Corpus, TrainStream, load_corpus, validation_set
+from ..training.model import PipelineModel, build_full_model, param_groups
 
 logger = logging.getLogger(__name__)
 

@@ -74,6 +74,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from ..config.runspec import OptimizerSpec, RunSpec
+from ..errors import NodeError
+from ..training.model import param_groups
 from .checkpoint import (
     MODEL_PREFIX,
     check_fits,
@@ -84,9 +87,6 @@ from .checkpoint import (
     optimizer_tensors,
     snapshot,
 )
-from .errors import NodeError
-from .model import param_groups
-from .runspec import OptimizerSpec, RunSpec
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 ENV_PREFIX = "WANSWARM__"
 M = TypeVar("M", bound=BaseModel)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .config_layers import Override, build, default_state_dir
-from .control import ControlConfig
-from .errors import ConfigError
-from .stage_selection import RebalancePolicy
+from ..control import ControlConfig
+from ..errors import ConfigError
+from ..stage.selection import RebalancePolicy
+from .layers import Override, build, default_state_dir
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 # A multiaddr that names the peer to dial: /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transport.endpoint import Response
+from ...transport.endpoint import Response
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Annotated, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from .errors import RecordError, UnsupportedRecordVersion
+from ..errors import RecordError, UnsupportedRecordVersion
 
 RECORD_VERSION: Final = 1
 MAX_RECORD_BYTES = 8192

@@ -11,7 +11,7 @@ averaging and trainer in their modules); the node, DHT and rebalance sections li
 sections.py, light, because the CLI's client commands (``status``, ``leave``) read them without
 importing this module's heavier section owners.
 
-``python -m wanswarm.node.config --dump-toml`` prints the commented template that is committed
+``python -m wanswarm.node.config.node_config --dump-toml`` prints the commented template that is committed
 as configs/node.toml (see config_template.py).
 """
 
@@ -24,9 +24,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..transport.config import TransportConfig
-from .averaging import AveragingConfig
-from .config_layers import (
+from ...transport.config import TransportConfig
+from ..control import ControlConfig
+from ..errors import ConfigError
+from ..logs import LogConfig
+from ..membership.prober import ProberConfig
+from ..metrics import MetricsConfig
+from ..stage.averaging import AveragingConfig
+from ..stage.server import StageServerConfig
+from ..training.trainer import TrainerConfig
+from .layers import (
     ENV_PREFIX,
     Override,
     build,
@@ -35,11 +42,6 @@ from .config_layers import (
     env_overrides,
     parse_assignment,
 )
-from .control import ControlConfig
-from .errors import ConfigError
-from .logs import LogConfig
-from .metrics import MetricsConfig
-from .prober import ProberConfig
 from .sections import (
     RUN_NAME_PATTERN,
     DhtConfig,
@@ -48,8 +50,6 @@ from .sections import (
     check_host,
     resolved_paths,
 )
-from .stage_server import StageServerConfig
-from .trainer import TrainerConfig
 
 
 class NodeConfig(BaseModel):
@@ -98,12 +98,12 @@ def load_config(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wanswarm.node.config --dump-toml``: print the commented template."""
-    from .config_template import render_template
+    """``python -m wanswarm.node.config.node_config --dump-toml``: print the commented template."""
+    from .template import render_template
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["--dump-toml"]:
-        sys.stderr.write("usage: python -m wanswarm.node.config --dump-toml\n")
+        sys.stderr.write("usage: python -m wanswarm.node.config.node_config --dump-toml\n")
         return 2
     sys.stdout.write(render_template(NodeConfig))
     return 0

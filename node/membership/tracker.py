@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from . import __version__
-from .errors import DhtError, RecordError
-from .logs import get_logger, set_log_context, short_peer
-from .metrics import NodeMetrics
+from .. import __version__
+from ..config.sections import NodeSection
+from ..errors import DhtError, RecordError
+from ..logs import get_logger, set_log_context, short_peer
+from ..metrics import NodeMetrics
+from ..timing import jittered
 from .peers import PeerTable, TableChanges
 from .records import MembershipRead, QuicAddress, RttRecord, ServerRecord, ServerState
-from .sections import NodeSection
-from .timing import jittered
 
 log = get_logger(__name__)
 

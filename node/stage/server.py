@@ -61,15 +61,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from ..transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
-from ..transport.endpoint import Handler, Request, Response
-from ..transport.error_feedback import ErrorFeedback
-from ..transport.errors import RemoteError
-from .averaging import StageOptimizer
-from .checkpoint import Checkpointer, ResumeSource
-from .logs import get_logger
-from .model import StageModule, build_stage
-from .protocol import (
+from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
+from ...transport.endpoint import Handler, Request, Response
+from ...transport.error_feedback import ErrorFeedback
+from ...transport.errors import RemoteError
+from ..config.runspec import RunSpec
+from ..logs import get_logger
+from ..protocol import (
     BackwardReply,
     BackwardRequest,
     ErrorCode,
@@ -88,9 +86,11 @@ from .protocol import (
     refuse,
     to_header,
 )
-from .runspec import RunSpec
-from .stage_memory import AppliedLog, InputCache
-from .stage_state import DonorSource, StageStateSharing
+from ..training.model import StageModule, build_stage
+from .averaging import StageOptimizer
+from .checkpoint import Checkpointer, ResumeSource
+from .memory import AppliedLog, InputCache
+from .state import DonorSource, StageStateSharing
 from .state_plan import StateTransferConfig
 from .throughput import cached_throughput
 

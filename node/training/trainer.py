@@ -39,13 +39,14 @@ from typing import Any, Protocol, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
-from ..transport.endpoint import PathStats, PeerAddress, Response
-from ..transport.error_feedback import ErrorFeedback
-from ..transport.errors import RemoteError, TransportError
-from .errors import NodeError
-from .logs import get_logger
-from .protocol import (
+from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
+from ...transport.endpoint import PathStats, PeerAddress, Response
+from ...transport.error_feedback import ErrorFeedback
+from ...transport.errors import RemoteError, TransportError
+from ..config.runspec import RunSpec
+from ..errors import NodeError
+from ..logs import get_logger
+from ..protocol import (
     RETRY_ELSEWHERE,
     BackwardReply,
     BackwardRequest,
@@ -63,9 +64,8 @@ from .protocol import (
     parse_reply,
     to_header,
 )
+from ..timing import jittered
 from .routing import Candidate, Router, RouterConfig
-from .runspec import RunSpec
-from .timing import jittered
 
 log = get_logger(__name__)
 

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .control import ControlClient
-from .errors import NodeError
-from .logs import get_logger
-from .runspec import RunSpecError
+from ..config.runspec import RunSpecError
+from ..control import ControlClient
+from ..errors import NodeError
+from ..logs import get_logger
 
 log = get_logger(__name__)
 
@@ -104,7 +104,7 @@ def _free_udp_port() -> int:
 
 class Demo:
     def __init__(self, options: DemoOptions, out: TextIO = sys.stdout) -> None:
-        from .runspec import default_run_spec, load_run_spec
+        from ..config.runspec import default_run_spec, load_run_spec
 
         self.options = options
         self.out = out
@@ -288,7 +288,7 @@ class Demo:
     # ---- evaluation ---------------------------------------------------------------
 
     def _servers(self) -> dict[int, list[Any]]:
-        from .trainer import ServerInfo
+        from ..training.trainer import ServerInfo
 
         out: dict[int, list[Any]] = {}
         for node in self.nodes:
@@ -306,11 +306,11 @@ class Demo:
 
     async def evaluate(self) -> float:
         """Mean validation loss (nats/byte) through the swarm, from a client of our own."""
-        from ..transport.config import TransportConfig
-        from ..transport.endpoint import Endpoint
-        from ..transport.identity import Identity
-        from .data import validation_set
-        from .trainer import Trainer, TrainerConfig
+        from ...transport.config import TransportConfig
+        from ...transport.endpoint import Endpoint
+        from ...transport.identity import Identity
+        from ..training.data import validation_set
+        from ..training.trainer import Trainer, TrainerConfig
 
         await asyncio.gather(*(self._poll(n) for n in self.nodes))
         inputs, targets = await asyncio.to_thread(validation_set, self.spec)

@@ -17,10 +17,10 @@ import os
 import stat
 from pathlib import Path
 
-from ..transport.errors import IdentityError
-from ..transport.identity import Identity, load_or_create_identity
-from .errors import StateDirError
-from .logs import get_logger
+from ...transport.errors import IdentityError
+from ...transport.identity import Identity, load_or_create_identity
+from ..errors import StateDirError
+from ..logs import get_logger
 
 log = get_logger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .errors import DhtError, ProbeError
-from .logs import get_logger
+from ..errors import DhtError, ProbeError
+from ..logs import get_logger
+from ..timing import jittered
 from .peers import Peer, PeerTable
-from .timing import jittered
 
 log = get_logger(__name__)
 

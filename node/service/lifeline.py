@@ -14,7 +14,7 @@ so a SIGTERM would be swallowed (seen: orphaned averagers with SIGTERM caught). 
 hold no state of their own worth a clean exit: the daemon that owned it is gone. Forks from other threads are left alone: the death
 signal fires when the *forking thread* ends, which for a worker thread is not the daemon's
 death. (The DHT process sets the same thing itself and also leaves the process group:
-node/dht.py.) Elsewhere than Linux ``install()`` does nothing.
+node/membership/dht.py.) Elsewhere than Linux ``install()`` does nothing.
 """
 
 from __future__ import annotations

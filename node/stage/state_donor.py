@@ -19,10 +19,10 @@ from pydantic import (
     ValidationError,
 )
 
-from ..transport.codecs import dtype_to_wire
-from ..transport.endpoint import Endpoint, Request, Response
-from ..transport.errors import CodecError, RemoteError
-from .protocol import parse_request, to_header
+from ...transport.codecs import dtype_to_wire
+from ...transport.endpoint import Endpoint, Request, Response
+from ...transport.errors import CodecError, RemoteError
+from ..protocol import parse_request, to_header
 from .state_plan import (
     MAX_MANIFEST_BYTES,
     MAX_TENSORS,

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from ..transport.endpoint import PeerAddress
+from ...transport.endpoint import PeerAddress
+from ..logs import get_logger
 from .averaging import AveragingError, StageOptimizer
 from .checkpoint import CheckpointError
-from .logs import get_logger
 from .state_donor import (
     StateDonor,
 )

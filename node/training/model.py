@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .runspec import ModelSpec, RunSpec
-from .stage_layout import StageLayout
+from ..config.runspec import ModelSpec, RunSpec
+from ..stage.layout import StageLayout
 
 INIT_STD = 0.02  # GPT-2's init scale for linear layers (and learned positions)
 # Token embeddings start at N(0, 1), torch's default (as in modded-nanogpt), not GPT-2's

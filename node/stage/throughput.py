@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .model import StageModule
-from .runspec import RunSpec
+from ..config.runspec import RunSpec
+from ..training.model import StageModule
 
 logger = logging.getLogger(__name__)
 
