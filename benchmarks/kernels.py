@@ -1,11 +1,15 @@
 """Quantize/dequantize throughput of the codec kernels, Triton and reference side by side.
 
-    python benchmarks/kernels.py [--sizes 1,4,16,64,256] [--quick] [--dtype float32] [--threads N]
+    python benchmarks/kernels.py [--sizes 1,4,16,64,256] [--quick] [--dtype float32]
+                                 [--threads N] [--codecs int8,int4:b32:f16:sr]
 
 For every codec and input size (MiB of the input tensor in ``--dtype``), prints the
 throughput of quantization and dequantization in GB/s, counting bytes read plus bytes
-written (input + codes + scales), and the payload size relative to bf16. On CUDA the
-Triton kernels and the reference run on the GPU and the table adds the fraction of the
+written (input + codes + scales), and the payload size relative to bf16. The codecs are
+those of the registry (``wanswarm.kernels.registry``) except raw ones, each with its
+default parameters and, where it has one, its stochastic-rounding variant; ``--codecs``
+names others (``parse_codec`` forms). On CUDA the Triton kernels (of the codecs that
+have them) and the reference run on the GPU and the table adds the fraction of the
 device's peak memory bandwidth (target: at least 0.8 for the Triton kernels at large
 sizes). Without a GPU only the reference runs (on the CPU): the Triton interpreter is a
 correctness tool, not something to time.
@@ -27,9 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from wanswarm.kernels import ops
-from wanswarm.kernels import reference as R
-from wanswarm.transport.codecs import CodecSpec, kernel_format
+from wanswarm.kernels import ops, registry
+from wanswarm.transport.codecs import CodecSpec, parse_codec
 
 # Peak memory bandwidth (GB/s, vendor figures) by a substring of the device name; first
 # match wins, so the more specific names come first.
@@ -53,14 +56,19 @@ PEAK_GBPS: tuple[tuple[str, float], ...] = (
     ("T4", 320.0),
 )
 
-CODECS: tuple[str, ...] = (
-    "bf16",
-    "int8/b64/f32",
-    "int8/b64/f32/sr",
-    "fp8/b64/f32",
-    "int4/b64/f32",
-    "int4/b32/f16/sr",
-)
+
+def default_codecs() -> list[str]:
+    """Wire strings of every registered codec but the raw ones (a copy is no codec to time),
+    with default parameters, plus the stochastic-rounding variant where one exists."""
+    wires: list[str] = []
+    for codec in registry.codecs():
+        if codec.layout.raw:
+            continue
+        spec = parse_codec(codec.name)
+        wires.append(spec.to_wire())
+        if codec.layout.stochastic:
+            wires.append(parse_codec(f"{codec.name}-sr").to_wire())
+    return wires
 
 
 @dataclass(frozen=True)
@@ -119,28 +127,20 @@ def bench_one(
     repeats: int,
 ) -> Result:
     spec = CodecSpec.from_wire(wire)
+    layout = spec.codec.layout
     n, dev = x.numel(), x.device
     in_bytes = n * x.element_size()
     ratio = spec.payload_nbytes(n, x.dtype) / CodecSpec("bf16").payload_nbytes(n, x.dtype)
     size_mb = in_bytes / 2**20
-    if spec.name == "bf16":  # a cast: torch's own kernel on both sides, no Triton variant
-        out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        back = torch.empty_like(x)
-        q = time_median(lambda: out.copy_(x), dev, warmup, repeats)
-        d = time_median(lambda: back.copy_(out), dev, warmup, repeats)
-        moved = in_bytes + 2 * n
-        return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
-    fmt = kernel_format(spec)
     sd = spec.torch_scale_dtype
-    nb = R.num_blocks(n, spec.block_size)
-    codes = torch.empty(R.codes_nbytes(fmt, n), dtype=R.codes_dtype(fmt), device=dev)
-    scales = torch.empty(nb, dtype=sd, device=dev)
+    codes = torch.empty(layout.codes_numel(n, x.dtype), dtype=layout.code_dtype, device=dev)
+    scales = torch.empty(layout.scales_numel(n, spec.block_size), dtype=sd, device=dev)
     seed = 1234 if spec.stochastic else None
 
     def quant() -> object:
         return ops.quantize(
             x,
-            fmt,
+            spec.name,
             spec.block_size,
             sd,
             seed=seed,
@@ -151,11 +151,11 @@ def bench_one(
         )
 
     def dequant() -> object:
-        return ops.dequantize(codes, scales, fmt, spec.block_size, n, x.dtype, impl=impl)
+        return ops.dequantize(codes, scales, spec.name, spec.block_size, n, x.dtype, impl=impl)
 
     q = time_median(quant, dev, warmup, repeats)
     d = time_median(dequant, dev, warmup, repeats)
-    moved = in_bytes + codes.numel() * codes.element_size() + nb * sd.itemsize
+    moved = in_bytes + codes.nbytes + scales.nbytes
     return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
 
 
@@ -169,7 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--codecs",
+        default=None,
+        help="codecs to time, comma-separated parse_codec forms (default: the registry's)",
+    )
     args = parser.parse_args(argv)
+    if args.codecs is None:
+        wires = default_codecs()
+    else:
+        wires = [parse_codec(c).to_wire() for c in args.codecs.split(",") if c.strip()]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
@@ -180,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [float(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
     dtype = getattr(torch, args.dtype)
     warmup, repeats = (2, 5) if args.quick else (3, 20 if cuda else 7)
-    impls: list[ops.Impl] = ["triton", "reference"] if cuda else ["reference"]
     peak = peak_gbps(device)
     name = (
         torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
@@ -203,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         n = max(1, int(size * 2**20) // torch.tensor([], dtype=dtype).element_size())
         x = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype)
-        for wire in CODECS:
+        for wire in wires:
+            has_triton = CodecSpec.from_wire(wire).codec.triton is not None
+            impls: list[ops.Impl] = (
+                ["triton", "reference"] if cuda and has_triton else ["reference"]
+            )
             for impl in impls:
-                if wire == "bf16" and impl == "triton":
-                    continue
                 r = bench_one(wire, x, impl, warmup, repeats)
                 results.append(r)
                 line = (

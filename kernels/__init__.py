@@ -1,4 +1,5 @@
-"""wanswarm.kernels: quantization kernels (Triton on CUDA) and their pure-torch references.
+"""wanswarm.kernels: the codec registry, its quantization kernels (Triton on CUDA) and their
+pure-torch references.
 
 Knows tensors, nothing of networks. Triton is imported lazily, only on CUDA.
 """

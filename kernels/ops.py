@@ -1,9 +1,15 @@
-"""Dispatcher for the blockwise quantizers: Triton on CUDA tensors, the reference elsewhere.
+"""Dispatcher for the codecs of :mod:`.registry`: Triton on CUDA tensors, the reference elsewhere.
 
+A codec is named by its registry name. Its Triton launchers run on CUDA tensors; a codec
+registered without Triton kernels runs its pure-torch reference on every device.
 ``impl`` (per call) or :func:`use_impl` (a context manager, per task/thread through a
 context variable) force one implementation; tests use it to run the Triton kernels on
 CPU tensors under ``TRITON_INTERPRET=1``. Triton itself is imported only when a Triton
 launch is actually chosen, so importing this module on a CPU machine never loads it.
+
+The dispatcher checks every argument against the codec's layout before any launch, and
+every result of a codec function against it after, so a codec's functions see (and
+produce) exactly the shapes and dtypes that :class:`.registry.Layout` describes.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from typing import Literal
 
 import torch
 
-from . import reference
-from .errors import NonFiniteInput, UnsupportedInput
-from .reference import Format
+from . import reference, registry
+from .errors import NonFiniteInput, RegistrationError, UnsupportedInput
+from .registry import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +64,13 @@ def triton_available() -> bool:
     return found
 
 
-def resolve_impl(t: torch.Tensor, impl: Impl | None = None) -> Impl:
-    """The implementation that will process ``t``: explicit > :func:`use_impl` > device."""
+def resolve_impl(t: torch.Tensor, impl: Impl | None = None, codec: str | None = None) -> Impl:
+    """The implementation that will process ``t``: explicit > :func:`use_impl` > device.
+
+    With ``codec``, a codec registered without Triton kernels always gets ``"reference"``.
+    """
+    if codec is not None and registry.get_codec(codec).triton is None:
+        return "reference"
     chosen = impl if impl is not None else _forced.get()
     if chosen is None:
         return "triton" if t.is_cuda and triton_available() else "reference"
@@ -74,7 +85,7 @@ def resolve_impl(t: torch.Tensor, impl: Impl | None = None) -> Impl:
 
 def quantize(
     x: torch.Tensor,
-    fmt: Format,
+    codec: str,
     block_size: int,
     scale_dtype: torch.dtype = torch.float32,
     *,
@@ -84,26 +95,34 @@ def quantize(
     impl: Impl | None = None,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a flat, contiguous float tensor blockwise; see :mod:`.reference`.
+    """Encode a flat, contiguous tensor with a registered codec; see :mod:`.registry`.
 
-    Returns ``(codes, scales)``. When ``codes_out``/``scales_out`` are given (views into a
-    payload buffer, on ``x``'s device) the results are written there and returned.
-    Raises UnsupportedInput for bad arguments and NonFiniteInput for NaN/Inf.
-    ``check_finite=False`` lets the Triton path skip its device-side check (a NaN/Inf block
-    then gets a NaN scale, which the caller must check, see :func:`check_scales_finite`);
-    the reference always checks, since it costs it nothing.
+    Returns ``(codes, scales)`` as the codec's layout describes them (no scales for codecs
+    that are not blockwise; ``block_size`` and ``scale_dtype`` then do not matter). When
+    ``codes_out``/``scales_out`` are given (views into a payload buffer, on ``x``'s
+    device) the results are written there and returned; otherwise they may alias ``x``.
+    Raises UnsupportedInput for bad arguments or an unknown codec and NonFiniteInput for
+    NaN/Inf. ``check_finite=False`` lets a Triton launch skip its device-side check (a
+    NaN/Inf block then gets a NaN scale, which the caller must check, see
+    :func:`check_scales_finite`); the reference always checks, since it costs it nothing.
     """
-    reference.check_block_args(fmt, block_size, scale_dtype)
-    reference.check_quantize_input(x)
-    reference.check_seed(seed, fmt)
-    _check_out(codes_out, (reference.codes_nbytes(fmt, x.numel()),), reference.codes_dtype(fmt), x)
-    _check_out(scales_out, (reference.num_blocks(x.numel(), block_size),), scale_dtype, x)
-    if resolve_impl(x, impl) == "triton":
-        from . import quant_triton
-
-        return quant_triton.quantize(
+    entry = registry.get_codec(codec)
+    layout = entry.layout
+    _check_params(entry, block_size, scale_dtype)
+    _check_input(entry, x)
+    if seed is not None:
+        if not layout.stochastic:
+            raise UnsupportedInput(f"codec {entry.name} has no stochastic rounding")
+        if not 0 <= seed <= reference.MAX_SEED:
+            raise UnsupportedInput(f"seed must be in [0, {reference.MAX_SEED}], got {seed}")
+    n = x.numel()
+    codes_shape = (layout.codes_numel(n, x.dtype),)
+    scales_shape = (layout.scales_numel(n, block_size),)
+    _check_out(codes_out, codes_shape, layout.code_dtype, x)
+    _check_out(scales_out, scales_shape, scale_dtype, x)
+    if entry.triton is not None and resolve_impl(x, impl) == "triton":
+        codes, scales = entry.triton.quantize(
             x,
-            fmt,
             block_size,
             scale_dtype,
             seed=seed,
@@ -111,10 +130,13 @@ def quantize(
             scales_out=scales_out,
             check_finite=check_finite,
         )
-    codes, scales = reference.quantize(x, fmt, block_size, scale_dtype, seed=seed)
-    if codes_out is not None:
+    else:
+        codes, scales = entry.quantize(x, block_size, scale_dtype, seed=seed)
+    _check_result(entry, "codes", codes, codes_shape, layout.code_dtype, x.device)
+    _check_result(entry, "scales", scales, scales_shape, scale_dtype, x.device)
+    if codes_out is not None and codes is not codes_out:
         codes = codes_out.copy_(codes)
-    if scales_out is not None:
+    if scales_out is not None and scales is not scales_out:
         scales = scales_out.copy_(scales)
     return codes, scales
 
@@ -122,7 +144,7 @@ def quantize(
 def dequantize(
     codes: torch.Tensor,
     scales: torch.Tensor,
-    fmt: Format,
+    codec: str,
     block_size: int,
     numel: int,
     out_dtype: torch.dtype = torch.float32,
@@ -131,20 +153,53 @@ def dequantize(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`: a new ``(numel,)`` tensor of ``out_dtype`` on the codes' device.
 
-    Raises UnsupportedInput for inconsistent inputs and NonFiniteInput for fp8 NaN codes.
-    Call :func:`validate_scales` first on scales that came from the network.
+    Raises UnsupportedInput for inconsistent inputs and NonFiniteInput (or another
+    KernelError) for codes the codec refuses, e.g. fp8 NaN codes. Call
+    :func:`validate_scales` first on scales that came from the network.
     """
-    reference.check_dequantize_input(codes, scales, fmt, block_size, numel, out_dtype)
-    if resolve_impl(codes, impl) == "triton":
-        from . import quant_triton
+    entry = registry.get_codec(codec)
+    layout = entry.layout
+    _check_params(entry, block_size, scales.dtype)
+    if layout.float_only and out_dtype not in reference.FLOAT_DTYPES:
+        raise UnsupportedInput(
+            f"codec {entry.name} produces float32/float16/bfloat16, got {out_dtype}"
+        )
+    if not isinstance(numel, int) or numel < 0:
+        raise UnsupportedInput(f"numel must be a non-negative int, got {numel!r}")
+    if codes.dtype != layout.code_dtype:
+        raise UnsupportedInput(f"{entry.name} codes must be {layout.code_dtype}, got {codes.dtype}")
+    codes_shape = (layout.codes_numel(numel, out_dtype),)
+    if tuple(codes.shape) != codes_shape:
+        raise UnsupportedInput(
+            f"{entry.name} codes for {numel} elements must have shape {codes_shape}, "
+            f"got {tuple(codes.shape)}"
+        )
+    scales_shape = (layout.scales_numel(numel, block_size),)
+    if tuple(scales.shape) != scales_shape:
+        raise UnsupportedInput(
+            f"expected {scales_shape[0]} scales, got shape {tuple(scales.shape)}"
+        )
+    if not codes.is_contiguous() or not scales.is_contiguous():
+        raise UnsupportedInput("dequantizers take contiguous codes and scales")
+    if codes.device != scales.device:
+        raise UnsupportedInput(f"codes on {codes.device} but scales on {scales.device}")
+    if entry.triton is not None and resolve_impl(codes, impl) == "triton":
+        out = entry.triton.dequantize(codes, scales, block_size, numel, out_dtype)
+    else:
+        out = entry.dequantize(codes, scales, block_size, numel, out_dtype)
+    _check_result(entry, "output", out, (numel,), out_dtype, codes.device)
+    return out
 
-        return quant_triton.dequantize(codes, scales, fmt, block_size, numel, out_dtype)
-    return reference.dequantize(codes, scales, fmt, block_size, numel, out_dtype)
 
+def validate_scales(scales: torch.Tensor, codec: str, out_dtype: torch.dtype) -> None:
+    """Reject scales no conforming encoder produces (NaN/Inf, negative, above the limit).
 
-def validate_scales(scales: torch.Tensor, fmt: Format, out_dtype: torch.dtype) -> None:
-    """Reject scales no conforming encoder produces (NaN/Inf, negative, above the limit)."""
-    reference.validate_scales(scales, fmt, out_dtype)
+    The limit is :func:`.reference.scale_limit_for` of the codec's ``qmax``; codecs that
+    are not blockwise have no scales to check.
+    """
+    entry = registry.get_codec(codec)
+    if entry.layout.qmax is not None:
+        reference.check_scale_range(scales, entry.layout.qmax, out_dtype, entry.name)
 
 
 def check_scales_finite(scales: torch.Tensor, block_size: int) -> None:
@@ -164,3 +219,39 @@ def _check_out(
         )
     if out.device != like.device or not out.is_contiguous():
         raise UnsupportedInput(f"output buffer must be contiguous on {like.device}")
+
+
+def _check_params(entry: Codec, block_size: int, scale_dtype: torch.dtype) -> None:
+    """Block size and scale dtype, which only blockwise codecs take."""
+    if entry.layout.blockwise:
+        reference.check_block_params(block_size, scale_dtype)
+
+
+def _check_input(entry: Codec, x: torch.Tensor) -> None:
+    """An encoder takes a contiguous 1-D tensor (a float one unless the codec is raw)."""
+    if entry.layout.float_only:
+        reference.check_quantize_input(x)
+        return
+    if x.dim() != 1:
+        raise UnsupportedInput(f"encoders take a flat 1-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise UnsupportedInput("encoders take a contiguous tensor")
+
+
+def _check_result(
+    entry: Codec,
+    what: str,
+    t: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """RegistrationError when a codec function breaks its layout (a bug in the codec)."""
+    if not isinstance(t, torch.Tensor):
+        raise RegistrationError(f"codec {entry.name} returned {type(t).__name__} as {what}")
+    empty_scales = what == "scales" and shape == (0,)  # any dtype: nothing is stored
+    if tuple(t.shape) != shape or (t.dtype != dtype and not empty_scales) or t.device != device:
+        raise RegistrationError(
+            f"codec {entry.name} returned {what} {tuple(t.shape)} {t.dtype} on {t.device}; "
+            f"its layout says {shape} {dtype} on {device}"
+        )

@@ -19,8 +19,8 @@ Bit-exactness with torch, on GPUs and in Triton's CPU interpreter alike:
 - stochastic rounding draws ``tl.rand4x(seed, element_index // 4)`` (one Philox call per
   four elements), which the reference reproduces with its own Philox.
 
-This module imports triton at import time; :mod:`.ops` imports it only when a Triton
-launch is chosen.
+This module imports triton at import time; the launchers that :mod:`.registry` gives the
+int8, fp8 and int4 codecs import it only when :mod:`.ops` chooses a Triton launch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Pure-torch specification of the blockwise quantizers (int8, fp8 e4m3, int4).
 
 This module *is* the specification: the Triton kernels in ``quant_triton`` must match it
-bit for bit, and ``docs/codecs.md`` describes the same arithmetic in words.
+bit for bit, and ``docs/codecs.md`` describes the same arithmetic in words. The codec
+entries of :mod:`.registry` wire both to the dispatcher.
 
 A tensor is flattened to ``n`` elements and cut into blocks of ``block_size`` consecutive
 elements (the last block may be short). Per block, in float32::
@@ -72,14 +73,18 @@ def codes_dtype(fmt: Format) -> torch.dtype:
     return torch.int8 if fmt == "int8" else torch.uint8
 
 
-@functools.cache
 def scale_limit(fmt: Format, dtype: torch.dtype, scale_dtype: torch.dtype) -> float:
-    """Largest scale (representable in ``scale_dtype``) with ``QMAX * scale`` finite in ``dtype``.
+    """:func:`scale_limit_for` the ``QMAX`` of a built-in format."""
+    return scale_limit_for(QMAX[fmt], dtype, scale_dtype)
 
-    Checked exactly in float64: a scale has at most 24 significant bits and QMAX at most
-    9, so their product is exact there.
+
+@functools.cache
+def scale_limit_for(qmax: float, dtype: torch.dtype, scale_dtype: torch.dtype) -> float:
+    """Largest scale (representable in ``scale_dtype``) with ``qmax * scale`` finite in ``dtype``.
+
+    Checked exactly in float64: a scale has at most 24 significant bits and ``qmax`` at
+    most 9 for the built-in formats (any ``qmax`` with at most 29 keeps it exact).
     """
-    qmax = QMAX[fmt]
     dmax = torch.finfo(dtype).max
     target = min(dmax / qmax, torch.finfo(scale_dtype).max)
     v = torch.tensor(target, dtype=torch.float64).to(scale_dtype)
@@ -93,6 +98,11 @@ def check_block_args(fmt: str, block_size: int, scale_dtype: torch.dtype) -> Non
     """Validate the format parameters shared by every implementation."""
     if fmt not in QMAX:
         raise UnsupportedInput(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    check_block_params(block_size, scale_dtype)
+
+
+def check_block_params(block_size: int, scale_dtype: torch.dtype) -> None:
+    """Block size and scale dtype of any blockwise codec."""
     if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1) != 0:
         raise UnsupportedInput(
             f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
@@ -158,15 +168,22 @@ def validate_scales(scales: torch.Tensor, fmt: Format, out_dtype: torch.dtype) -
     Every scale must be finite, non-negative and at most ``scale_limit``, so that decoding
     can neither produce nor overflow into a non-finite value.
     """
+    check_scale_range(scales, QMAX[fmt], out_dtype, fmt)
+
+
+def check_scale_range(
+    scales: torch.Tensor, qmax: float, out_dtype: torch.dtype, codec: str
+) -> None:
+    """:func:`validate_scales` for any blockwise codec whose codes reach ``qmax`` at most."""
     if scales.numel() == 0:
         return
     s = scales.float()
     if not bool(torch.isfinite(s).all()):
         raise NonFiniteInput("payload carries a NaN or infinite scale")
-    limit = scale_limit(fmt, out_dtype, scales.dtype)
+    limit = scale_limit_for(qmax, out_dtype, scales.dtype)
     if not bool(((s >= 0) & (s <= limit)).all()):
         raise UnsupportedInput(
-            f"payload carries a scale outside [0, {limit:g}] for {fmt} decoding to {out_dtype}"
+            f"payload carries a scale outside [0, {limit:g}] for {codec} decoding to {out_dtype}"
         )
 
 

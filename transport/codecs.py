@@ -1,16 +1,13 @@
 """Tensor codecs: a tensor of any shape <-> a payload (bytes) plus a small spec.
 
-Codecs (wire identifiers are strings, see :meth:`CodecSpec.to_wire`):
+The codecs are the entries of :mod:`wanswarm.kernels.registry` (built in: ``none``,
+``bf16``, ``int8``, ``fp8``, ``int4``; adding one is one ``register_codec`` call). This
+module reads every codec property from its entry: the names :func:`parse_codec` and
+:meth:`CodecSpec.from_wire` accept, whether a spec takes a block size, scale dtype and
+stochastic rounding (``/sr``), which dtypes it carries, the payload length and header.
 
-- ``none``  raw little-endian bytes of the tensor (any dtype in ``WIRE_DTYPES``);
-- ``bf16``  the tensor cast to bfloat16 (float tensors only);
-- ``int8``  blockwise absmax int8, one scale per ``block_size`` elements;
-- ``fp8``   e4m3fn codes with a per-block scale;
-- ``int4``  two codes per byte, blockwise absmax scale;
-- ``int8``/``int4`` with ``/sr``: stochastic rounding (unbiased; for gradients).
-
-Every payload starts with an 8-byte header (layout version, codec, block size, flags,
-dtype) followed by the scales (quantizing codecs) and the codes; ``docs/codecs.md`` is
+Every payload starts with an 8-byte header (layout version, codec id, block size, flags,
+dtype) followed by the scales (blockwise codecs) and the codes; ``docs/codecs.md`` is
 the normative description and :meth:`CodecSpec.payload_nbytes` gives its exact length.
 The arithmetic lives in ``wanswarm.kernels`` (Triton on CUDA, pure torch elsewhere).
 
@@ -27,22 +24,19 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+from typing import Final, Literal
 
 import torch
 
-from ..kernels import ops
+from ..kernels import ops, registry
 from ..kernels import reference as kref
 from ..kernels.errors import KernelError, NonFiniteInput
+from ..kernels.registry import Codec, Layout
 from .errors import CodecError, PayloadError
 
 logger = logging.getLogger(__name__)
 
-CodecName = Literal["none", "bf16", "int8", "fp8", "int4"]
 ScaleDtype = Literal["fp16", "fp32"]
-CODEC_NAMES: Final[tuple[str, ...]] = get_args(CodecName)
-QUANTIZING: Final[frozenset[str]] = frozenset({"int8", "fp8", "int4"})
-STOCHASTIC_CAPABLE: Final[frozenset[str]] = frozenset({"int8", "int4"})
 
 LAYOUT_VERSION: Final[int] = 1
 HEADER_NBYTES: Final[int] = 8
@@ -50,7 +44,6 @@ MAX_WIRE_LEN: Final[int] = 32
 MAX_DIMS: Final[int] = 32  # torch's own limit is 64; our tensors have a handful
 MAX_DIM: Final[int] = 1 << 48  # any larger extent cannot be a real tensor
 
-_CODEC_IDS: Final[dict[str, int]] = {"none": 0, "bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
 _FLAG_FP16_SCALES: Final[int] = 0x01
 _FLAG_STOCHASTIC: Final[int] = 0x02
 _SCALE_DTYPES: Final[dict[str, torch.dtype]] = {"fp32": torch.float32, "fp16": torch.float16}
@@ -75,8 +68,26 @@ _DTYPE_CODES: Final[dict[torch.dtype, int]] = {v[0]: v[1] for v in _DTYPE_TABLE.
 FLOAT_DTYPES: Final[tuple[torch.dtype, ...]] = kref.FLOAT_DTYPES
 
 _WIRE_RE: Final[re.Pattern[str]] = re.compile(
-    r"(?P<name>int8|fp8|int4)/b(?P<bs>[1-9][0-9]{0,4})/(?P<sd>f16|f32)(?P<sr>/sr)?"
+    rf"(?P<name>{registry.NAME_PATTERN})"
+    r"(?:/b(?P<bs>[1-9][0-9]{0,4})/(?P<sd>f16|f32)(?P<sr>/sr)?)?"
 )
+
+
+def codec_names() -> tuple[str, ...]:
+    """Names of the registered codecs, in registration order."""
+    return registry.codec_names()
+
+
+def _known() -> str:
+    return ", ".join(registry.codec_names())
+
+
+def _entry(name: object) -> Codec:
+    """The registry entry of a codec name; CodecError listing the known ones otherwise."""
+    codec = registry.lookup(name)
+    if codec is None:
+        raise CodecError(f"unknown codec {str(name)[:40]!r}; known codecs: {_known()}")
+    return codec
 
 
 def dtype_to_wire(dtype: torch.dtype) -> str:
@@ -96,27 +107,27 @@ def dtype_from_wire(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A codec and its parameters; equal specs have equal wire strings and vice versa.
+    """A registered codec and its parameters; equal specs have equal wire strings and vice versa.
 
-    ``block_size``, ``scale_dtype`` only matter for the quantizing codecs and are reset to
-    their defaults for ``none``/``bf16`` so that the spec stays canonical.
+    ``block_size``, ``scale_dtype`` only matter for blockwise codecs and are reset to
+    their defaults for the others (``none``, ``bf16``) so that the spec stays canonical.
     """
 
-    name: CodecName
+    name: str
     block_size: int = 64
     scale_dtype: ScaleDtype = "fp32"
     stochastic: bool = False
 
     def __post_init__(self) -> None:
-        if self.name not in CODEC_NAMES:
-            raise CodecError(
-                f"unknown codec {str(self.name)[:40]!r}; expected one of {CODEC_NAMES}"
-            )
+        layout = _entry(self.name).layout
         if self.stochastic not in (True, False):
             raise CodecError("stochastic must be a bool")
-        if self.stochastic and self.name not in STOCHASTIC_CAPABLE:
-            raise CodecError(f"stochastic rounding exists for int8 and int4 only, not {self.name}")
-        if self.name not in QUANTIZING:
+        if self.stochastic and not layout.stochastic:
+            capable = [c.name for c in registry.codecs() if c.layout.stochastic]
+            raise CodecError(
+                f"stochastic rounding exists for {', '.join(capable)} only, not {self.name}"
+            )
+        if not layout.blockwise:
             object.__setattr__(self, "block_size", 64)
             object.__setattr__(self, "scale_dtype", "fp32")
             return
@@ -137,16 +148,25 @@ class CodecSpec:
             )
 
     @property
+    def codec(self) -> Codec:
+        """The registry entry (CodecError if the codec was unregistered since)."""
+        return _entry(self.name)
+
+    @property
     def quantizing(self) -> bool:
-        """True for the blockwise codecs (int8, fp8, int4)."""
-        return self.name in QUANTIZING
+        """True for the blockwise codecs (int8, fp8, int4, ...)."""
+        return self.codec.layout.blockwise
 
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         return _SCALE_DTYPES[self.scale_dtype]
 
     def to_wire(self) -> str:
-        """Canonical string: ``none``, ``bf16``, ``int8/b64/f32``, ``int4/b32/f16/sr``."""
+        """Canonical string: ``none``, ``bf16``, ``int8/b64/f32``, ``int4/b32/f16/sr``.
+
+        A codec that is not blockwise is its name; a blockwise one adds its block size,
+        scale dtype and ``/sr`` for stochastic rounding.
+        """
         if not self.quantizing:
             return self.name
         sd = "f16" if self.scale_dtype == "fp16" else "f32"
@@ -157,13 +177,14 @@ class CodecSpec:
         """Parse a canonical wire string; CodecError on anything else (peer input)."""
         if not isinstance(s, str) or len(s) > MAX_WIRE_LEN:
             raise CodecError("codec identifier is not a short string")
-        if s in ("none", "bf16"):
-            return cls(name=s)  # type: ignore[arg-type]
         m = _WIRE_RE.fullmatch(s)
-        if m is None:
+        codec = registry.lookup(m["name"]) if m is not None else None
+        if m is None or codec is None or codec.layout.blockwise != (m["bs"] is not None):
             raise CodecError(f"unknown codec identifier {s!r}")
+        if m["bs"] is None:
+            return cls(name=codec.name)
         spec = cls(
-            name=m["name"],  # type: ignore[arg-type]
+            name=codec.name,
             block_size=int(m["bs"]),
             scale_dtype="fp16" if m["sd"] == "f16" else "fp32",
             stochastic=m["sr"] is not None,
@@ -174,38 +195,35 @@ class CodecSpec:
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """CodecError unless this codec can carry tensors of ``dtype``."""
+        self._check_dtype(self.codec, dtype)
+
+    def _check_dtype(self, codec: Codec, dtype: torch.dtype) -> None:
         if dtype not in _DTYPE_CODES:
             raise CodecError(f"dtype {dtype} cannot travel in a payload")
-        if self.name != "none" and dtype not in FLOAT_DTYPES:
+        if codec.layout.float_only and dtype not in FLOAT_DTYPES:
             raise CodecError(f"codec {self.name} carries float32/float16/bfloat16, not {dtype}")
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         """Exact payload length, header included, for ``numel`` elements of ``dtype``."""
-        self.check_dtype(dtype)
+        codec = self.codec
+        self._check_dtype(codec, dtype)
         if not isinstance(numel, int) or numel < 0:
             raise CodecError(f"numel must be a non-negative int, got {numel!r}")
-        if self.name == "none":
-            body = numel * dtype.itemsize
-        elif self.name == "bf16":
-            body = 2 * numel
-        else:
-            nb = kref.num_blocks(numel, self.block_size)
-            scale_bytes = 2 if self.scale_dtype == "fp16" else 4
-            body = nb * scale_bytes + kref.codes_nbytes(kernel_format(self), numel)
+        body = codec.layout.body_nbytes(numel, dtype, self.block_size, self.torch_scale_dtype)
         return HEADER_NBYTES + body
 
     def header(self, dtype: torch.dtype) -> bytes:
         """The 8-byte payload header for a tensor of ``dtype`` (docs/codecs.md)."""
-        self.check_dtype(dtype)
+        codec = self.codec
+        self._check_dtype(codec, dtype)
+        blockwise = codec.layout.blockwise
         flags = 0
-        if self.quantizing and self.scale_dtype == "fp16":
+        if blockwise and self.scale_dtype == "fp16":
             flags |= _FLAG_FP16_SCALES
         if self.stochastic:
             flags |= _FLAG_STOCHASTIC
-        log2_bs = self.block_size.bit_length() - 1 if self.quantizing else 0
-        return bytes(
-            (LAYOUT_VERSION, _CODEC_IDS[self.name], log2_bs, flags, _DTYPE_CODES[dtype], 0, 0, 0)
-        )
+        log2_bs = self.block_size.bit_length() - 1 if blockwise else 0
+        return bytes((LAYOUT_VERSION, codec.codec_id, log2_bs, flags, _DTYPE_CODES[dtype], 0, 0, 0))
 
 
 @dataclass(frozen=True)
@@ -233,9 +251,11 @@ _FRIENDLY_SCALE: Final[dict[str, ScaleDtype]] = {
 def parse_codec(s: str) -> CodecSpec:
     """Friendly codec names for configs and CLIs -> CodecSpec; CodecError on bad input.
 
-    Accepts the wire form and ``name[-sr][:option...]`` with options ``b<N>`` (block
-    size), ``f16``/``fp16``/``f32``/``fp32`` (scale dtype) and ``sr``; ``raw`` means
-    ``none``. Examples: ``int8``, ``int4-sr``, ``fp8``, ``int8:b128``, ``int4:b32:f16:sr``.
+    Accepts the wire form and ``name[-sr][:option...]`` for any registered codec, with
+    options ``b<N>`` (block size), ``f16``/``fp16``/``f32``/``fp32`` (scale dtype) and
+    ``sr`` for blockwise codecs; ``raw`` means ``none``. Examples: ``int8``, ``int4-sr``,
+    ``fp8``, ``int8:b128``, ``int4:b32:f16:sr``. An unknown name's error lists the known
+    codecs.
     """
     if not isinstance(s, str) or len(s) > 64:
         raise CodecError("codec name is not a short string")
@@ -247,8 +267,9 @@ def parse_codec(s: str) -> CodecSpec:
         head, stochastic = head[:-3], True
     if head == "raw":
         head = "none"
-    if head not in CODEC_NAMES:
-        raise CodecError(f"unknown codec {s!r}; expected one of {CODEC_NAMES} (e.g. 'int8:b64')")
+    codec = registry.lookup(head)
+    if codec is None:
+        raise CodecError(f"unknown codec {s!r}; known codecs: {_known()} (e.g. 'int8:b64')")
     block_size: int | None = None
     scale: ScaleDtype | None = None
     for tok in tokens[1:]:
@@ -266,10 +287,10 @@ def parse_codec(s: str) -> CodecSpec:
             block_size = int(tok[1:])
         else:
             raise CodecError(f"codec {s!r}: unknown option {tok!r} (use b<N>, f16, f32 or sr)")
-    if head not in QUANTIZING and (block_size is not None or scale is not None):
+    if not codec.layout.blockwise and (block_size is not None or scale is not None):
         raise CodecError(f"codec {s!r}: {head} takes no block size or scale dtype")
     return CodecSpec(
-        name=head,  # type: ignore[arg-type]
+        name=codec.name,
         block_size=64 if block_size is None else block_size,
         scale_dtype="fp32" if scale is None else scale,
         stochastic=stochastic,
@@ -311,42 +332,19 @@ def _encode_to_buffer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole payload as a uint8 tensor: (on ``t``'s device, on the host).
 
-    Only the quantizing codecs work on the device; the others build the host buffer.
+    The codec writes its scales and codes straight into the payload buffer, on the
+    tensor's device (Triton there when the codec has kernels and ``t`` is on CUDA).
     """
     dtype = t.dtype
+    layout = spec.codec.layout
     spec.check_dtype(dtype)
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     n = flat.numel()
     header = torch.frombuffer(bytearray(spec.header(dtype)), dtype=torch.uint8)
-    if spec.name == "none":
-        buf = torch.empty(spec.payload_nbytes(n, dtype), dtype=torch.uint8)
-        buf[HEADER_NBYTES:].view(dtype).copy_(flat)
-    elif spec.name == "bf16":
-        buf = torch.empty(spec.payload_nbytes(n, dtype), dtype=torch.uint8)
-        buf[HEADER_NBYTES:].view(torch.bfloat16).copy_(flat.to(torch.bfloat16))
-    else:
-        buf = _encode_blockwise(flat, spec, generator)
-    buf[:HEADER_NBYTES].copy_(header)
-    if buf.device.type == "cpu":
-        return buf, buf
-    host = buf.cpu()
-    try:  # the device kernel marked NaN/Inf blocks with NaN scales: check the host copy
-        ops.check_scales_finite(_split_blockwise(host, spec, t.numel())[0], spec.block_size)
-    except NonFiniteInput as exc:
-        raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
-    return buf, host
-
-
-def _encode_blockwise(
-    flat: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
-) -> torch.Tensor:
-    fmt = kernel_format(spec)
-    n = flat.numel()
-    sd = spec.torch_scale_dtype
-    buf = torch.empty(spec.payload_nbytes(n, flat.dtype), dtype=torch.uint8, device=flat.device)
-    scales_out, codes_out = _split_blockwise(buf, spec, n)
+    buf = torch.empty(spec.payload_nbytes(n, dtype), dtype=torch.uint8, device=flat.device)
+    scales_out, codes_out = _split_payload(buf, spec, layout, n, dtype)
     seed: int | None = None
     if spec.stochastic:
         gen_device = generator.device if generator is not None else torch.device("cpu")
@@ -356,11 +354,11 @@ def _encode_blockwise(
     try:
         ops.quantize(
             flat,
-            fmt,
+            spec.name,
             spec.block_size,
-            sd,
+            spec.torch_scale_dtype,
             seed=seed,
-            codes_out=codes_out.view(kref.codes_dtype(fmt)),
+            codes_out=codes_out,
             scales_out=scales_out,
             check_finite=flat.device.type == "cpu",  # on a device: checked on the host copy
         )
@@ -368,30 +366,42 @@ def _encode_blockwise(
         raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
     except KernelError as exc:
         raise CodecError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
-    return buf
+    buf[:HEADER_NBYTES].copy_(header)
+    if buf.device.type == "cpu":
+        return buf, buf
+    host = buf.cpu()
+    if not layout.blockwise:
+        return buf, host
+    try:  # a device kernel marked NaN/Inf blocks with NaN scales: check the host copy
+        scales = _split_payload(host, spec, layout, n, dtype)[0]
+        ops.check_scales_finite(scales, spec.block_size)
+    except NonFiniteInput as exc:
+        raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
+    return buf, host
 
 
-def _split_blockwise(
-    buf: torch.Tensor, spec: CodecSpec, n: int
+def _split_payload(
+    buf: torch.Tensor, spec: CodecSpec, layout: Layout, n: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a blockwise payload buffer: (scales in their dtype, codes as uint8)."""
-    nb = kref.num_blocks(n, spec.block_size)
+    """Views of a payload buffer's body: (scales in their dtype, codes in the code dtype).
+
+    ``layout`` is the spec's codec's. Codecs that are not blockwise have no scales.
+    """
     sd = spec.torch_scale_dtype
-    end_scales = HEADER_NBYTES + nb * sd.itemsize
+    end_scales = HEADER_NBYTES + layout.scales_numel(n, spec.block_size) * sd.itemsize
     scales = buf[HEADER_NBYTES:end_scales].view(sd)
-    codes = buf[end_scales : end_scales + kref.codes_nbytes(kernel_format(spec), n)]
-    return scales, codes
+    codes = buf[end_scales : end_scales + layout.codes_nbytes(n, dtype)]
+    return scales, codes.view(layout.code_dtype)
 
 
-def kernel_format(spec: CodecSpec) -> kref.Format:
-    """The kernels' format name of a quantizing codec (CodecError for none/bf16)."""
-    if spec.name == "int8":
-        return "int8"
-    if spec.name == "fp8":
-        return "fp8"
-    if spec.name == "int4":
-        return "int4"
-    raise CodecError(f"codec {spec.name} is not blockwise")
+def kernel_format(spec: CodecSpec) -> str:
+    """The name :mod:`wanswarm.kernels.ops` dispatches a blockwise codec by.
+
+    CodecError for codecs that are not blockwise (``ops`` takes every codec's name).
+    """
+    if not spec.quantizing:
+        raise CodecError(f"codec {spec.name} is not blockwise")
+    return spec.name
 
 
 def _to_bytes(host: torch.Tensor) -> bytes:
@@ -479,25 +489,15 @@ def _decode_buffer(
     ``untrusted`` payloads (from the network) get their scales range-checked first.
     """
     n = math.prod(shape)
-    if spec.name == "none":
-        body = buf[HEADER_NBYTES:]
-        if dtype == torch.bool:  # any byte other than 0/1 is not a valid torch bool
-            return (body != 0).to(target).view(shape)
-        return body.view(dtype).to(target, copy=True).view(shape)
-    if spec.name == "bf16":
-        bf = buf[HEADER_NBYTES:].view(torch.bfloat16).to(target)
-        return bf.to(dtype, copy=True).view(shape)
-    fmt = kernel_format(spec)
-    scales, _ = _split_blockwise(buf, spec, n)
+    layout = spec.codec.layout
     try:
-        if untrusted:  # on the host, before anything is moved to the device
-            ops.validate_scales(scales, fmt, dtype)
+        if untrusted and layout.blockwise:  # on the host, before anything moves to the device
+            scales = _split_payload(buf, spec, layout, n, dtype)[0]
+            ops.validate_scales(scales, spec.name, dtype)
         if buf.device != target:
             buf = buf.to(target)
-        scales, codes = _split_blockwise(buf, spec, n)
-        out = ops.dequantize(
-            codes.view(kref.codes_dtype(fmt)), scales, fmt, spec.block_size, n, dtype
-        )
+        scales, codes = _split_payload(buf, spec, layout, n, dtype)
+        out = ops.dequantize(codes, scales, spec.name, spec.block_size, n, dtype)
     except KernelError as exc:
         raise PayloadError(f"{spec.to_wire()} payload: {exc}") from exc
     return out.view(shape)

@@ -1,4 +1,4 @@
-"""Ops files: the Dockerfile's required directives, the compose file, its helper, the systemd unit."""
+"""Ops files: the Dockerfile's required directives, compose file, its helper, systemd unit."""
 
 from __future__ import annotations
 
@@ -63,7 +63,10 @@ def test_dockerfile_state_volume_ports_and_healthcheck() -> None:
     env = _env()
     assert json.loads(_one("VOLUME")) == [env["STATE_DIRECTORY"]]
     exposed = set(_one("EXPOSE").split())
-    assert exposed == {f"{env['WANSWARM__DHT__PORT']}/tcp", f"{env['WANSWARM__TRANSPORT__PORT']}/udp"}
+    assert exposed == {
+        f"{env['WANSWARM__DHT__PORT']}/tcp",
+        f"{env['WANSWARM__TRANSPORT__PORT']}/udp",
+    }
     config = load_config(environ=env)  # the image's environment is a valid config
     assert config.state_dir == Path(env["STATE_DIRECTORY"])
     health = _one("HEALTHCHECK")
@@ -94,7 +97,8 @@ def test_compose_starts_a_bootstrap_and_joiners() -> None:
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     services = compose["services"]
     boot, joiner = services["bootstrap"], services["joiner"]
-    assert boot["build"]["dockerfile"] == "Dockerfile" and (ROOT / "docker" / boot["build"]["context"] / "Dockerfile").exists()
+    assert boot["build"]["dockerfile"] == "Dockerfile"
+    assert (ROOT / "docker" / boot["build"]["context"] / "Dockerfile").exists()
     assert joiner["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     assert joiner["entrypoint"][0] == "wanswarm-initial-peers"
     boot_volume = boot["volumes"][0].split(":")
@@ -111,7 +115,12 @@ def test_initial_peers_helper_filters_loopback_and_execs_join(tmp_path: Path) ->
     assert subprocess.run(["sh", "-n", str(script)], timeout=10).returncode == 0
     fake = tmp_path / "wanswarm"
     peer = "12D3KooWPfgLbNkKzKggCYFjwxJqEseiFJ1V37Enkgs6TDrMjZLk"
-    status = {"dht_addrs": [f"/ip4/127.0.0.1/tcp/31337/p2p/{peer}", f"/ip4/172.18.0.2/tcp/31337/p2p/{peer}"]}
+    status = {
+        "dht_addrs": [
+            f"/ip4/127.0.0.1/tcp/31337/p2p/{peer}",
+            f"/ip4/172.18.0.2/tcp/31337/p2p/{peer}",
+        ]
+    }
     fake.write_text(
         "#!/bin/sh\n"
         f"if [ \"$1\" = status ]; then echo '{json.dumps(status)}'; exit 0; fi\n"
@@ -147,10 +156,20 @@ def test_systemd_unit_directives() -> None:
     assert unit["Restart"] == "on-failure" and unit["RestartPreventExitStatus"] == "2"
     assert unit["WatchdogSec"].endswith("s") and int(unit["WatchdogSec"][:-1]) >= 10
     stop = int(unit["TimeoutStopSec"].rstrip("s"))
-    assert stop > DEFAULTS.node.shutdown_timeout + DEFAULTS.dht.request_timeout + DEFAULTS.dht.rpc_timeout
-    assert unit["KillMode"] == "mixed"  # SIGTERM to the daemon only; it stops its DHT process itself
-    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
-                       "PrivateTmp": "yes", "DynamicUser": "yes", "StateDirectory": "wanswarm"}.items():
+    assert stop > (
+        DEFAULTS.node.shutdown_timeout + DEFAULTS.dht.request_timeout + DEFAULTS.dht.rpc_timeout
+    )
+    # SIGTERM to the daemon only; it stops its DHT process itself
+    assert unit["KillMode"] == "mixed"
+    hardening = {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "DynamicUser": "yes",
+        "StateDirectory": "wanswarm",
+    }
+    for key, value in hardening.items():
         assert unit[key] == value, key
     assert unit["ExecStart"].split()[1] == "join"
 
@@ -164,6 +183,9 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify the unit as installed here: ExecStart must name an executable that exists
     installed = tmp_path / "wanswarm.service"
     installed.write_text(UNIT.read_text().replace("/opt/wanswarm/bin/wanswarm", str(wanswarm)))
-    result = subprocess.run([analyze, "verify", str(installed)], capture_output=True, text=True, timeout=60)
-    problems = [line for line in (result.stdout + result.stderr).splitlines() if "wanswarm.service" in line]
+    result = subprocess.run(
+        [analyze, "verify", str(installed)], capture_output=True, text=True, timeout=60
+    )
+    output = (result.stdout + result.stderr).splitlines()
+    problems = [line for line in output if "wanswarm.service" in line]
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
