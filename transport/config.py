@@ -6,7 +6,7 @@ transport components receive only this tree or their own sub-section of it.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -325,6 +325,16 @@ class CongestionConfig(_Section):
         description="A send after the window had room this long (and over 4 packet times) "
         "marks the flow application-limited: its rate samples then only raise the estimate.",
     )
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        # The known names are congestion_control.CONTROLLERS, imported on first use: the
+        # registry imports aioquic, and its entries import this module.
+        from .congestion_control import known_controller
+
+        known_controller(value)
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> CongestionConfig:

@@ -40,7 +40,8 @@ The interface is aioquic's window-based one, with plain numbers: the caller name
 packet with a hashable ``key`` of its choosing (the adapter uses ``(epoch,
 packet_number)``) and reports sends, ACKs, losses and expiries by key. The controller
 keeps the per-packet state that rate sampling needs and is the authority on
-``bytes_in_flight``. See ``transport/quic.py`` for the adapter and how it paces.
+``bytes_in_flight``. See congestion_adapter.py for the adapter and congestion_control.py for
+how aioquic runs and paces it.
 """
 
 from __future__ import annotations

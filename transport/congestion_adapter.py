@@ -4,13 +4,13 @@ aioquic's loss recovery drives a congestion controller through a small callback
 interface (``aioquic.quic.congestion.base.QuicCongestionControl``): packets sent, acked,
 lost or expired, RTT samples, persistent congestion, and it reads ``congestion_window``
 and ``bytes_in_flight``. The classes here implement that interface structurally, so this
-module does not import aioquic (quic.py, the one module that does, registers them):
+module does not import aioquic (congestion_control.py registers them with it):
 
 - :class:`ControllerAdapter` drives the sans-I/O :class:`~.congestion.CongestionController`,
   naming each packet ``(epoch, packet_number)``; the controller's ``pacing_rate`` is
-  what quic.py's pacer follows;
-- :class:`Meter` wraps whichever controller runs (ours, or aioquic's reno/cubic) and
-  counts packets sent and lost and the delivery rate, for PathStats.
+  what congestion_control.py's pacer follows;
+- :class:`Meter` wraps whichever controller runs (any entry of congestion_control.py's
+  registry) and counts packets sent and lost and the delivery rate, for PathStats.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from .errors import (
 from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
 from .handshake import ClientHandshake, ServerHandshake
 from .identity import Identity
-from .quic import Address, CloseCode, QuicLink, QuicSocket
+from .quic_link import Address, CloseCode, QuicLink
+from .quic_socket import QuicSocket
 from .stream import QuicStream, StreamCode
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Exceptions raised by wanswarm.transport.
 
 Every error that crosses the package boundary is a ``TransportError``; third-party
-exceptions (aioquic, raptorq, cryptography) are translated in the one adapter module
-that imports the library. The tree::
+exceptions (aioquic, raptorq, cryptography) are translated in the adapter modules that
+import the library. The tree::
 
     TransportError
     ├── ConfigError                  a transport setting is unusable

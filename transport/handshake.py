@@ -28,7 +28,7 @@ Messages (each the body of one ``FrameType.AUTH`` frame, see framing.py)::
     ACCEPT = (nothing)
     id     = u8 length (1..64) | ASCII peer id
 
-The state machines here do no I/O; quic.py pumps them over a stream.
+The state machines here do no I/O; connections.py pumps them over a stream.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ChannelBinding:
     """What both ends of one QUIC connection know, and nobody else knows all of.
 
     ``exporter`` is derived from the TLS master secret and the handshake transcript
-    (quic.py); the connection ids are the ones both sides authenticated in the QUIC
+    (quic_config.py); the connection ids are the ones both sides authenticated in the QUIC
     transport parameters (RFC 9000 §7.3).
     """
 
@@ -264,12 +264,22 @@ class ClientHandshake:
         if hmac.compare_digest(proof.nonce, self._nonce):
             raise AuthenticationError("server echoed our nonce (reflection)")
         message = transcript(
-            "server", self._binding, self._nonce, proof.nonce, self._identity.peer_id, proof.server_id
+            "server",
+            self._binding,
+            self._nonce,
+            proof.nonce,
+            self._identity.peer_id,
+            proof.server_id,
         )
         if not verify_signature(proof.server_id, proof.signature, message):
             raise AuthenticationError("server's handshake signature is invalid for this connection")
         mine = transcript(
-            "client", self._binding, self._nonce, proof.nonce, self._identity.peer_id, proof.server_id
+            "client",
+            self._binding,
+            self._nonce,
+            proof.nonce,
+            self._identity.peer_id,
+            proof.server_id,
         )
         self._sent_finish = True
         return encode_auth(Finish(self._identity.sign(mine)))
@@ -321,7 +331,12 @@ class ServerHandshake:
             raise AuthenticationError("client echoed our nonce (reflection)")
         self._hello = hello
         message = transcript(
-            "server", self._binding, hello.nonce, self._nonce, hello.client_id, self._identity.peer_id
+            "server",
+            self._binding,
+            hello.nonce,
+            self._nonce,
+            hello.client_id,
+            self._identity.peer_id,
         )
         return encode_auth(Proof(self._nonce, self._identity.peer_id, self._identity.sign(message)))
 
@@ -332,7 +347,12 @@ class ServerHandshake:
         finish = _expect(data, Finish)
         hello = self._hello
         message = transcript(
-            "client", self._binding, hello.nonce, self._nonce, hello.client_id, self._identity.peer_id
+            "client",
+            self._binding,
+            hello.nonce,
+            self._nonce,
+            hello.client_id,
+            self._identity.peer_id,
         )
         if not verify_signature(hello.client_id, finish.signature, message):
             raise AuthenticationError(

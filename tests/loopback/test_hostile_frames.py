@@ -27,7 +27,7 @@ from wanswarm.transport.framing import (
     tensor_spec,
 )
 from wanswarm.transport.identity import Identity
-from wanswarm.transport.quic import QuicLink
+from wanswarm.transport.quic_link import QuicLink
 from wanswarm.transport.stream import QuicStream
 
 from .quic_helpers import address, config
@@ -150,7 +150,10 @@ _CASES = {
     ),
     "not a request": (_header(type="response"), "bad_frame"),
     "auth frame": (encode_frame(FrameType.AUTH, b"\x01\x01"), "bad_frame"),
-    "control for no transfer": (encode_frame(FrameType.CONTROL, b"\x01\x02" + bytes(20)), "bad_frame"),
+    "control for no transfer": (
+        encode_frame(FrameType.CONTROL, b"\x01\x02" + bytes(20)),
+        "bad_frame",
+    ),
     "garbage payload bytes": (
         _valid_frame + b"\x07" + _valid.payload[1:],
         "bad_codec",

@@ -16,7 +16,7 @@ from wanswarm.transport.framing import FrameType, MessageHeader, StreamDecoder, 
 from wanswarm.transport.framing import encode_header as encode_message_header
 from wanswarm.transport.handshake import ClientHandshake, Hello, encode_auth
 from wanswarm.transport.identity import Identity
-from wanswarm.transport.quic import CloseCode, QuicLink
+from wanswarm.transport.quic_link import CloseCode, QuicLink
 
 from .quic_helpers import address, config, endpoint, run
 

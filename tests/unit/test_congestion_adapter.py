@@ -6,9 +6,15 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from pydantic import ValidationError
 from wanswarm.transport.config import CongestionConfig
 from wanswarm.transport.congestion_adapter import ControllerAdapter, Meter
-from wanswarm.transport.quic import _congestion_algorithm, _ControllerPacer
+from wanswarm.transport.congestion_control import (
+    CONTROLLERS,
+    ControllerPacer,
+    aioquic_algorithm,
+    known_controller,
+)
 
 MSS = 1452
 
@@ -96,7 +102,7 @@ class _Rate:
 
 
 def test_pacer_follows_the_controller_rate() -> None:
-    pacer = _ControllerPacer(max_datagram_size=MSS, adapter=_Rate())  # type: ignore[arg-type]
+    pacer = ControllerPacer(max_datagram_size=MSS, adapter=_Rate())
     pacer.update_rate(congestion_window=10 * MSS, smoothed_rtt=0.05)  # ignored: rate is ours
     now = 0.0
     while pacer.next_send_time(now) is None:  # spend the burst allowance
@@ -106,16 +112,43 @@ def test_pacer_follows_the_controller_rate() -> None:
     # without a rate from the controller yet, nothing is held back
     rate = _Rate()
     rate.pacing_rate = 0.0
-    idle = _ControllerPacer(max_datagram_size=MSS, adapter=rate)  # type: ignore[arg-type]
+    idle = ControllerPacer(max_datagram_size=MSS, adapter=rate)
     for _ in range(100):
         assert idle.next_send_time(0.0) is None
         idle.update_after_send(0.0)
 
 
 def test_algorithms_are_registered_per_setting() -> None:
-    assert _congestion_algorithm(CongestionConfig(algorithm="reno"), MSS).endswith("reno")
-    default = _congestion_algorithm(CongestionConfig(), MSS)
-    other = _congestion_algorithm(CongestionConfig(initial_window_packets=20), MSS)
-    assert default != other and default == _congestion_algorithm(CongestionConfig(), MSS)
-    with pytest.raises(Exception, match="unknown congestion control algorithm"):
-        _congestion_algorithm(CongestionConfig(algorithm="vegas"), MSS)
+    reno = aioquic_algorithm(CongestionConfig(algorithm="reno"))
+    # aioquic's controllers read none of the settings: one registration serves them all
+    assert reno == aioquic_algorithm(CongestionConfig(algorithm="reno", initial_window_packets=20))
+    default = aioquic_algorithm(CongestionConfig())
+    other = aioquic_algorithm(CongestionConfig(initial_window_packets=20))
+    assert default != other and default == aioquic_algorithm(CongestionConfig())
+
+
+def test_every_registered_controller_runs_metered_in_aioquic() -> None:
+    from aioquic.quic.congestion.base import create_congestion_control
+
+    for name in CONTROLLERS:
+        cc = create_congestion_control(
+            aioquic_algorithm(CongestionConfig(algorithm=name)), max_datagram_size=MSS
+        )
+        assert isinstance(cc, Meter), name
+        cc.on_packet_sent(packet=Packet(0, 0.0))
+        assert cc.packets_sent == 1 and cc.bytes_in_flight == MSS, name
+        assert cc.congestion_window >= 2 * MSS, name
+    ours = create_congestion_control(aioquic_algorithm(CongestionConfig()), max_datagram_size=MSS)
+    assert isinstance(ours, Meter) and isinstance(ours.inner, ControllerAdapter)
+
+
+def test_the_config_accepts_only_registered_controllers() -> None:
+    for name in CONTROLLERS:
+        assert CongestionConfig(algorithm=name).algorithm == name
+        assert known_controller(name) is CONTROLLERS[name]
+    with pytest.raises(ValidationError, match="unknown congestion controller 'vegas': use one "
+                       "of 'wanswarm', 'reno', 'cubic'"):
+        CongestionConfig(algorithm="vegas")
+    with pytest.raises(Exception, match="unknown congestion controller 'vegas'"):
+        # a config built without validation is still refused where aioquic would see it
+        aioquic_algorithm(CongestionConfig.model_construct(algorithm="vegas"))

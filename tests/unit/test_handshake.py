@@ -134,7 +134,8 @@ def test_forged_signature_and_role_reflection() -> None:
     with pytest.raises(AuthenticationError):
         server.receive_finish(encode_auth(Finish(proof.signature)))
     # a flipped bit in the server's proof
-    forged = Proof(proof.nonce, proof.server_id, bytes([proof.signature[0] ^ 1]) + proof.signature[1:])
+    flipped = bytes([proof.signature[0] ^ 1]) + proof.signature[1:]
+    forged = Proof(proof.nonce, proof.server_id, flipped)
     with pytest.raises(AuthenticationError):
         client.receive_proof(encode_auth(forged))
 

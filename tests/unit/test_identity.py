@@ -52,7 +52,9 @@ def test_signatures_verify_only_for_the_signer() -> None:
     assert not verify_signature("not-a-peer-id", sig, b"transcript")
 
 
-@pytest.mark.parametrize("bad", ["", "0OIl", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "1" * 60])
+@pytest.mark.parametrize(
+    "bad", ["", "0OIl", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "1" * 60]
+)
 def test_malformed_peer_ids_are_identity_errors(bad: str) -> None:
     with pytest.raises(IdentityError):
         public_key_from_peer_id(bad)
@@ -76,7 +78,10 @@ def test_group_readable_key_is_refused(tmp_path: Path) -> None:
         load_or_create_identity(path)
 
 
-@pytest.mark.parametrize("blob", [b"", b"\x08\x01", b"\x08\x00\x12\x40" + bytes(64), b"\x08\x01\x12\x40" + bytes(10)])
+@pytest.mark.parametrize(
+    "blob",
+    [b"", b"\x08\x01", b"\x08\x00\x12\x40" + bytes(64), b"\x08\x01\x12\x40" + bytes(10)],
+)
 def test_malformed_key_file_is_refused(tmp_path: Path, blob: bytes) -> None:
     path = tmp_path / "identity.key"
     path.write_bytes(blob)

@@ -136,12 +136,12 @@ def test_quic_pacer_slot_paces_at_the_controller_rate_below_the_ack_rate() -> No
     """The pacer installed into aioquic's recovery follows the controller's rate even when
     ACK events arrive far more often than the pacing interval (aioquic's own pacer would
     release a packet at each of them)."""
-    from wanswarm.transport.quic import _ControllerPacer
+    from wanswarm.transport.congestion_control import ControllerPacer
 
     class _Rate:
         pacing_rate = 1_000_000.0  # bytes/s: 1452-byte packets every 1.452 ms
 
-    pacer = _ControllerPacer(max_datagram_size=1452, adapter=cast(Any, _Rate()))
+    pacer = ControllerPacer(max_datagram_size=1452, adapter=cast(Any, _Rate()))
     now, sent = 0.0, 0
     for _ in range(10_000):  # an "ACK" (a chance to send) every 0.1 ms for one second
         pacer.update_rate(congestion_window=10**9, smoothed_rtt=0.001)  # must not matter

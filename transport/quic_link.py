@@ -1,82 +1,44 @@
-"""The aioquic adapter: QUIC connections over one UDP socket.
+"""One QUIC connection, pumped on the event loop: :class:`QuicLink`.
 
-The only module that imports aioquic; its types and exceptions stop here.
+aioquic's ``QuicConnection`` does no I/O. A link feeds it the packets its socket
+(quic_socket.py) hands over, sends what it has to send, keeps its one timer, and turns its
+events into :class:`~.stream.QuicStream` calls. DATAGRAM frames are pulled from registered
+sources only while the congestion window has room (aioquic would queue them without
+bound, ahead of all stream data). After TLS, the link exports what the identity handshake
+needs (quic_config.py); ``peer_id`` is set once that handshake succeeded (connections.py).
 
-- :class:`QuicSocket` owns the node's UDP port. It accepts incoming connections and
-  makes outgoing ones from the same port, demultiplexing packets by destination
-  connection id, so that a peer is always reached at the address it announces.
-- :class:`QuicLink` pumps one sans-I/O ``QuicConnection``: packets in, packets out, one
-  timer, events turned into :class:`~.stream.QuicStream` calls. DATAGRAM frames are
-  pulled from registered sources only while the congestion window has room (aioquic
-  would queue them without bound, ahead of all stream data).
-
-TLS identity. Both sides present a self-signed certificate for their Ed25519 node key.
-CA checks are off; the client compares the server certificate's key with the peer id it
-meant to reach. aioquic has no public switch for client certificates, so the server
-connection sets its TLS context's ``_request_client_certificate`` flag (aioquic does the
-rest: CertificateRequest, and the client's Certificate and CertificateVerify checked
-against its key, RFC 8446 §4.3.2, §4.4). For the identity handshake that then binds both
-peer ids to the connection (handshake.py), each link exports a channel-binding secret
-from the TLS key schedule: HKDF-Expand-Label(master secret, "wanswarm exporter",
-Transcript-Hash(ClientHello..client Finished), 32), the construction of RFC 8446 §7.5 at
-the end of the handshake, which only the two endpoints can compute.
-
-Sizes. Packets are sized for a 1500-byte path MTU: ``max_udp_payload_bytes`` (1452 = 1500
-- 40 IPv6 - 8 UDP) is aioquic's ``max_datagram_size``. Flow-control windows start at the
-bandwidth-delay product of the configured path (aioquic then doubles them as they fill).
-
-Congestion control. ``congestion.algorithm`` "wanswarm" runs congestion.py's loss-tolerant,
-rate-based controller behind aioquic's callbacks (congestion_adapter.py), and aioquic's
-pacer follows the controller's pacing rate; "reno" and "cubic" are aioquic's own. Either
-way a meter counts packets sent and lost and the delivery rate for the link's stats.
+aioquic has no public API for the link's measurements (RTT, congestion window, bytes in
+flight), its DATAGRAM room, or closing without a draining period; the link reads the
+connection's private state for them, which tests/unit/test_aioquic_internals.py checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 import logging
-import math
-import os
-import random
-import socket
-import ssl
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from aioquic.buffer import Buffer
 from aioquic.quic import events
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.congestion.base import (
-    QuicCongestionControl,
-    create_congestion_control,
-    register_congestion_control,
-)
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
-from aioquic.quic.packet import QuicPacketType, encode_quic_version_negotiation, pull_quic_header
-from aioquic.quic.recovery import QuicPacketPacer
-from aioquic.tls import hkdf_expand_label, load_pem_private_key, load_pem_x509_certificates
-from cryptography.hazmat.primitives.serialization import Encoding
 
-from .config import CongestionConfig, TransportConfig
-from .congestion_adapter import CongestionControl, ControllerAdapter, Meter
-from .errors import AuthenticationError, ConfigError, ConnectError, IdentityError
+from .config import TransportConfig
+from .congestion_adapter import Meter
+from .congestion_control import install_pacer
+from .errors import AuthenticationError, ConnectError, IdentityError
 from .handshake import ChannelBinding
-from .identity import Identity, peer_id_from_certificate
-from .pacing import Pacer
+from .quic_config import ALPN, certificate_peer_id, channel_binding, window_bytes
 from .stream import QuicStream, StreamCode
+
+__all__ = ["Address", "CloseCode", "DatagramSource", "LinkOwner", "LinkStats", "QuicLink"]
 
 logger = logging.getLogger(__name__)
 
-ALPN = "wanswarm/1"
-CID_LENGTH = 8
 AEAD_TAG_BYTES = 16  # every QUIC v1/v2 AEAD (RFC 9001 §5.3)
-MIN_INITIAL_BYTES = 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to this
-_EXPORTER_LABEL = b"wanswarm exporter"
 _DATAGRAM_BATCH = 32  # datagrams taken from one source per round-robin turn
 
 Address = tuple[str, int]
@@ -94,141 +56,16 @@ class CloseCode(enum.IntEnum):
     INTERNAL = 0x105
 
 
-# -- congestion control -----------------------------------------------------------------
+class LinkOwner(Protocol):
+    """What a link needs from the socket that made it (quic_socket.QuicSocket)."""
 
+    @property
+    def config(self) -> TransportConfig: ...
 
-class _ControllerPacer(QuicPacketPacer):
-    """aioquic's pacer slot, driven by our controller's pacing rate through our own bucket.
-
-    aioquic's ``QuicPacketPacer`` lets a packet go whenever its bucket holds any credit and
-    forgives the debt of a send it could not pay for, so every ACK releases a packet: a flow
-    can never be paced below its ACK rate, which breaks DRAIN and PROBE_BW's 0.75 phase
-    (see transport/pacing.py). We keep aioquic's call sites (``next_send_time`` before
-    building packets, ``update_after_send`` after each) and answer them from
-    :class:`~.pacing.Pacer`, reading the controller's rate at every send.
-    """
-
-    def __init__(self, *, max_datagram_size: int, adapter: ControllerAdapter) -> None:
-        super().__init__(max_datagram_size=max_datagram_size)
-        self._adapter = adapter
-        self._mss = max_datagram_size
-        self._bucket = Pacer(max_datagram_size=max_datagram_size)
-
-    def _follow(self, now: float) -> None:
-        rate = self._adapter.pacing_rate
-        if rate > 0.0 and math.isfinite(rate) and rate != self._bucket.rate:
-            self._bucket.set_rate(rate, now)
-
-    # aioquic annotates float but returns None for "send now", as we do
-    def next_send_time(self, now: float) -> float | None:  # type: ignore[override]
-        self._follow(now)
-        return self._bucket.next_send_time(now)
-
-    def update_after_send(self, now: float) -> None:
-        self._bucket.on_packet_sent(self._mss, now)
-
-    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
-        """Ignored: the rate is read from the controller at each send, not from cwnd/srtt."""
-
-
-_registered: set[str] = set()
-
-
-def _new_rng() -> random.Random:
-    return random.Random(int.from_bytes(os.urandom(8), "big"))
-
-
-def register_wanswarm_congestion_control() -> None:
-    """Register our controller with aioquic as "wanswarm" (default settings)."""
-    if "wanswarm" not in _registered:
-
-        def factory(*, max_datagram_size: int) -> QuicCongestionControl:
-            adapter = ControllerAdapter(
-                CongestionConfig(), max_datagram_size=max_datagram_size, rng=_new_rng()
-            )
-            return cast(QuicCongestionControl, adapter)
-
-        register_congestion_control("wanswarm", factory)
-        _registered.add("wanswarm")
-
-
-def _congestion_algorithm(config: CongestionConfig, max_datagram_size: int) -> str:
-    """Register (once per distinct settings) the metered controller that ``config``
-    selects, and return the name aioquic knows it by."""
-    register_wanswarm_congestion_control()
-    algorithm = config.algorithm
-    if algorithm == "wanswarm":
-        digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:16]
-        name = f"wanswarm-metered-{digest}"
-
-        def inner(max_datagram_size: int) -> CongestionControl:
-            return ControllerAdapter(config, max_datagram_size=max_datagram_size, rng=_new_rng())
-
-    else:
-        try:
-            create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
-        except Exception as exc:  # aioquic raises a bare Exception for unknown names
-            raise ConfigError(
-                f"unknown congestion control algorithm {algorithm!r}: use 'wanswarm', "
-                "'reno' or 'cubic'"
-            ) from exc
-        name = f"wanswarm-metered-{algorithm}"
-
-        def inner(max_datagram_size: int) -> CongestionControl:
-            return create_congestion_control(algorithm, max_datagram_size=max_datagram_size)
-
-    if name not in _registered:
-
-        def factory(*, max_datagram_size: int) -> QuicCongestionControl:
-            return cast(QuicCongestionControl, Meter(inner(max_datagram_size)))
-
-        register_congestion_control(name, factory)
-        _registered.add(name)
-    return name
-
-
-# -- configuration ----------------------------------------------------------------------
-
-
-def window_bytes(config: TransportConfig) -> int:
-    """Bandwidth-delay product of the planned path, at least aioquic's 1 MiB default."""
-    return max(1 << 20, int(config.path_bandwidth_bps * config.path_rtt_s / 8))
-
-
-def build_configuration(
-    identity: Identity, config: TransportConfig, *, is_client: bool
-) -> QuicConfiguration:
-    """aioquic settings: our certificate, ALPN, windows, packet size, DATAGRAM support."""
-    cert_pem, key_pem = identity.certificate_pem()
-    window = window_bytes(config)
-    qc = QuicConfiguration(
-        alpn_protocols=[ALPN],
-        is_client=is_client,
-        connection_id_length=CID_LENGTH,
-        idle_timeout=config.idle_timeout_s,
-        max_data=2 * window,
-        max_stream_data=window,
-        max_datagram_size=config.max_udp_payload_bytes,
-        max_datagram_frame_size=65536,  # RFC 9221 §3; what we send is bounded by a packet
-        congestion_control_algorithm=_congestion_algorithm(
-            config.congestion, config.max_udp_payload_bytes
-        ),
-        verify_mode=ssl.CERT_NONE,  # no CA: the key is checked against the peer id
-    )
-    qc.certificate = load_pem_x509_certificates(cert_pem)[0]
-    qc.private_key = load_pem_private_key(key_pem)
-    return qc
-
-
-class _ServerConnection(QuicConnection):
-    """A server connection that asks the client for its certificate (mutual TLS)."""
-
-    def _initialize(self, peer_cid: bytes) -> None:
-        super()._initialize(peer_cid)
-        self.tls._request_client_certificate = True
-
-
-# -- links ------------------------------------------------------------------------------
+    def sendto(self, data: bytes, addr: Address) -> None: ...
+    def register_cid(self, cid: bytes, link: QuicLink) -> None: ...
+    def unregister_cid(self, cid: bytes) -> None: ...
+    def forget(self, link: QuicLink) -> None: ...
 
 
 class DatagramSource(Protocol):
@@ -270,23 +107,19 @@ def _guarded(callback: Callable[[Any], None], arg: Any) -> None:
 
 
 class QuicLink:
-    """One QUIC connection, pumped on the event loop; made by :class:`QuicSocket`.
+    """One QUIC connection, pumped on the event loop; made by quic_socket.QuicSocket.
 
     ``peer_id`` is None until the identity handshake (connections.py) has succeeded.
     """
 
     def __init__(
-        self, owner: QuicSocket, quic: QuicConnection, addr: Address, *, is_client: bool
+        self, owner: LinkOwner, quic: QuicConnection, addr: Address, *, is_client: bool
     ) -> None:
         config = owner.config
         self._owner = owner
         self._quic = quic
         self._loop = asyncio.get_running_loop()
-        cc = quic._loss._cc
-        if isinstance(cc, Meter) and isinstance(cc.inner, ControllerAdapter):
-            quic._loss._pacer = _ControllerPacer(
-                max_datagram_size=config.max_udp_payload_bytes, adapter=cc.inner
-            )
+        install_pacer(quic, config.max_udp_payload_bytes)
         self.remote_address = addr
         self.is_client = is_client
         self.peer_id: str | None = None
@@ -628,36 +461,14 @@ class QuicLink:
         try:
             if event.alpn_protocol != ALPN:
                 raise AuthenticationError(f"peer negotiated ALPN {event.alpn_protocol!r}")
-            cert = self._quic.tls._peer_certificate
-            if cert is not None:
-                self.tls_peer_id = peer_id_from_certificate(cert.public_bytes(Encoding.DER))
-            self.binding = self._channel_binding(event.alpn_protocol)
+            self.tls_peer_id = certificate_peer_id(self._quic)
+            self.binding = channel_binding(
+                self._quic, is_client=self.is_client, alpn=event.alpn_protocol
+            )
         except (AuthenticationError, IdentityError) as exc:
             self.handshake_done.set_exception(AuthenticationError(str(exc)))
             return
         self.handshake_done.set_result(None)
-
-    def _channel_binding(self, alpn: str) -> ChannelBinding:
-        quic = self._quic
-        schedule = quic.tls.key_schedule
-        if schedule is None or schedule.generation != 3:
-            raise AuthenticationError("TLS key schedule is not at the master secret")
-        exporter = hkdf_expand_label(
-            algorithm=schedule.algorithm,
-            secret=schedule.secret,
-            label=_EXPORTER_LABEL,
-            hash_value=schedule.hash.copy().finalize(),
-            length=32,
-        )
-        local = quic._local_initial_source_connection_id
-        remote = quic._remote_initial_source_connection_id or b""
-        return ChannelBinding(
-            exporter=exporter,
-            alpn=alpn,
-            original_dcid=quic._original_destination_connection_id or b"",
-            client_scid=local if self.is_client else remote,
-            server_scid=remote if self.is_client else local,
-        )
 
     def _terminate(self, code: int | None, reason: str, *, by_peer: bool) -> None:
         if self._closed.is_set():
@@ -733,199 +544,3 @@ class QuicLink:
         waiter = self._blocked.get(stream_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-
-# -- the socket -------------------------------------------------------------------------
-
-
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, owner: QuicSocket) -> None:
-        self._owner = owner
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        try:
-            self._owner.datagram_received(data, (addr[0], addr[1]))
-        except Exception:  # one packet must never take the socket down
-            logger.exception("dropped a packet from %s that raised", addr)
-
-    def error_received(self, exc: Exception) -> None:
-        logger.debug("UDP socket error: %s", exc)
-
-
-class QuicSocket:
-    """The node's QUIC port. ``on_accept`` gets each incoming connection as soon as it
-    exists (before TLS completes); :meth:`connect` makes outgoing ones."""
-
-    def __init__(
-        self,
-        identity: Identity,
-        config: TransportConfig,
-        on_accept: Callable[[QuicLink], None],
-    ) -> None:
-        self.identity = identity
-        self.config = config
-        self._on_accept = on_accept
-        self._server_config = build_configuration(identity, config, is_client=False)
-        self._client_config = build_configuration(identity, config, is_client=True)
-        self._transport: asyncio.DatagramTransport | None = None
-        self._protocol: _Protocol | None = None
-        self._family = socket.AF_INET
-        self._by_cid: dict[bytes, QuicLink] = {}
-        self._links: set[QuicLink] = set()
-        self.accepting = True
-        self.address: Address = ("", 0)
-
-    @property
-    def links(self) -> list[QuicLink]:
-        return list(self._links)
-
-    async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        try:
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, option, self.config.socket_buffer_bytes)
-            sock.bind((host, port))
-            transport, protocol = await loop.create_datagram_endpoint(
-                lambda: _Protocol(self), sock=sock
-            )
-        except OSError as exc:
-            sock.close()
-            raise ConnectError(f"cannot bind UDP {host}:{port}: {exc}") from exc
-        self._transport = transport
-        self._protocol = protocol
-        self._family = family
-        bound = sock.getsockname()
-        self.address = (str(bound[0]), int(bound[1]))
-
-    def sendto(self, data: bytes, addr: Address) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.sendto(data, addr)
-
-    def register_cid(self, cid: bytes, link: QuicLink) -> None:
-        self._by_cid[cid] = link
-
-    def unregister_cid(self, cid: bytes) -> None:
-        self._by_cid.pop(cid, None)
-
-    def forget(self, link: QuicLink) -> None:
-        self._links.discard(link)
-        for cid in [c for c, other in self._by_cid.items() if other is link]:
-            del self._by_cid[cid]
-
-    def datagram_received(self, data: bytes, addr: Address) -> None:
-        try:
-            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
-        except ValueError:
-            return
-        versions = self._server_config.supported_versions
-        if (
-            header.packet_type != QuicPacketType.VERSION_NEGOTIATION
-            and header.version is not None
-            and header.version not in versions
-        ):  # RFC 9000 §6, never in answer to a version negotiation packet
-            self.sendto(
-                encode_quic_version_negotiation(
-                    source_cid=header.destination_cid,
-                    destination_cid=header.source_cid,
-                    supported_versions=versions,
-                ),
-                addr,
-            )
-            return
-        link = self._by_cid.get(header.destination_cid)
-        if link is None:
-            if (
-                not self.accepting
-                or header.packet_type != QuicPacketType.INITIAL
-                or len(data) < MIN_INITIAL_BYTES
-            ):
-                return
-            link = self._accept(header.destination_cid, addr)
-            if link is None:
-                return
-        link.datagram_received(data, addr)
-
-    def _accept(self, dcid: bytes, addr: Address) -> QuicLink | None:
-        unauthenticated = sum(1 for link in self._links if link.peer_id is None)
-        if (
-            len(self._links) >= self.config.max_connections
-            or unauthenticated >= self.config.max_unauthenticated
-        ):
-            logger.warning("ignoring a new connection from %s: too many connections", addr)
-            return None
-        quic = _ServerConnection(
-            configuration=self._server_config, original_destination_connection_id=dcid
-        )
-        link = QuicLink(self, quic, addr, is_client=False)
-        self._links.add(link)
-        self._by_cid[dcid] = link
-        self._by_cid[quic.host_cid] = link
-        self._on_accept(link)
-        return link
-
-    async def connect(self, host: str, port: int) -> QuicLink:
-        """A new connection to ``host:port`` once QUIC/TLS completed (deadline:
-        ``connect_timeout_s``). The caller checks ``tls_peer_id`` and authenticates."""
-        if self._transport is None:
-            raise ConnectError("QUIC socket not started")
-        if len(self._links) >= self.config.max_connections:
-            raise ConnectError("too many connections")
-        addr = await self._resolve(host, port)
-        quic = QuicConnection(configuration=self._client_config)
-        link = QuicLink(self, quic, addr, is_client=True)
-        self._links.add(link)
-        self._by_cid[quic.host_cid] = link
-        quic.connect(addr, now=asyncio.get_running_loop().time())
-        link.transmit()
-        try:
-            async with asyncio.timeout(self.config.connect_timeout_s):
-                await link.handshake_done
-        except TimeoutError:
-            link.abandon(CloseCode.NO_ERROR, "handshake timed out")
-            raise ConnectError(f"QUIC handshake with {host}:{port} timed out") from None
-        except AuthenticationError:
-            link.abandon(CloseCode.AUTH_FAILED, "unacceptable TLS peer")
-            raise
-        return link
-
-    async def _resolve(self, host: str, port: int) -> Address:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.config.connect_timeout_s):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        except (OSError, TimeoutError) as exc:
-            raise ConnectError(f"cannot resolve {host}:{port}: {exc!r}") from exc
-        for family, _, _, _, sockaddr in infos:
-            if family == self._family:
-                return (str(sockaddr[0]), int(sockaddr[1]))
-            if family == socket.AF_INET and self._family == socket.AF_INET6:
-                return ("::ffff:" + str(sockaddr[0]), int(sockaddr[1]))
-        raise ConnectError(f"{host}:{port} has no address our socket can reach")
-
-    async def close(self, timeout: float) -> None:
-        """Stop accepting, close every connection, wait (bounded) for the closes to go."""
-        self.accepting = False
-        links = list(self._links)
-        for link in links:
-            link.close(CloseCode.SHUTDOWN, "endpoint closing")
-        if links:
-            waits = [asyncio.ensure_future(link.wait_closed()) for link in links]
-            _, pending = await asyncio.wait(waits, timeout=timeout)
-            for waiter in pending:
-                waiter.cancel()
-        for link in list(self._links):
-            link.abandon(CloseCode.SHUTDOWN, "endpoint closed")
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._protocol is not None:  # the port is free once the socket is closed
-            await asyncio.wait([self._protocol.lost], timeout=timeout)

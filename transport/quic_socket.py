@@ -1,0 +1,225 @@
+"""The node's QUIC port: one UDP socket for every connection, both directions.
+
+:class:`QuicSocket` accepts incoming connections and makes outgoing ones from the same
+port, demultiplexing packets by destination connection id, so that a peer is always
+reached at the address it announces. Each connection is a :class:`~.quic_link.QuicLink`;
+the socket only routes packets to links, answers unknown QUIC versions (RFC 9000 §6) and
+caps how many connections, and how many still unauthenticated, it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aioquic.buffer import Buffer
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, encode_quic_version_negotiation, pull_quic_header
+
+from .config import TransportConfig
+from .errors import AuthenticationError, ConnectError
+from .identity import Identity
+from .quic_config import CID_LENGTH, ServerConnection, build_configuration
+from .quic_link import Address, CloseCode, QuicLink
+
+__all__ = ["QuicSocket"]
+
+logger = logging.getLogger(__name__)
+
+MIN_INITIAL_BYTES = 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to this
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, owner: QuicSocket) -> None:
+        self._owner = owner
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            self._owner.datagram_received(data, (addr[0], addr[1]))
+        except Exception:  # one packet must never take the socket down
+            logger.exception("dropped a packet from %s that raised", addr)
+
+    def error_received(self, exc: Exception) -> None:
+        logger.debug("UDP socket error: %s", exc)
+
+
+class QuicSocket:
+    """The node's QUIC port. ``on_accept`` gets each incoming connection as soon as it
+    exists (before TLS completes); :meth:`connect` makes outgoing ones."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: TransportConfig,
+        on_accept: Callable[[QuicLink], None],
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self._on_accept = on_accept
+        self._server_config = build_configuration(identity, config, is_client=False)
+        self._client_config = build_configuration(identity, config, is_client=True)
+        self._transport: asyncio.DatagramTransport | None = None
+        self._protocol: _Protocol | None = None
+        self._family = socket.AF_INET
+        self._by_cid: dict[bytes, QuicLink] = {}
+        self._links: set[QuicLink] = set()
+        self.accepting = True
+        self.address: Address = ("", 0)
+
+    @property
+    def links(self) -> list[QuicLink]:
+        return list(self._links)
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, option, self.config.socket_buffer_bytes)
+            sock.bind((host, port))
+            transport, protocol = await loop.create_datagram_endpoint(
+                lambda: _Protocol(self), sock=sock
+            )
+        except OSError as exc:
+            sock.close()
+            raise ConnectError(f"cannot bind UDP {host}:{port}: {exc}") from exc
+        self._transport = transport
+        self._protocol = protocol
+        self._family = family
+        bound = sock.getsockname()
+        self.address = (str(bound[0]), int(bound[1]))
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.sendto(data, addr)
+
+    def register_cid(self, cid: bytes, link: QuicLink) -> None:
+        self._by_cid[cid] = link
+
+    def unregister_cid(self, cid: bytes) -> None:
+        self._by_cid.pop(cid, None)
+
+    def forget(self, link: QuicLink) -> None:
+        self._links.discard(link)
+        for cid in [c for c, other in self._by_cid.items() if other is link]:
+            del self._by_cid[cid]
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
+        except ValueError:
+            return
+        versions = self._server_config.supported_versions
+        if (
+            header.packet_type != QuicPacketType.VERSION_NEGOTIATION
+            and header.version is not None
+            and header.version not in versions
+        ):  # RFC 9000 §6, never in answer to a version negotiation packet
+            self.sendto(
+                encode_quic_version_negotiation(
+                    source_cid=header.destination_cid,
+                    destination_cid=header.source_cid,
+                    supported_versions=versions,
+                ),
+                addr,
+            )
+            return
+        link = self._by_cid.get(header.destination_cid)
+        if link is None:
+            if (
+                not self.accepting
+                or header.packet_type != QuicPacketType.INITIAL
+                or len(data) < MIN_INITIAL_BYTES
+            ):
+                return
+            link = self._accept(header.destination_cid, addr)
+            if link is None:
+                return
+        link.datagram_received(data, addr)
+
+    def _accept(self, dcid: bytes, addr: Address) -> QuicLink | None:
+        unauthenticated = sum(1 for link in self._links if link.peer_id is None)
+        if (
+            len(self._links) >= self.config.max_connections
+            or unauthenticated >= self.config.max_unauthenticated
+        ):
+            logger.warning("ignoring a new connection from %s: too many connections", addr)
+            return None
+        quic = ServerConnection(
+            configuration=self._server_config, original_destination_connection_id=dcid
+        )
+        link = QuicLink(self, quic, addr, is_client=False)
+        self._links.add(link)
+        self._by_cid[dcid] = link
+        self._by_cid[quic.host_cid] = link
+        self._on_accept(link)
+        return link
+
+    async def connect(self, host: str, port: int) -> QuicLink:
+        """A new connection to ``host:port`` once QUIC/TLS completed (deadline:
+        ``connect_timeout_s``). The caller checks ``tls_peer_id`` and authenticates."""
+        if self._transport is None:
+            raise ConnectError("QUIC socket not started")
+        if len(self._links) >= self.config.max_connections:
+            raise ConnectError("too many connections")
+        addr = await self._resolve(host, port)
+        quic = QuicConnection(configuration=self._client_config)
+        link = QuicLink(self, quic, addr, is_client=True)
+        self._links.add(link)
+        self._by_cid[quic.host_cid] = link
+        quic.connect(addr, now=asyncio.get_running_loop().time())
+        link.transmit()
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                await link.handshake_done
+        except TimeoutError:
+            link.abandon(CloseCode.NO_ERROR, "handshake timed out")
+            raise ConnectError(f"QUIC handshake with {host}:{port} timed out") from None
+        except AuthenticationError:
+            link.abandon(CloseCode.AUTH_FAILED, "unacceptable TLS peer")
+            raise
+        return link
+
+    async def _resolve(self, host: str, port: int) -> Address:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectError(f"cannot resolve {host}:{port}: {exc!r}") from exc
+        for family, _, _, _, sockaddr in infos:
+            if family == self._family:
+                return (str(sockaddr[0]), int(sockaddr[1]))
+            if family == socket.AF_INET and self._family == socket.AF_INET6:
+                return ("::ffff:" + str(sockaddr[0]), int(sockaddr[1]))
+        raise ConnectError(f"{host}:{port} has no address our socket can reach")
+
+    async def close(self, timeout: float) -> None:
+        """Stop accepting, close every connection, wait (bounded) for the closes to go."""
+        self.accepting = False
+        links = list(self._links)
+        for link in links:
+            link.close(CloseCode.SHUTDOWN, "endpoint closing")
+        if links:
+            waits = [asyncio.ensure_future(link.wait_closed()) for link in links]
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for waiter in pending:
+                waiter.cancel()
+        for link in list(self._links):
+            link.abandon(CloseCode.SHUTDOWN, "endpoint closed")
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._protocol is not None:  # the port is free once the socket is closed
+            await asyncio.wait([self._protocol.lost], timeout=timeout)
