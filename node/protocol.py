@@ -21,7 +21,10 @@ then apply a second time).
 
 Errors travel as ``RemoteError(code)`` (transport); the codes are ``ErrorCode``. Headers
 are versioned pydantic models (``v``); everything from the other side is untrusted and
-validated here, tensors included (dtype, shape, range), before any compute is spent.
+validated here, tensors included (dtype, shape, range), before any compute is spent. A
+stage's output that the trainer relays to the next stage undecoded is checked here
+against its header only (``check_relayed``); its values are checked where it is decoded,
+by the next stage's endpoint, before that stage computes on it.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ..transport.errors import RemoteError
+from ..transport.tensors import ReceivedTensor
 from .config.runspec import RunSpec
 from .errors import NodeError
+from .membership.records import ServerState
 
 PROTOCOL_VERSION: Final[int] = 1
 
@@ -103,7 +108,9 @@ class HopId(_Wire):
     trainer: str = Field(pattern=_ID_PATTERN, description="Peer id of the trainer.")
     micro_batch: int = Field(ge=0, lt=2**63, description="Trainer-unique micro-batch id.")
     stage: int = Field(ge=0, le=4095, description="Stage this hop is for.")
-    attempt: int = Field(default=0, ge=0, le=1000, description="Retry number of this hop (0 first).")
+    attempt: int = Field(
+        default=0, ge=0, le=1000, description="Retry number of this hop (0 first)."
+    )
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -123,7 +130,8 @@ class ForwardRequest(_Request):
     """``forward``: tensors ``[x]``; answer ``[y]``."""
 
     keep_input: bool = Field(
-        default=True, description="Cache x so that a backward may reference it (False for validation)."
+        default=True,
+        description="Cache x so that a backward may reference it (False for validation).",
     )
 
 
@@ -148,6 +156,16 @@ class InfoRequest(_Wire):
     run_id: str = Field(pattern=_ID_PATTERN, description="RunSpec.run_id of the asker.")
 
 
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("loss must be finite")
+    return value
+
+
+# a loss in a reply header: mean cross-entropy, nats per token, finite
+FiniteLoss = Annotated[float, AfterValidator(_finite)]
+
+
 class _Reply(_Wire):
     v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     queue_len: int = Field(ge=0, le=1_000_000, description="Jobs queued after this one finished.")
@@ -164,15 +182,8 @@ class ForwardReply(_Reply):
 class LossReply(_Reply):
     """Answer to ``forward_loss``: tensors ``[dL/dx]`` (none on a single-stage run)."""
 
-    loss: float = Field(description="Mean cross-entropy, nats per token.")
+    loss: FiniteLoss = Field(description="Mean cross-entropy, nats per token.")
     duplicate: bool = Field(description="Already applied: gradients were not accumulated again.")
-
-    @field_validator("loss")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("loss must be finite")
-        return value
 
 
 class BackwardReply(_Reply):
@@ -184,14 +195,7 @@ class BackwardReply(_Reply):
 class EvalReply(_Reply):
     """Answer to ``eval_loss``: no tensors."""
 
-    loss: float = Field(description="Mean cross-entropy, nats per token.")
-
-    @field_validator("loss")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("loss must be finite")
-        return value
+    loss: FiniteLoss = Field(description="Mean cross-entropy, nats per token.")
 
 
 class InfoReply(_Wire):
@@ -200,7 +204,7 @@ class InfoReply(_Wire):
     v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     run_id: str = Field(pattern=_ID_PATTERN)
     stage: int = Field(ge=0, le=4095)
-    state: Literal["joining", "online", "draining"]
+    state: ServerState
     queue_len: int = Field(ge=0, le=1_000_000)
     queue_capacity: int = Field(ge=0, le=1_000_000)
     throughput: float = Field(ge=0.0, description="Samples/s of forward+backward.")
@@ -365,16 +369,20 @@ class StageContract:
             raise refuse(ErrorCode.BAD_REQUEST, f"{what} has NaN or Inf")
 
 
-def check_reply_tensor(
-    tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, what: str
-) -> torch.Tensor:
-    """The single tensor of a reply, with the expected shape and dtype, finite; else BadReply."""
+def check_relayed(
+    tensors: Sequence[object], shape: tuple[int, ...], dtype: torch.dtype, what: str
+) -> ReceivedTensor:
+    """The single tensor of a reply, to relay undecoded: a ReceivedTensor whose header
+    gives the expected shape and dtype; else BadReply.
+
+    Checked on its receipt already: its codec, payload length and codec header bytes.
+    Not checked here: its values (scales, NaN/Inf), which whoever decodes it checks (the
+    next stage's endpoint refuses a bad payload before anything is computed on it).
+    """
     if len(tensors) != 1:
         raise BadReply(f"{what}: expected 1 tensor, got {len(tensors)}")
     t = tensors[0]
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+    if not isinstance(t, ReceivedTensor) or t.dtype != dtype or t.shape != shape:
+        got = f"{t.dtype} {t.shape}" if isinstance(t, ReceivedTensor) else type(t).__name__
         raise BadReply(f"{what}: expected {dtype} {shape}, got {got}")
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise BadReply(f"{what}: NaN or Inf")
     return t

@@ -19,6 +19,14 @@ Failure modes, all subclasses of TransportError:
   ``too_large``, ``non_finite``, ...);
 - ``ProtocolError`` (FramingError, PayloadError, CodecError): the response was malformed.
 
+Tensors (tensors.py): a request or a response carries plain tensors (encoded with its
+codec), EncodedTensors or ReceivedTensors (relayed as they came in: a trainer passes one
+stage's output to the next without decoding and re-encoding it). A server's handler gets
+its request's tensors decoded and checked: a payload with bad values is refused with its
+error code before the handler runs. A requester gets the response's tensors decoded and
+checked too, or, with ``lazy=True``, as ReceivedTensors that were checked against their
+headers on receipt and decode (checking the values) on first access.
+
 A request is re-sent at most once, and only when it went out on a connection made
 before it that then died with no byte of reply (a peer that restarted, a path that
 went away while idle); the node's request ids are idempotent.
@@ -38,7 +46,7 @@ from typing import Any, Self
 import torch
 from pydantic import ValidationError
 
-from .codecs import CodecSpec, EncodedTensor, encode
+from .codecs import CodecSpec, EncodedTensor
 from .config import TransportConfig
 from .connections import Connections
 from .errors import (
@@ -51,17 +59,15 @@ from .errors import (
     TransportError,
 )
 from .exchange import Inbound, Message, Outgoing, send_message
-from .framing import WIRE_VERSION, MessageHeader, decode_tensor, encode_header, error_header
+from .framing import WIRE_VERSION, MessageHeader, encode_header, error_header
 from .identity import Identity
-from .quic import QuicLink
+from .quic_link import QuicLink
 from .redundancy import LossEstimator
 from .stream import QuicStream, StreamCode
+from .tensors import ReceivedTensor, Sendable, decode_all, encode_all
 from .transfers import TransferHub
 
 logger = logging.getLogger(__name__)
-
-_THREAD_BYTES = 1 << 20  # codec work on larger tensors runs in a worker thread
-_NONE = CodecSpec("none")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class PeerAddress:
 
 @dataclass
 class Request:
+    """A request as its handler gets it: the tensors decoded and checked on receipt."""
+
     peer_id: str
     kind: str
     header: dict[str, Any]
@@ -81,9 +89,16 @@ class Request:
 
 @dataclass
 class Response:
+    """A handler's answer, or what ``Endpoint.request`` returns.
+
+    Sent: plain tensors go out encoded with ``codec`` (None = "none"), EncodedTensor and
+    ReceivedTensor items as they are. Returned by a request: decoded tensors, or
+    ReceivedTensors with ``lazy=True``.
+    """
+
     header: dict[str, Any]
-    tensors: list[torch.Tensor | EncodedTensor] = field(default_factory=list)
-    codec: CodecSpec | None = None  # codec for plain tensors in the reply (None = "none")
+    tensors: list[Sendable] = field(default_factory=list)
+    codec: CodecSpec | None = None
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -227,7 +242,8 @@ class Endpoint:
                 registration = self._handlers.get(message.header.kind)
                 if registration is None:
                     raise RemoteError("unknown_kind", f"no handler for {message.header.kind!r}")
-                tensors = await self._decode(message, registration.allow_nonfinite)
+                received = _received(message, registration.allow_nonfinite, peer_id)
+                tensors = await decode_all(received)
                 request = Request(peer_id, message.header.kind, message.header.header, tensors)
                 response = await self._run_handler(registration.handler, request, inbound.task)
             except TimeoutError:
@@ -324,16 +340,20 @@ class Endpoint:
         peer: PeerAddress,
         kind: str,
         header: dict[str, Any],
-        tensors: Sequence[torch.Tensor | EncodedTensor] = (),
+        tensors: Sequence[Sendable] = (),
         *,
         codec: CodecSpec | None = None,
         timeout: float,
         allow_nonfinite: bool = False,
+        lazy: bool = False,
     ) -> Response:
-        """Send a request and wait for its response (tensors decoded to torch.Tensor).
+        """Send a request and wait for its response.
 
         ``codec`` encodes the plain tensors (None = "none"); EncodedTensor items go as
-        they are. ``allow_nonfinite`` accepts NaN/Inf in the response's tensors.
+        they are, ReceivedTensor items as they came in. The response's tensors come
+        decoded (torch.Tensor) or, with ``lazy``, as ReceivedTensors, checked against
+        their headers here and decoded on first access (tensors.py says what is checked
+        when). ``allow_nonfinite`` accepts NaN/Inf in the response's tensors.
         """
         if self._closing or not self._started:
             raise ConnectError("endpoint is not running")
@@ -357,7 +377,11 @@ class Endpoint:
                             raise link.closed_error() from None
                         logger.info("connection to %s was dead; re-sending request %d",
                                     peer.peer_id, request_id)
-                tensors_out = await self._decode(message, allow_nonfinite)
+                received = _received(message, allow_nonfinite, peer.peer_id)
+                if lazy:
+                    tensors_out: list[Sendable] = list(received)
+                else:
+                    tensors_out = list(await decode_all(received))
         except TimeoutError:
             self._count("errors.timeout")
             raise RequestTimeout(
@@ -369,8 +393,7 @@ class Endpoint:
         except TransportError as exc:
             self._count(f"errors.{type(exc).__name__}")
             raise
-        out: list[torch.Tensor | EncodedTensor] = list(tensors_out)
-        return Response(header=message.header.header, tensors=out)
+        return Response(header=message.header.header, tensors=tensors_out)
 
     async def _exchange(
         self,
@@ -417,7 +440,9 @@ class Endpoint:
             if not done:
                 stream.abort(StreamCode.CANCELLED)
         if message.header.type == "error":
-            raise RemoteError(message.header.error_code or "error", message.header.error_message or "")
+            raise RemoteError(
+                message.header.error_code or "error", message.header.error_message or ""
+            )
         return message
 
     async def ping(self, peer: PeerAddress, *, timeout: float) -> float:
@@ -427,7 +452,9 @@ class Endpoint:
                 link = await self._connections.get(peer.peer_id, peer.host, peer.port)
                 return await link.ping()
         except TimeoutError:
-            raise RequestTimeout(f"ping to {peer.peer_id} timed out after {timeout:.3g} s") from None
+            raise RequestTimeout(
+                f"ping to {peer.peer_id} timed out after {timeout:.3g} s"
+            ) from None
 
     # measurements
 
@@ -466,27 +493,17 @@ class Endpoint:
 
     # tensors
 
-    async def _decode(self, message: Message, allow_nonfinite: bool) -> list[torch.Tensor]:
-        plans = message.plans
-        big = sum(p.spec.nbytes for p in plans) > _THREAD_BYTES
-
-        def run() -> list[torch.Tensor]:
-            return [
-                decode_tensor(plan, message.payloads[i], allow_nonfinite=allow_nonfinite)
-                for i, plan in enumerate(plans)
-            ]
-
-        return await asyncio.to_thread(run) if big else run()
-
     async def _encode(
-        self, tensors: Sequence[torch.Tensor | EncodedTensor], codec: CodecSpec | None
+        self, tensors: Sequence[Sendable], codec: CodecSpec | None
     ) -> list[EncodedTensor]:
-        spec = codec or _NONE
         if len(tensors) > self.config.limits.max_tensors:
             raise FramingError(f"{len(tensors)} tensors exceed max_tensors")
-        big = sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor)) > _THREAD_BYTES
+        return await encode_all(tensors, codec)
 
-        def run() -> list[EncodedTensor]:
-            return [t if isinstance(t, EncodedTensor) else encode(t, spec) for t in tensors]
 
-        return await asyncio.to_thread(run) if big else run()
+def _received(message: Message, allow_nonfinite: bool, sender: str) -> list[ReceivedTensor]:
+    """The message's tensors as received: checked against their headers, not decoded."""
+    return [
+        ReceivedTensor(plan, message.payloads[i], allow_nonfinite=allow_nonfinite, sender=sender)
+        for i, plan in enumerate(message.plans)
+    ]

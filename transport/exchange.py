@@ -194,7 +194,9 @@ class Inbound:
                     self._control(event.body)
                 elif isinstance(event, HeaderReceived):
                     if event.header.type not in self._allowed:
-                        raise FramingError(f"expected a {self._allowed[0]}, got {event.header.type}")
+                        raise FramingError(
+                            f"expected a {self._allowed[0]}, got {event.header.type}"
+                        )
                     self.hub.reserve(total := sum(p.spec.nbytes for p in event.plans))
                     self._reserved = total
                     message = Message(event.header, event.plans)

@@ -1,7 +1,7 @@
 """One bidirectional QUIC stream as the application sees it: read, write, end, abort.
 
 The stream holds no protocol state of its own: bytes go to the connection through the
-small :class:`StreamOwner` interface (implemented by ``quic.QuicLink``), which also
+small :class:`StreamOwner` interface (implemented by ``quic_link.QuicLink``), which also
 tells it about data, resets, STOP_SENDING and the end of the connection.
 """
 

@@ -2,7 +2,7 @@
 
 One :class:`TransferHub` per authenticated connection. Sending: each
 :class:`~.session.SenderTransfer` becomes a datagram source of the connection, which
-pulls symbols only as its congestion window has room (quic.py). Receiving: every
+pulls symbols only as its congestion window has room (quic_link.py). Receiving: every
 DATAGRAM frame goes to the connection's :class:`~.datagram_router.DatagramRouter`; a
 transfer announced by a message header is registered with :meth:`TransferHub.expect`,
 its COMPLETION and REPAIR_REQUEST messages go out as CONTROL frames on the stream that
@@ -23,7 +23,7 @@ from .datagram_router import DatagramRouter
 from .errors import FecError, FramingError
 from .fec import TransferLayout
 from .framing import FrameType, TensorSpec, encode_frame
-from .quic import QuicLink
+from .quic_link import QuicLink
 from .redundancy import LossEstimator
 from .session import ReceiverTransfer, SenderTransfer
 from .session_wire import FLAG_LAST, MAX_TRANSFER_ID, symbol_size_for
@@ -156,7 +156,9 @@ class TransferHub:
             max_length=self.config.limits.max_message_bytes,
         )
         now = self._loop.time()
-        receiver = ReceiverTransfer(spec.transfer_id, layout, self.config.fec, now=now, rtt=self.rtt())
+        receiver = ReceiverTransfer(
+            spec.transfer_id, layout, self.config.fec, now=now, rtt=self.rtt()
+        )
         incoming = _Incoming(receiver, stream)
         self._incoming[spec.transfer_id] = incoming
         if self._router.add(receiver, now):
@@ -186,7 +188,9 @@ class TransferHub:
         self._incoming.pop(transfer_id, None)
         self._router.remove(transfer_id)
         try:
-            incoming.stream.write_nowait(encode_frame(FrameType.CONTROL, incoming.receiver.completion()))
+            incoming.stream.write_nowait(
+                encode_frame(FrameType.CONTROL, incoming.receiver.completion())
+            )
         except Exception as exc:  # the stream is gone: its exchange fails on its own
             logger.debug("completion of transfer %d not sent: %s", transfer_id, exc)
         if not incoming.future.done():

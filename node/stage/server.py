@@ -55,18 +55,20 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
+from ...transport.codecs import CodecSpec, encode, parse_codec
 from ...transport.endpoint import Handler, Request, Response
 from ...transport.error_feedback import ErrorFeedback
 from ...transport.errors import RemoteError
+from ...transport.tensors import Sendable
 from ..config.runspec import RunSpec
 from ..logs import get_logger
+from ..membership.records import ServerState
 from ..protocol import (
     BackwardReply,
     BackwardRequest,
@@ -96,8 +98,6 @@ from .throughput import cached_throughput
 
 log = get_logger(__name__)
 
-ServerState = Literal["joining", "online", "draining"]
-
 
 class StageServerConfig(BaseModel):
     """How a stage server queues, caches and measures its work."""
@@ -105,37 +105,57 @@ class StageServerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     device: str = Field(
-        default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'."
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="'auto' (CUDA if present), 'cpu' or 'cuda[:N]'.",
     )
     queue_size: int = Field(
-        default=16, ge=1, le=4096, description="Jobs queued or running on the device; beyond it we answer 'busy'."
+        default=16,
+        ge=1,
+        le=4096,
+        description="Jobs queued or running on the device; beyond it we answer 'busy'.",
     )
     cache_entries: int = Field(
-        default=256, ge=0, le=1_000_000, description="Forward inputs kept for backward references (0 disables)."
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="Forward inputs kept for backward references (0 disables).",
     )
     cache_bytes: int = Field(
         default=256 * 2**20, ge=0, description="Byte budget of the forward-input cache."
     )
     cache_ttl_s: float = Field(
-        default=120.0, gt=0.0, le=86400.0, description="Seconds a cached forward input stays referenceable."
+        default=120.0,
+        gt=0.0,
+        le=86400.0,
+        description="Seconds a cached forward input stays referenceable.",
     )
     applied_entries: int = Field(
         default=200_000,
         ge=1,
         le=10_000_000,
-        description="Applied (trainer, micro-batch) keys remembered to suppress duplicate gradients.",
+        description=(
+            "Applied (trainer, micro-batch) keys remembered to suppress duplicate gradients."
+        ),
     )
     reply_cache_entries: int = Field(
-        default=64, ge=0, le=100_000, description="Recent backward replies kept to answer a retried hop exactly."
+        default=64,
+        ge=0,
+        le=100_000,
+        description="Recent backward replies kept to answer a retried hop exactly.",
     )
     error_feedback: bool = Field(
-        default=True, description="Encode returned input gradients through error feedback (per trainer)."
+        default=True,
+        description="Encode returned input gradients through error feedback (per trainer).",
     )
     error_feedback_bytes: int = Field(
         default=512 * 2**20, ge=0, description="Memory bound of the error-feedback residuals."
     )
     benchmark_iterations: int = Field(
-        default=3, ge=1, le=1000, description="Timed forward+backward passes of the start-up benchmark."
+        default=3,
+        ge=1,
+        le=1000,
+        description="Timed forward+backward passes of the start-up benchmark.",
     )
     checkpoint_period_s: float = Field(
         default=300.0,
@@ -143,11 +163,15 @@ class StageServerConfig(BaseModel):
         le=7 * 86400.0,
         description=(
             "Seconds between checkpoints of the stage in <state_dir>/checkpoints (taken after an "
-            "optimizer step once the epoch has moved); 0 disables periodic ones (leaving still saves one)."
+            "optimizer step once the epoch has moved); 0 disables periodic ones (leaving still "
+            "saves one)."
         ),
     )
     checkpoint_keep: int = Field(
-        default=2, ge=1, le=1000, description="Newest checkpoints of the stage kept on disk; older ones are deleted."
+        default=2,
+        ge=1,
+        le=1000,
+        description="Newest checkpoints of the stage kept on disk; older ones are deleted.",
     )
     step_check_period_s: float = Field(
         default=0.5,
@@ -166,7 +190,8 @@ class StageServerConfig(BaseModel):
 
 @dataclass
 class StageServerCounters:
-    """What the server did since start (the device thread and the event loop write disjoint fields)."""
+    """What the server did since start (the device thread and the event loop write disjoint
+    fields)."""
 
     forward: int = 0
     forward_loss: int = 0
@@ -247,7 +272,9 @@ class StageServer:
         self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
         self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
         self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-device")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"stage{stage}-device"
+        )
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -257,8 +284,16 @@ class StageServer:
         self._digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
         self.resumed_from: ResumeSource = "fresh"
         self._state_settled = False  # open() has decided where the state comes from
-        self._checkpoints = None if state_dir is None else Checkpointer(
-            state_dir, spec.run_id, stage, period_s=config.checkpoint_period_s, keep=config.checkpoint_keep
+        self._checkpoints = (
+            None
+            if state_dir is None
+            else Checkpointer(
+                state_dir,
+                spec.run_id,
+                stage,
+                period_s=config.checkpoint_period_s,
+                keep=config.checkpoint_keep,
+            )
         )
         # ``donors``: the stage's online replicas, to download from (then ``endpoint`` must send
         # requests too, i.e. be a transport Endpoint); every server donates its own state
@@ -278,7 +313,8 @@ class StageServer:
     # ---- lifecycle ----------------------------------------------------------------
 
     async def open(self) -> None:
-        """Load the stage's state from its peers or our checkpoint, measure throughput, then serve."""
+        """Load the stage's state from its peers or our checkpoint, measure throughput, then
+        serve."""
         loop = asyncio.get_running_loop()
         loaded = await self._sharing.load()
         peer_epoch = self.optimizer.local_epoch
@@ -287,19 +323,29 @@ class StageServer:
         self.resumed_from = "peers" if loaded else "fresh"
         if self._checkpoints is not None:
             self.resumed_from = await loop.run_in_executor(
-                self._executor, self._checkpoints.resume,
-                lambda *state: self.optimizer.import_state(*state),  # looked up only when a checkpoint is found
-                loaded, peer_epoch,
+                self._executor,
+                self._checkpoints.resume,
+                # the method is looked up only when a checkpoint is found
+                lambda *state: self.optimizer.import_state(*state),
+                loaded,
+                peer_epoch,
             )
             self._checkpoints.schedule.mark(self.clock(), self.optimizer.local_epoch)
         self._state_settled = True
         self.throughput = await loop.run_in_executor(
             self._executor,
             cached_throughput,
-            self.module, self.spec, self.stage, self.device, self.state_dir, self.config.benchmark_iterations,
+            self.module,
+            self.spec,
+            self.stage,
+            self.device,
+            self.state_dir,
+            self.config.benchmark_iterations,
         )
         self.state = "online"
-        self._checker = asyncio.create_task(self._check_step_loop(), name=f"stage{self.stage}-step-check")
+        self._checker = asyncio.create_task(
+            self._check_step_loop(), name=f"stage{self.stage}-step-check"
+        )
         log.info("stage %d online: %.1f samples/s on %s", self.stage, self.throughput, self.device)
 
     async def start(self, ctx: Any) -> None:
@@ -326,8 +372,12 @@ class StageServer:
                     if written is not None:
                         await asyncio.wrap_future(written)
         except TimeoutError:
-            log.warning("stage %d: drain deadline reached with %d jobs queued%s", self.stage, self._pending,
-                        "" if self._checkpoints is None else " (the final checkpoint may be missing)")
+            log.warning(
+                "stage %d: drain deadline reached with %d jobs queued%s",
+                self.stage,
+                self._pending,
+                "" if self._checkpoints is None else " (the final checkpoint may be missing)",
+            )
 
     async def close(self) -> None:
         """Leave the collaboration and stop the device thread."""
@@ -359,9 +409,15 @@ class StageServer:
             "param_digest": self._digest[1],
             "resumed_from": self.resumed_from,
             "state_download": self._sharing.last_download,
-            "state_donated": {"manifests": self._sharing.donor.counts["manifests"],
-                              "chunks": self._sharing.donor.counts["chunks"]},
-            **(Checkpointer.EMPTY_STATUS if self._checkpoints is None else self._checkpoints.status()),
+            "state_donated": {
+                "manifests": self._sharing.donor.counts["manifests"],
+                "chunks": self._sharing.donor.counts["chunks"],
+            },
+            **(
+                Checkpointer.EMPTY_STATUS
+                if self._checkpoints is None
+                else self._checkpoints.status()
+            ),
             **asdict(self.counters),
         }
 
@@ -525,7 +581,9 @@ class StageServer:
         )
         self.counters.forward += 1
         out = encode(y, self.forward_codec)
-        return Response(to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out])
+        return Response(
+            to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out]
+        )
 
     def _forward_loss(self, msg: ForwardLossRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
@@ -537,7 +595,9 @@ class StageServer:
         key = msg.hop.key
         self.counters.forward_loss += 1
         if key in self._applied:
-            return self._duplicate(key, started, lambda: self._loss_and_grad(x, targets, accumulate=False))
+            return self._duplicate(
+                key, started, lambda: self._loss_and_grad(x, targets, accumulate=False)
+            )
         loss, grad_x = self._loss_and_grad(x, targets, accumulate=True)
         out = self._encode_grad(msg.hop, grad_x)
         header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
@@ -564,21 +624,27 @@ class StageServer:
             cached = self._cache.get(ref, self.clock())
             if cached is None:
                 self.counters.cache_misses += 1
-                raise refuse(ErrorCode.CACHE_MISS, "the forward input is no longer cached: resend it")
+                raise refuse(
+                    ErrorCode.CACHE_MISS, "the forward input is no longer cached: resend it"
+                )
             x = cached
         batch, length = int(x.shape[0]), int(x.shape[1])
         self.contract.check_output_grad(tensors[-1], batch, length)
         grad_y = tensors[-1].to(self.device)
         self.counters.backward += 1
         if hop.key in self._applied:
-            return self._duplicate(hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False)))
+            return self._duplicate(
+                hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False))
+            )
         grad_x = self._recompute(x, grad_y, accumulate=True)
         self._cache.pop(ref)
         out = self._encode_grad(hop, grad_x)
         header = BackwardReply(duplicate=False, **self._reply_fields(started))
         return self._apply(hop.key, batch, Response(to_header(header), out))
 
-    def _recompute(self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool) -> torch.Tensor | None:
+    def _recompute(
+        self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool
+    ) -> torch.Tensor | None:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             y = self.module(x)  # (B, T, C)
@@ -615,11 +681,12 @@ class StageServer:
             return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), list(out))
         return Response(to_header(BackwardReply(duplicate=True, **fields)), list(out))
 
-    def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[torch.Tensor | EncodedTensor]:
+    def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[Sendable]:
         if grad_x is None:
             return []
         if self.config.error_feedback:
-            return [self._ef.encode((hop.trainer, self.stage, "grad_input"), grad_x, self.backward_codec)]
+            key = (hop.trainer, self.stage, "grad_input")
+            return [self._ef.encode(key, grad_x, self.backward_codec)]
         return [encode(grad_x, self.backward_codec)]
 
     def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:

@@ -9,16 +9,26 @@ semaphore) so that WAN latency is hidden behind other micro-batches' work. One m
 
 Every hop picks a server of its stage with the router (routing.py: expected completion
 time, stochastic wiring, bans with back-off). Because the trainer keeps each stage's input
-(as the encoded payload it sent), any hop can be retried on another server of the same
-stage: a timeout, a lost connection or an error answer bans that server and the hop goes
-elsewhere, at most ``max_attempts`` times. A backward goes by reference to the server that
+(as the payload it sent), any hop can be retried on another server of the same stage: a
+timeout, a lost connection or an error answer bans that server and the hop goes elsewhere,
+at most ``max_attempts`` times. A backward goes by reference to the server that
 ran the forward while it still caches the input (``cache_miss`` makes us resend it), and
 carries the input to any other server. Hop ids (run, trainer, micro-batch, stage, attempt)
 let servers drop duplicates, so a retried hop never accumulates twice on one server.
 
-Payloads use the run's codecs: activations with the forward codec, gradients with the
-backward codec through error feedback keyed by ``(stage, "grad_output")``. Codec work on
-large tensors runs in a worker thread, never on the event loop.
+Payloads use the run's codecs. A stage's output (activations forward, ``dL/dx`` backward)
+reaches the trainer already encoded with the run's codec by the server that computed it,
+and goes on to the next stage as it came (the endpoint's ``ReceivedTensor``): never
+decoded and re-encoded here, so quantized once. On receipt the trainer checks what the
+headers say (shape, dtype, codec, payload length and codec header); the values are checked
+by whoever decodes them, the next stage's endpoint, which refuses a bad payload before
+computing on it. When a server refuses a relayed payload, the trainer decodes it itself:
+if it is bad, its sender is banned and the micro-batch fails (the refusing server did
+nothing wrong); if not, the refusing server is treated as failing. Only a reply in
+another codec than the run's is decoded (with every check, on receipt) and re-encoded:
+activations with the forward codec, gradients with the backward codec through error
+feedback keyed by ``(stage, "grad_output")``. Codec work on large tensors runs in a worker
+thread (``transport.tensors.THREAD_BYTES``), never on the event loop.
 
 ``evaluate`` runs validation windows through the swarm (``forward`` without caching, then
 ``eval_loss``, no gradients anywhere) and returns the mean loss in nats per token.
@@ -32,7 +42,7 @@ import math
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -42,7 +52,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
 from ...transport.endpoint import PathStats, PeerAddress, Response
 from ...transport.error_feedback import ErrorFeedback
-from ...transport.errors import RemoteError, TransportError
+from ...transport.errors import ProtocolError, RemoteError, TransportError
+from ...transport.tensors import (
+    PAYLOAD_ERROR_CODES,
+    ReceivedTensor,
+    Sendable,
+    off_loop,
+    sendable_nbytes,
+)
 from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..logs import get_logger
@@ -60,7 +77,7 @@ from ..protocol import (
     HopId,
     Kind,
     LossReply,
-    check_reply_tensor,
+    check_relayed,
     parse_reply,
     to_header,
 )
@@ -69,7 +86,6 @@ from .routing import Candidate, Router, RouterConfig
 
 log = get_logger(__name__)
 
-_THREAD_BYTES = 1 << 20  # codec work on larger tensors goes to a worker thread
 _RATE_WINDOW_S = 30.0  # tokens/s is measured over this trailing window
 _R = TypeVar("_R")
 
@@ -83,19 +99,35 @@ class TrainerConfig(BaseModel):
         default=8, ge=1, le=4096, description="Micro-batches moving through the swarm at once."
     )
     request_timeout_s: float = Field(
-        default=30.0, gt=0.0, le=3600.0, description="Deadline of one hop attempt (request and reply), seconds."
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="Deadline of one hop attempt (request and reply), seconds.",
     )
     max_attempts: int = Field(
-        default=5, ge=1, le=100, description="Attempts per hop (on different servers when possible) before the micro-batch fails."
+        default=5,
+        ge=1,
+        le=100,
+        description=(
+            "Attempts per hop (on different servers when possible) before the micro-batch fails."
+        ),
     )
     no_server_wait_s: float = Field(
-        default=2.0, gt=0.0, le=600.0, description="Back-off while a stage has no online server, seconds (jittered)."
+        default=2.0,
+        gt=0.0,
+        le=600.0,
+        description="Back-off while a stage has no online server, seconds (jittered).",
     )
     loss_ewma_alpha: float = Field(
-        default=0.05, gt=0.0, le=1.0, description="Weight of the newest loss in the loss moving average."
+        default=0.05,
+        gt=0.0,
+        le=1.0,
+        description="Weight of the newest loss in the loss moving average.",
     )
     data_seed: int | None = Field(
-        default=None, ge=0, description="Seed of this trainer's data stream; unset: derived from the peer id."
+        default=None,
+        ge=0,
+        description="Seed of this trainer's data stream; unset: derived from the peer id.",
     )
     error_feedback: bool = Field(
         default=True, description="Send output gradients through error feedback (per stage)."
@@ -130,11 +162,12 @@ class RequestSender(Protocol):
         peer: PeerAddress,
         kind: str,
         header: dict[str, Any],
-        tensors: Sequence[torch.Tensor | EncodedTensor] = (),
+        tensors: Sequence[Sendable] = (),
         *,
         codec: CodecSpec | None = None,
         timeout: float,
         allow_nonfinite: bool = False,
+        lazy: bool = False,
     ) -> Response: ...
 
     def path_stats(self, peer_id: str) -> PathStats | None: ...
@@ -161,10 +194,6 @@ class TrainerCounters:
     val_loss: float | None = None
     hops: Counter[int] = field(default_factory=Counter)  # successful hops per stage
     errors: Counter[str] = field(default_factory=Counter)  # failed attempts by code/exception
-
-
-def _nbytes(t: torch.Tensor | EncodedTensor) -> int:
-    return len(t.payload) if isinstance(t, EncodedTensor) else t.numel() * t.element_size()
 
 
 class Trainer:
@@ -271,17 +300,22 @@ class Trainer:
         self._started_at = time.monotonic()
         slots = asyncio.Semaphore(self.config.max_in_flight)
         async with asyncio.TaskGroup() as tg:
-            while not self._stopping and (max_micro_batches is None or self.counters.started < max_micro_batches):
+            while not self._stopping and (
+                max_micro_batches is None or self.counters.started < max_micro_batches
+            ):
                 await slots.acquire()
                 await self._wait_for_every_stage()
-                batch = None if self._stopping else next(data, None)  # None: a finite source ran out
+                # None: a finite source ran out
+                batch = None if self._stopping else next(data, None)
                 if batch is None:
                     slots.release()
                     break
                 inputs, targets = batch
                 mb = self._new_id()
                 self.counters.started += 1
-                task = tg.create_task(self._train_one(mb, inputs, targets), name=f"micro-batch {mb}")
+                task = tg.create_task(
+                    self._train_one(mb, inputs, targets), name=f"micro-batch {mb}"
+                )
                 task.add_done_callback(lambda _: slots.release())
 
     async def _wait_for_every_stage(self) -> None:
@@ -318,114 +352,133 @@ class Trainer:
         """One micro-batch forward through every stage and backward again; returns its loss."""
         S = self.spec.n_stages
         B, T = int(inputs.shape[0]), int(inputs.shape[1])
-        stage_inputs: list[torch.Tensor | EncodedTensor] = [inputs]
+        stage_inputs: list[Sendable] = [inputs]
         holders: list[str | None] = []
         for s in range(S - 1):
             y, holder = await self._forward(mb, s, stage_inputs[s], keep_input=True, shape=(B, T))
             holders.append(holder)
-            stage_inputs.append(await self._encode(y, self.forward_codec))
+            stage_inputs.append(await self._relay(y, self.forward_codec))
         loss, grad = await self._forward_loss(mb, S - 1, stage_inputs[S - 1], targets, shape=(B, T))
         for s in reversed(range(S - 1)):
             assert grad is not None  # stages after 0 always return dL/dx
-            sent = await self._encode_grad(s, grad)
+            ef_key = (s, "grad_output") if self.config.error_feedback else None
+            sent = await self._relay(grad, self.backward_codec, ef_key)
             grad = await self._backward(mb, s, stage_inputs[s], sent, holders[s], shape=(B, T))
         return loss
 
-    async def _encode(self, t: torch.Tensor, codec: CodecSpec) -> EncodedTensor:
-        if t.numel() * t.element_size() > _THREAD_BYTES:
-            return await asyncio.to_thread(encode, t, codec)
-        return encode(t, codec)
+    async def _stage_output(
+        self, response: Response, shape: tuple[int, int], codec: CodecSpec, what: str
+    ) -> ReceivedTensor:
+        """The reply's one tensor: float32 (B, T, C) by its header, to relay to the next
+        stage. One in another codec than the run's ``codec`` is decoded now (every check of
+        its values: a bad one fails this attempt) to be re-encoded by ``_relay``."""
+        t = check_relayed(response.tensors, (*shape, self.spec.model.d_model), torch.float32, what)
+        if t.codec != codec:
+            await t.decode()
+        return t
 
-    async def _encode_grad(self, stage: int, grad: torch.Tensor) -> EncodedTensor:
-        if not self.config.error_feedback:
-            return await self._encode(grad, self.backward_codec)
+    async def _relay(
+        self, t: ReceivedTensor, codec: CodecSpec, ef_key: tuple[int, str] | None = None
+    ) -> Sendable:
+        """What goes on to the next stage for the stage output ``t``: ``t`` itself, as it
+        came, when it is in the run's ``codec``; else its tensor (decoded and checked by
+        ``_stage_output``) encoded with ``codec``, through error feedback under ``ef_key``."""
+        if t.codec == codec:
+            return t
+        x = t.tensor()
 
         def run() -> EncodedTensor:
-            return self._ef.encode((stage, "grad_output"), grad, self.backward_codec)
+            return encode(x, codec) if ef_key is None else self._ef.encode(ef_key, x, codec)
 
-        return await asyncio.to_thread(run) if grad.numel() * 4 > _THREAD_BYTES else run()
+        return await off_loop(t.decoded_nbytes, run)
 
     def _hop_id(self, mb: int, stage: int, attempt: int) -> HopId:
-        return HopId(run_id=self.spec.run_id, trainer=self.peer_id, micro_batch=mb, stage=stage, attempt=attempt)
-
-    def _activations(self, response: Response, shape: tuple[int, int], what: str) -> torch.Tensor:
-        tensors = [t for t in response.tensors if isinstance(t, torch.Tensor)]
-        if len(tensors) != len(response.tensors):
-            raise BadReply(f"{what}: undecoded tensor in the reply")
-        return check_reply_tensor(tensors, (*shape, self.spec.model.d_model), torch.float32, what)
+        return HopId(
+            run_id=self.spec.run_id,
+            trainer=self.peer_id,
+            micro_batch=mb,
+            stage=stage,
+            attempt=attempt,
+        )
 
     async def _forward(
-        self, mb: int, stage: int, x: torch.Tensor | EncodedTensor, *, keep_input: bool, shape: tuple[int, int]
-    ) -> tuple[torch.Tensor, str | None]:
+        self, mb: int, stage: int, x: Sendable, *, keep_input: bool, shape: tuple[int, int]
+    ) -> tuple[ReceivedTensor, str | None]:
         """``forward`` on ``stage``; returns the output and who caches the input (if anyone)."""
 
-        def make(peer: str, attempt: int) -> tuple[BaseModel, list[torch.Tensor | EncodedTensor]]:
+        def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
-            return ForwardRequest(hop=hop, budget_s=self.config.request_timeout_s, keep_input=keep_input), [x]
+            budget = self.config.request_timeout_s
+            return ForwardRequest(hop=hop, budget_s=budget, keep_input=keep_input), [x]
 
-        def check(response: Response) -> tuple[torch.Tensor, bool]:
+        async def check(response: Response) -> tuple[ReceivedTensor, bool]:
             reply = parse_reply(ForwardReply, response.header)
-            return self._activations(response, shape, f"forward {stage}"), reply.cached
+            y = await self._stage_output(response, shape, self.forward_codec, f"forward {stage}")
+            return y, reply.cached
 
         (y, cached), peer = await self._call(
-            stage, Kind.FORWARD, make, lambda _: _nbytes(x), check, reply_codec=self.forward_codec
+            stage, Kind.FORWARD, make, lambda _: sendable_nbytes(x), check
         )
         return y, peer if cached else None
 
     async def _forward_loss(
-        self, mb: int, stage: int, x: torch.Tensor | EncodedTensor, targets: torch.Tensor, *, shape: tuple[int, int]
-    ) -> tuple[float, torch.Tensor | None]:
-        def make(peer: str, attempt: int) -> tuple[BaseModel, list[torch.Tensor | EncodedTensor]]:
+        self, mb: int, stage: int, x: Sendable, targets: torch.Tensor, *, shape: tuple[int, int]
+    ) -> tuple[float, ReceivedTensor | None]:
+        def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
             return ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x, targets]
 
-        def check(response: Response) -> tuple[float, torch.Tensor | None]:
+        async def check(response: Response) -> tuple[float, ReceivedTensor | None]:
             reply = parse_reply(LossReply, response.header)
             if stage == 0:
                 if response.tensors:
                     raise BadReply("forward_loss on stage 0 returns no tensor")
                 return reply.loss, None
-            return reply.loss, self._activations(response, shape, "forward_loss")
+            return reply.loss, await self._stage_output(
+                response, shape, self.backward_codec, "forward_loss"
+            )
 
-        size = _nbytes(x) + _nbytes(targets)
-        result, _ = await self._call(stage, Kind.FORWARD_LOSS, make, lambda _: size, check, reply_codec=self.backward_codec)
+        size = sendable_nbytes(x) + sendable_nbytes(targets)
+        result, _ = await self._call(stage, Kind.FORWARD_LOSS, make, lambda _: size, check)
         return result
 
     async def _backward(
         self,
         mb: int,
         stage: int,
-        x: torch.Tensor | EncodedTensor,
-        grad: EncodedTensor,
+        x: Sendable,
+        grad: Sendable,
         holder: str | None,
         *,
         shape: tuple[int, int],
-    ) -> torch.Tensor | None:
+    ) -> ReceivedTensor | None:
         carry_to: set[str] = set()  # peers that answered cache_miss: send them the input
 
         def by_reference(peer: str) -> bool:
             return peer == holder and peer not in carry_to
 
-        def make(peer: str, attempt: int) -> tuple[BaseModel, list[torch.Tensor | EncodedTensor]]:
+        def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
             ref = by_reference(peer)
-            msg = BackwardRequest(hop=hop, budget_s=self.config.request_timeout_s, input_carried=not ref)
+            msg = BackwardRequest(
+                hop=hop, budget_s=self.config.request_timeout_s, input_carried=not ref
+            )
             return msg, [grad] if ref else [x, grad]
 
-        def check(response: Response) -> torch.Tensor | None:
+        async def check(response: Response) -> ReceivedTensor | None:
             parse_reply(BackwardReply, response.header)
             if stage == 0:
                 if response.tensors:
                     raise BadReply("backward on stage 0 returns no tensor")
                 return None
-            return self._activations(response, shape, f"backward {stage}")
+            return await self._stage_output(
+                response, shape, self.backward_codec, f"backward {stage}"
+            )
 
         def size(peer: str) -> int:
-            return _nbytes(grad) + (0 if by_reference(peer) else _nbytes(x))
+            return sendable_nbytes(grad) + (0 if by_reference(peer) else sendable_nbytes(x))
 
-        result, _ = await self._call(
-            stage, Kind.BACKWARD, make, size, check, reply_codec=self.backward_codec, carry_to=carry_to
-        )
+        result, _ = await self._call(stage, Kind.BACKWARD, make, size, check, carry_to=carry_to)
         return result
 
     # ---- one hop, with retries --------------------------------------------------------
@@ -452,14 +505,17 @@ class Trainer:
         self,
         stage: int,
         kind: Kind,
-        make: Callable[[str, int], tuple[BaseModel, list[torch.Tensor | EncodedTensor]]],
+        make: Callable[[str, int], tuple[BaseModel, list[Sendable]]],
         payload: Callable[[str], int],
-        check: Callable[[Response], _R],
+        check: Callable[[Response], Awaitable[_R]],
         *,
-        reply_codec: CodecSpec,
         carry_to: set[str] | None = None,
     ) -> tuple[_R, str]:
-        """Send one hop to a server of ``stage``, re-routing on failure; returns (result, peer)."""
+        """Send one hop to a server of ``stage``, re-routing on failure; returns (result, peer).
+
+        HopFailed at once when the server refused a payload that we relayed and that is
+        bad indeed (``_check_relayed``): no other server would take it either.
+        """
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
         last = "no attempt"
@@ -474,7 +530,12 @@ class Trainer:
                 continue
             sizes = {c.peer_id: payload(c.peer_id) for c in candidates}
             pick = self.router.choose(
-                candidates, payload_bytes=sizes, batch_size=B, now=loop.time(), rng=self.rng, avoid=tried
+                candidates,
+                payload_bytes=sizes,
+                batch_size=B,
+                now=loop.time(),
+                rng=self.rng,
+                avoid=tried,
             )
             assert pick is not None  # candidates is not empty
             server = self._live[pick.peer_id]
@@ -487,11 +548,14 @@ class Trainer:
                     to_header(header),
                     tensors,
                     timeout=self.config.request_timeout_s,
+                    lazy=True,
                 )
-                result = check(response)
+                result = await check(response)
             except RemoteError as exc:
                 self.counters.errors[exc.code] += 1
                 last = f"{server.peer_id}: {exc}"
+                if exc.code in PAYLOAD_ERROR_CODES:
+                    await self._check_relayed(tensors, server.peer_id, f"{kind} on stage {stage}")
                 if exc.code == ErrorCode.CACHE_MISS and carry_to is not None:
                     self.counters.cache_misses += 1
                     carry_to.add(server.peer_id)  # a healthy server that lost the input
@@ -508,16 +572,37 @@ class Trainer:
                 continue
             self.router.finished(server.peer_id, ok=True, now=loop.time(), rng=self.rng)
             self.counters.hops[stage] += 1
-            self.counters.payload_bytes_sent += sum(_nbytes(t) for t in tensors)
+            self.counters.payload_bytes_sent += sum(sendable_nbytes(t) for t in tensors)
             self.counters.payload_bytes_received += sum(
-                reply_codec.payload_nbytes(t.numel(), t.dtype) for t in response.tensors if isinstance(t, torch.Tensor)
+                sendable_nbytes(t) for t in response.tensors
             )
             return result, server.peer_id
-        raise HopFailed(f"{kind} on stage {stage} failed {self.config.max_attempts} times; last: {last}")
+        raise HopFailed(
+            f"{kind} on stage {stage} failed {self.config.max_attempts} times; last: {last}"
+        )
 
     def _failed(self, peer_id: str, tried: set[str], now: float) -> None:
         tried.add(peer_id)
         self.router.finished(peer_id, ok=False, now=now, rng=self.rng)
+
+    async def _check_relayed(self, tensors: Sequence[Sendable], refuser: str, what: str) -> None:
+        """``refuser`` refused a payload of ``tensors``: decode (and check) the ones we
+        relayed undecoded. One that fails was bad when its sender produced it: the sender
+        is banned, ``refuser`` did its job, and the micro-batch fails (HopFailed)."""
+        loop = asyncio.get_running_loop()
+        for t in tensors:
+            if not isinstance(t, ReceivedTensor):
+                continue
+            try:
+                await t.decode()
+            except ProtocolError as exc:
+                self.router.finished(refuser, ok=True, now=loop.time(), rng=self.rng)
+                if t.sender:
+                    self.router.ban(t.sender, now=loop.time(), rng=self.rng)
+                raise HopFailed(
+                    f"{what}: {refuser} refused the tensor relayed from {t.sender or '?'}, "
+                    f"which is malformed indeed: {exc}"
+                ) from None
 
     # ---- validation -------------------------------------------------------------------
 
@@ -530,7 +615,9 @@ class Trainer:
         """
         inputs, targets = windows
         B = self.spec.batch.micro_batch_size
-        chunks = [(inputs[i : i + B], targets[i : i + B]) for i in range(0, int(inputs.shape[0]), B)]
+        chunks = [
+            (inputs[i : i + B], targets[i : i + B]) for i in range(0, int(inputs.shape[0]), B)
+        ]
         if not chunks:
             raise ValueError("no validation windows")
         slots = asyncio.Semaphore(self.config.max_in_flight)
@@ -551,24 +638,25 @@ class Trainer:
     async def _eval_one(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         S = self.spec.n_stages
         shape = (int(inputs.shape[0]), int(inputs.shape[1]))
-        x: torch.Tensor | EncodedTensor = inputs
+        x: Sendable = inputs
         for s in range(S - 1):
             y, _ = await self._forward(mb, s, x, keep_input=False, shape=shape)
-            x = await self._encode(y, self.forward_codec)
+            x = await self._relay(y, self.forward_codec)
         stage = S - 1
         x_last = x
 
-        def make(peer: str, attempt: int) -> tuple[BaseModel, list[torch.Tensor | EncodedTensor]]:
+        def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
-            return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x_last, targets]
+            msg = EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s)
+            return msg, [x_last, targets]
 
-        def check(response: Response) -> float:
+        async def check(response: Response) -> float:
             if response.tensors:
                 raise BadReply("eval_loss returns no tensor")
             return parse_reply(EvalReply, response.header).loss
 
-        size = _nbytes(x_last) + _nbytes(targets)
-        loss, _ = await self._call(stage, Kind.EVAL_LOSS, make, lambda _: size, check, reply_codec=self.backward_codec)
+        size = sendable_nbytes(x_last) + sendable_nbytes(targets)
+        loss, _ = await self._call(stage, Kind.EVAL_LOSS, make, lambda _: size, check)
         return loss
 
 
@@ -579,19 +667,17 @@ def _online(servers: Sequence[ServerInfo]) -> bool:
 def servers_from_peers(peers: Any) -> dict[int, list[ServerInfo]]:
     """The ``ServerSource`` view of the daemon's PeerTable: online-capable servers by stage."""
     out: dict[int, list[ServerInfo]] = {}
-    for peer in peers.peers():
-        record = peer.record
-        if not record.server or record.stage is None or record.quic is None:
-            continue
-        out.setdefault(record.stage, []).append(
+    for server in peers.servers():
+        record = server.record
+        out.setdefault(server.stage, []).append(
             ServerInfo(
                 peer_id=record.peer_id,
-                host=record.quic.host,
-                port=record.quic.port,
+                host=server.quic.host,
+                port=server.quic.port,
                 throughput=record.throughput,
                 queue_len=record.queue,
                 state=record.state,
-                rtt=peer.rtt.srtt,
+                rtt=server.peer.rtt.srtt,
             )
         )
     return out

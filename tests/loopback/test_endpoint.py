@@ -6,11 +6,18 @@ import asyncio
 
 import pytest
 import torch
-from wanswarm.transport.codecs import CodecSpec, encode
+from wanswarm.transport.codecs import CodecSpec, EncodedTensor, decode, encode
 from wanswarm.transport.config import CongestionConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
-from wanswarm.transport.errors import ConnectError, RemoteError, RequestTimeout
+from wanswarm.transport.errors import (
+    CodecError,
+    ConnectError,
+    PayloadError,
+    RemoteError,
+    RequestTimeout,
+)
 from wanswarm.transport.identity import Identity
+from wanswarm.transport.tensors import ReceivedTensor
 from wanswarm.transport.wan import WanEmulator, WanProfile
 from wanswarm.transport.wan_link import BernoulliLoss
 
@@ -61,12 +68,92 @@ def test_codecs_and_preencoded_tensors() -> None:
             x = torch.randn(64, 64)
             pre = encode(torch.ones(10), CodecSpec("none"))
             codec = CodecSpec.from_wire("int8/b64/f32")
-            reply = await client.request(address(server), "k", {}, [x, pre], codec=codec, timeout=20)
+            reply = await client.request(
+                address(server), "k", {}, [x, pre], codec=codec, timeout=20
+            )
             back = reply.tensors[0]
             assert isinstance(back, torch.Tensor) and back.dtype == torch.float32
             assert (back - x).abs().max() < 0.05  # int8 there, bf16 back
             assert isinstance(reply.tensors[1], torch.Tensor)
             assert torch.equal(reply.tensors[1], torch.ones(10))
+
+    run(main())
+
+
+@pytest.mark.parametrize("use_fec", [False, True], ids=["stream", "fec-datagrams"])
+def test_lazy_responses_relay_payloads_undecoded(use_fec: bool) -> None:
+    """A stage's reply taken lazily and relayed to the next one: the same payload bytes
+    arrive there, and the relaying side decodes nothing."""
+
+    async def main() -> None:
+        cfg = config(fec=fec(use_fec, threshold_bytes=16 * 1024))
+        async with endpoint(cfg) as stage, endpoint(cfg) as sink, endpoint(cfg) as client:
+            int8 = CodecSpec.from_wire("int8/b64/f32")
+            y = encode(torch.randn(64, 1024), int8)  # 64 KiB of codes: an FEC transfer
+            seen: list[torch.Tensor] = []
+
+            async def produce(request: Request) -> Response:
+                return Response(header={"ok": True}, tensors=[y])
+
+            async def consume(request: Request) -> Response:
+                seen.extend(request.tensors)
+                return Response(header={})
+
+            stage.register("produce", produce)
+            sink.register("consume", consume)
+            reply = await client.request(address(stage), "produce", {}, timeout=20, lazy=True)
+            (got,) = reply.tensors
+            assert isinstance(got, ReceivedTensor) and not got.is_decoded
+            assert got.shape == (64, 1024) and got.dtype == torch.float32 and got.codec == int8
+            assert got.sender == stage.peer_id and bytes(got.payload) == y.payload
+            await client.request(address(sink), "consume", {}, [got], timeout=20)
+            assert not got.is_decoded  # relayed as it came
+            assert len(seen) == 1 and torch.equal(seen[0], decode(y))
+            assert torch.equal(got.tensor(), decode(y)) and got.tensor() is got.tensor()
+
+    run(main())
+
+
+def test_hostile_payloads_in_lazy_responses() -> None:
+    """Headers are checked on receipt even when the response is lazy; values when the
+    payload is decoded: by its receiver, or by the next peer it is relayed to, which
+    refuses it before its handler runs."""
+
+    async def main() -> None:
+        async with endpoint() as stage, endpoint() as sink, endpoint() as client:
+            nan = encode(torch.tensor([1.0, float("nan")]), CodecSpec("none"))
+            good = encode(torch.ones(4), CodecSpec.from_wire("int8/b64/f32"))
+            bad_head = EncodedTensor(good.spec, good.shape, good.dtype, b"\x09" + good.payload[1:])
+            handled = []
+
+            async def reply_with(request: Request) -> Response:
+                return Response(
+                    header={}, tensors=[{"nan": nan, "bad_head": bad_head}[request.kind]]
+                )
+
+            async def consume(request: Request) -> Response:
+                handled.append(request)
+                return Response(header={})
+
+            stage.register("nan", reply_with)
+            stage.register("bad_head", reply_with)
+            sink.register("consume", consume)
+            peer = address(stage)
+            with pytest.raises(CodecError):  # a malformed header is refused on receipt
+                await client.request(peer, "bad_head", {}, timeout=10, lazy=True)
+            with pytest.raises(PayloadError) as refused:  # eager: values checked on receipt
+                await client.request(peer, "nan", {}, timeout=10)
+            assert refused.value.code == "non_finite"
+            reply = await client.request(peer, "nan", {}, timeout=10, lazy=True)
+            (got,) = reply.tensors
+            assert isinstance(got, ReceivedTensor)
+            with pytest.raises(RemoteError) as info:
+                await client.request(address(sink), "consume", {}, [got], timeout=10)
+            assert info.value.code == "non_finite" and not handled
+            for _ in range(2):  # the error is kept, like a decoded tensor
+                with pytest.raises(PayloadError) as refused:
+                    got.tensor()
+                assert refused.value.code == "non_finite"
 
     run(main())
 
@@ -77,8 +164,11 @@ def test_concurrent_requests_share_one_connection() -> None:
         async with endpoint(cfg) as server, endpoint(cfg) as client:
             server.register("echo", _echo)
             accepted = []
-            server._connections.socket._on_accept = lambda link, orig=server._connections.socket._on_accept: (
-                accepted.append(link), orig(link)
+            server._connections.socket._on_accept = (
+                lambda link, orig=server._connections.socket._on_accept: (
+                    accepted.append(link),
+                    orig(link),
+                )
             )
             tensors = [torch.full((1000 * (i + 1),), float(i)) for i in range(16)]
             replies = await asyncio.gather(

@@ -24,12 +24,14 @@ from wanswarm.node.protocol import (
     InfoRequest,
     LossReply,
     StageContract,
-    check_reply_tensor,
+    check_relayed,
     parse_reply,
     parse_request,
     to_header,
 )
+from wanswarm.transport.codecs import CodecSpec, encode
 from wanswarm.transport.errors import RemoteError
+from wanswarm.transport.tensors import ReceivedTensor
 
 SPEC = RunSpec(
     name="proto",
@@ -39,7 +41,12 @@ SPEC = RunSpec(
 
 
 def _hop(stage: int = 1, **kw: Any) -> HopId:
-    fields: dict[str, Any] = {"run_id": SPEC.run_id, "trainer": "trainerA", "micro_batch": 7, "stage": stage}
+    fields: dict[str, Any] = {
+        "run_id": SPEC.run_id,
+        "trainer": "trainerA",
+        "micro_batch": 7,
+        "stage": stage,
+    }
     fields.update(kw)
     return HopId(**fields)
 
@@ -161,18 +168,31 @@ def test_contract_knows_first_and_last_stages() -> None:
         StageContract.from_spec(SPEC, 3)
 
 
-def test_reply_tensors_are_checked() -> None:
-    good = torch.ones(2, 3)
-    assert check_reply_tensor([good], (2, 3), torch.float32, "y") is good
-    for tensors in ([], [good, good], [torch.ones(3, 2)], [torch.ones(2, 3, dtype=torch.float64)],
-                    [torch.full((2, 3), math.nan)]):
+def _received(t: torch.Tensor, codec: str = "int8/b64/f32") -> ReceivedTensor:
+    return ReceivedTensor.of(encode(t, CodecSpec.from_wire(codec)))
+
+
+def test_relayed_reply_tensors_are_checked_against_their_headers() -> None:
+    good = _received(torch.ones(2, 3))
+    assert check_relayed([good], (2, 3), torch.float32, "y") is good
+    wrong: list[list[object]] = [
+        [], [good, good], [_received(torch.ones(3, 2))],
+        [_received(torch.ones(2, 3, dtype=torch.float64), "none")],
+        [torch.ones(2, 3)],  # a decoded tensor is not one to relay
+    ]
+    for tensors in wrong:
         with pytest.raises(BadReply):
-            check_reply_tensor(tensors, (2, 3), torch.float32, "y")
+            check_relayed(tensors, (2, 3), torch.float32, "y")
+    # values are not looked at: they are checked where the payload is decoded
+    nan = _received(torch.full((2, 3), math.nan), "none")
+    assert check_relayed([nan], (2, 3), torch.float32, "y") is nan and not nan.is_decoded
 
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -182,13 +202,23 @@ _json = st.recursive(
     header=st.one_of(
         _json,
         st.fixed_dictionaries(
-            {"hop": st.dictionaries(st.sampled_from(["run_id", "trainer", "micro_batch", "stage", "attempt"]), _json)},
+            {
+                "hop": st.dictionaries(
+                    st.sampled_from(["run_id", "trainer", "micro_batch", "stage", "attempt"]), _json
+                )
+            },
             optional={"budget_s": _json, "v": _json, "input_carried": _json, "keep_input": _json},
         ),
     )
 )
 def test_random_headers_only_ever_raise_bad_request(header: Any) -> None:
-    for model in (ForwardRequest, ForwardLossRequest, BackwardRequest, EvalLossRequest, InfoRequest):
+    for model in (
+        ForwardRequest,
+        ForwardLossRequest,
+        BackwardRequest,
+        EvalLossRequest,
+        InfoRequest,
+    ):
         try:
             parse_request(model, header)
         except RemoteError as exc:

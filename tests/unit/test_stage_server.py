@@ -34,9 +34,12 @@ from wanswarm.node.stage.memory import AppliedLog, InputCache
 from wanswarm.node.stage.server import StageServer, StageServerConfig
 from wanswarm.node.stage.throughput import THROUGHPUT_CACHE
 from wanswarm.node.training.model import build_full_model
-from wanswarm.transport.codecs import EncodedTensor, decode
+from wanswarm.transport.codecs import decode
 from wanswarm.transport.endpoint import Handler, Request, Response
 from wanswarm.transport.errors import RemoteError
+from wanswarm.transport.tensors import ReceivedTensor, Sendable
+
+from tests.waiting import async_wait_for
 
 T_ = TypeVar("T_")
 
@@ -64,7 +67,9 @@ class Registry:
         assert not allow_nonfinite
         self.handlers[kind] = handler
 
-    async def call(self, kind: str, header: Any, tensors: list[torch.Tensor], peer: str = TRAINER) -> Response:
+    async def call(
+        self, kind: str, header: Any, tensors: list[torch.Tensor], peer: str = TRAINER
+    ) -> Response:
         return await self.handlers[kind](Request(peer, kind, to_header(header), tensors))
 
 
@@ -144,14 +149,18 @@ def _hop(spec: RunSpec, stage: int, mb: int = 0, attempt: int = 0) -> HopId:
     return HopId(run_id=spec.run_id, trainer=TRAINER, micro_batch=mb, stage=stage, attempt=attempt)
 
 
-def _tensor(t: torch.Tensor | EncodedTensor) -> torch.Tensor:
-    return decode(t) if isinstance(t, EncodedTensor) else t
+def _tensor(t: Sendable) -> torch.Tensor:
+    """What the trainer's side gets for a reply tensor (the servers reply encoded)."""
+    if isinstance(t, torch.Tensor):
+        return t
+    return t.tensor() if isinstance(t, ReceivedTensor) else decode(t)
 
 
 def _batch(spec: RunSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     B, T = spec.batch.micro_batch_size, spec.model.seq_len
-    return torch.randint(0, 256, (B, T), generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+    inputs = torch.randint(0, 256, (B, T), generator=gen)
+    return inputs, torch.randint(0, 256, (B, T), generator=gen)
 
 
 async def _through_pipeline(
@@ -162,16 +171,28 @@ async def _through_pipeline(
     y0 = _tensor(r0.tensors[0])
     r1 = await regs[1].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 1, mb), budget_s=30), [y0])
     y1 = _tensor(r1.tensors[0])
-    r2 = await regs[2].call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 2, mb), budget_s=30), [y1, targets])
+    r2 = await regs[2].call(
+        Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 2, mb), budget_s=30), [y1, targets]
+    )
     g1 = _tensor(r2.tensors[0])
-    b1 = await regs[1].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, mb), budget_s=30, input_carried=False), [g1])
+    b1 = await regs[1].call(
+        Kind.BACKWARD,
+        BackwardRequest(hop=_hop(spec, 1, mb), budget_s=30, input_carried=False),
+        [g1],
+    )
     g0 = _tensor(b1.tensors[0])
-    b0 = await regs[0].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb), budget_s=30, input_carried=False), [g0])
+    b0 = await regs[0].call(
+        Kind.BACKWARD,
+        BackwardRequest(hop=_hop(spec, 0, mb), budget_s=30, input_carried=False),
+        [g0],
+    )
     assert b0.tensors == []
     return float(r2.header["loss"]), [y0, y1, g1, g0]
 
 
-def _full_grads(spec: RunSpec, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def _full_grads(
+    spec: RunSpec, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
     full = build_full_model(spec)
     for idx, targets in batches:
         full.forward_loss(idx, targets).backward()
@@ -259,16 +280,24 @@ def test_retried_hops_never_accumulate_twice() -> None:
         _, (y0, y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
         before = [{n: g.clone() for n, g in _opt(s).grads.items()} for s in servers]
         # the trainer lost the replies and retries every hop (attempt 1), inputs carried
-        r2 = await regs[2].call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 2, attempt=1), budget_s=30), [y1, targets])
+        r2 = await regs[2].call(
+            Kind.FORWARD_LOSS,
+            ForwardLossRequest(hop=_hop(spec, 2, attempt=1), budget_s=30),
+            [y1, targets],
+        )
         assert r2.header["duplicate"] is True
         torch.testing.assert_close(_tensor(r2.tensors[0]), g1, rtol=0, atol=0)  # the cached reply
         b1 = await regs[1].call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, attempt=1), budget_s=30, input_carried=True), [y0, g1]
+            Kind.BACKWARD,
+            BackwardRequest(hop=_hop(spec, 1, attempt=1), budget_s=30, input_carried=True),
+            [y0, g1],
         )
         assert b1.header["duplicate"] is True
         torch.testing.assert_close(_tensor(b1.tensors[0]), g0, rtol=0, atol=0)
         b0 = await regs[0].call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True), [idx, g0]
+            Kind.BACKWARD,
+            BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True),
+            [idx, g0],
         )
         assert b0.header["duplicate"] is True and b0.tensors == []
         for server, grads in zip(servers, before, strict=False):
@@ -289,7 +318,9 @@ def test_a_duplicate_whose_reply_was_evicted_is_recomputed_without_accumulating(
         _, (y0, _y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
         grads = {n: g.clone() for n, g in _opt(servers[1]).grads.items()}
         b1 = await regs[1].call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1, attempt=2), budget_s=30, input_carried=True), [y0, g1]
+            Kind.BACKWARD,
+            BackwardRequest(hop=_hop(spec, 1, attempt=2), budget_s=30, input_carried=True),
+            [y0, g1],
         )
         assert b1.header["duplicate"] is True
         torch.testing.assert_close(_tensor(b1.tensors[0]), g0, rtol=1e-6, atol=1e-8)
@@ -310,19 +341,31 @@ def test_cache_miss_then_carried_input() -> None:
         r0 = await regs[0].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0), budget_s=30), [idx])
         assert r0.header["cached"] is True
         y0 = _tensor(r0.tensors[0])
-        r1 = await regs[1].call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 1), budget_s=30, keep_input=False), [y0])
+        r1 = await regs[1].call(
+            Kind.FORWARD, ForwardRequest(hop=_hop(spec, 1), budget_s=30, keep_input=False), [y0]
+        )
         assert r1.header["cached"] is False
         g = torch.randn(*y0.shape)
         with pytest.raises(RemoteError) as exc:  # never cached
-            await regs[1].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 1), budget_s=30, input_carried=False), [g])
+            await regs[1].call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 1), budget_s=30, input_carried=False),
+                [g],
+            )
         assert exc.value.code == ErrorCode.CACHE_MISS
         clock.now += 10.0  # stage 0's entry expires
         with pytest.raises(RemoteError) as exc:
-            await regs[0].call(Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0), budget_s=30, input_carried=False), [g])
+            await regs[0].call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 0), budget_s=30, input_carried=False),
+                [g],
+            )
         assert exc.value.code == ErrorCode.CACHE_MISS
         assert servers[0].counters.cache_misses == 1 and _opt(servers[0]).steps == []
         reply = await regs[0].call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True), [idx, g]
+            Kind.BACKWARD,
+            BackwardRequest(hop=_hop(spec, 0, attempt=1), budget_s=30, input_carried=True),
+            [idx, g],
         )
         assert reply.header["duplicate"] is False and _opt(servers[0]).steps == [2]
 
@@ -336,7 +379,12 @@ def test_a_full_queue_answers_busy_and_a_late_job_expires_unrun() -> None:
     reg = Registry()
     config = StageServerConfig(device="cpu", benchmark_iterations=1, queue_size=2)
     server = StageServer(
-        spec, 0, config, endpoint=reg, make_optimizer=lambda m: RecordingOptimizer(m, gate), clock=clock
+        spec,
+        0,
+        config,
+        endpoint=reg,
+        make_optimizer=lambda m: RecordingOptimizer(m, gate),
+        clock=clock,
     )
     idx, _ = _batch(spec, 7)
     g = torch.randn(2, spec.model.seq_len, spec.model.d_model)
@@ -344,17 +392,27 @@ def test_a_full_queue_answers_busy_and_a_late_job_expires_unrun() -> None:
     async def main() -> None:
         await server.open()
         opt = _opt(server)
-        first = asyncio.create_task(reg.call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True), [idx, g]
-        ))
+        first = asyncio.create_task(
+            reg.call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True),
+                [idx, g],
+            )
+        )
         assert await asyncio.to_thread(opt.entered.wait, 30)  # the device thread is held
-        second = asyncio.create_task(reg.call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=5, input_carried=True), [idx, g]
-        ))
+        second = asyncio.create_task(
+            reg.call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=5, input_carried=True),
+                [idx, g],
+            )
+        )
         await asyncio.sleep(0)  # let it queue (one loop iteration, not a timing assumption)
         assert server.queue_len == 2
         with pytest.raises(RemoteError) as exc:
-            await reg.call(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0, mb=3), budget_s=30), [idx])
+            await reg.call(
+                Kind.FORWARD, ForwardRequest(hop=_hop(spec, 0, mb=3), budget_s=30), [idx]
+            )
         assert exc.value.code == ErrorCode.BUSY
         assert server.counters.busy == 1
         clock.now += 6.0  # the second job's budget runs out while it waits
@@ -410,13 +468,21 @@ def test_an_abandoned_request_is_dropped_before_it_runs() -> None:
     async def main() -> None:
         await server.open()
         opt = _opt(server)
-        first = asyncio.create_task(reg.call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True), [idx, g]
-        ))
+        first = asyncio.create_task(
+            reg.call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 0, mb=1), budget_s=30, input_carried=True),
+                [idx, g],
+            )
+        )
         assert await asyncio.to_thread(opt.entered.wait, 30)
-        second = asyncio.create_task(reg.call(
-            Kind.BACKWARD, BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=30, input_carried=True), [idx, g]
-        ))
+        second = asyncio.create_task(
+            reg.call(
+                Kind.BACKWARD,
+                BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=30, input_carried=True),
+                [idx, g],
+            )
+        )
         await asyncio.sleep(0)
         second.cancel()  # what the endpoint does when the requester resets the stream
         with pytest.raises(asyncio.CancelledError):
@@ -435,8 +501,13 @@ def test_an_abandoned_request_is_dropped_before_it_runs() -> None:
 def test_wrong_run_stage_joining_and_draining_are_refused() -> None:
     spec = _spec("none")
     reg = Registry()
-    server = StageServer(spec, 1, StageServerConfig(device="cpu", benchmark_iterations=1), endpoint=reg,
-                         make_optimizer=RecordingOptimizer)
+    server = StageServer(
+        spec,
+        1,
+        StageServerConfig(device="cpu", benchmark_iterations=1),
+        endpoint=reg,
+        make_optimizer=RecordingOptimizer,
+    )
     x = torch.zeros(2, spec.model.seq_len, spec.model.d_model)
 
     async def code(kind: str, header: Any, tensors: list[torch.Tensor], peer: str = TRAINER) -> str:
@@ -449,17 +520,28 @@ def test_wrong_run_stage_joining_and_draining_are_refused() -> None:
         assert await code(Kind.FORWARD, fwd, [x]) == ErrorCode.NOT_READY
         await server.open()
         other = HopId(run_id="0000000000000000", trainer=TRAINER, micro_batch=0, stage=1)
-        assert await code(Kind.FORWARD, ForwardRequest(hop=other, budget_s=30), [x]) == ErrorCode.WRONG_RUN
-        assert await code(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 2), budget_s=30), [x]) == ErrorCode.WRONG_STAGE
+        assert (
+            await code(Kind.FORWARD, ForwardRequest(hop=other, budget_s=30), [x])
+            == ErrorCode.WRONG_RUN
+        )
+        assert (
+            await code(Kind.FORWARD, ForwardRequest(hop=_hop(spec, 2), budget_s=30), [x])
+            == ErrorCode.WRONG_STAGE
+        )
         assert await code(Kind.FORWARD, fwd, [x], peer="impostor") == ErrorCode.BAD_REQUEST
         assert await code(Kind.FORWARD, fwd, [x, x]) == ErrorCode.BAD_REQUEST
         assert await code(Kind.FORWARD, fwd, [torch.zeros(2, 8)]) == ErrorCode.BAD_REQUEST
-        assert await code(Kind.FORWARD, fwd, [torch.full_like(x, float("nan"))]) == ErrorCode.BAD_REQUEST
-        assert await code(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 1), budget_s=30), [x, x]) == (
-            ErrorCode.BAD_REQUEST
+        assert (
+            await code(Kind.FORWARD, fwd, [torch.full_like(x, float("nan"))])
+            == ErrorCode.BAD_REQUEST
         )
+        assert await code(
+            Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(spec, 1), budget_s=30), [x, x]
+        ) == (ErrorCode.BAD_REQUEST)
         with pytest.raises(RemoteError) as exc:
-            await reg.handlers[Kind.FORWARD](Request(TRAINER, Kind.FORWARD, {"hop": "garbage"}, [x]))
+            await reg.handlers[Kind.FORWARD](
+                Request(TRAINER, Kind.FORWARD, {"hop": "garbage"}, [x])
+            )
         assert exc.value.code == ErrorCode.BAD_REQUEST
         reply = await reg.call(Kind.FORWARD, fwd, [x])  # still serving after all that
         assert reply.tensors and server.counters.forward == 1
@@ -481,12 +563,18 @@ def test_eval_loss_matches_the_full_model_and_accumulates_nothing() -> None:
         h = idx
         for stage in (0, 1):
             reply = await regs[stage].call(
-                Kind.FORWARD, ForwardRequest(hop=_hop(spec, stage), budget_s=30, keep_input=False), [h]
+                Kind.FORWARD,
+                ForwardRequest(hop=_hop(spec, stage), budget_s=30, keep_input=False),
+                [h],
             )
             h = _tensor(reply.tensors[0])
-        reply = await regs[2].call(Kind.EVAL_LOSS, EvalLossRequest(hop=_hop(spec, 2), budget_s=30), [h, targets])
+        reply = await regs[2].call(
+            Kind.EVAL_LOSS, EvalLossRequest(hop=_hop(spec, 2), budget_s=30), [h, targets]
+        )
         with torch.no_grad():
-            assert reply.header["loss"] == pytest.approx(float(full.forward_loss(idx, targets)), rel=1e-6)
+            assert reply.header["loss"] == pytest.approx(
+                float(full.forward_loss(idx, targets)), rel=1e-6
+            )
         assert all(_opt(s).steps == [] for s in servers)
         assert all(p.grad is None for s in servers for p in s.module.parameters())
 
@@ -498,11 +586,19 @@ def test_throughput_is_measured_once_and_cached_in_the_state_dir(tmp_path: Path)
     (tmp_path / THROUGHPUT_CACHE).write_text("not json")  # a damaged cache is ignored
 
     async def measure() -> float:
-        server = StageServer(spec, 2, StageServerConfig(device="cpu", benchmark_iterations=1),
-                             endpoint=Registry(), make_optimizer=RecordingOptimizer, state_dir=tmp_path)
+        server = StageServer(
+            spec,
+            2,
+            StageServerConfig(device="cpu", benchmark_iterations=1),
+            endpoint=Registry(),
+            make_optimizer=RecordingOptimizer,
+            state_dir=tmp_path,
+        )
         await server.open()
         await server.close()
-        assert all(p.grad is None for p in server.module.parameters())  # the benchmark left no grads
+        assert all(
+            p.grad is None for p in server.module.parameters()
+        )  # the benchmark left no grads
         return server.throughput
 
     first = _run(measure())
@@ -549,18 +645,29 @@ CKPT_SPEC = RunSpec(
 )
 
 
-def _last_stage(state_dir: Path, config: StageServerConfig, make_optimizer: Any = None, **kw: Any) -> tuple[Registry, StageServer]:
+def _last_stage(
+    state_dir: Path, config: StageServerConfig, make_optimizer: Any = None, **kw: Any
+) -> tuple[Registry, StageServer]:
     reg = Registry()
     make = make_optimizer or (lambda m: LocalOptimizer(m, CKPT_SPEC))
-    return reg, StageServer(CKPT_SPEC, 1, config, endpoint=reg, make_optimizer=make, state_dir=state_dir, **kw)
+    return reg, StageServer(
+        CKPT_SPEC, 1, config, endpoint=reg, make_optimizer=make, state_dir=state_dir, **kw
+    )
 
 
 async def _train_last_stage(reg: Registry, micro_batches: range, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     B, T, C = CKPT_SPEC.batch.micro_batch_size, CKPT_SPEC.model.seq_len, CKPT_SPEC.model.d_model
     for mb in micro_batches:
-        x, targets = torch.randn(B, T, C, generator=gen), torch.randint(0, 256, (B, T), generator=gen)
-        await reg.call(Kind.FORWARD_LOSS, ForwardLossRequest(hop=_hop(CKPT_SPEC, 1, mb), budget_s=30), [x, targets])
+        x, targets = (
+            torch.randn(B, T, C, generator=gen),
+            torch.randint(0, 256, (B, T), generator=gen),
+        )
+        await reg.call(
+            Kind.FORWARD_LOSS,
+            ForwardLossRequest(hop=_hop(CKPT_SPEC, 1, mb), budget_s=30),
+            [x, targets],
+        )
 
 
 def test_a_restarted_server_resumes_from_the_checkpoint_it_saved_on_drain(tmp_path: Path) -> None:
@@ -577,7 +684,11 @@ def test_a_restarted_server_resumes_from_the_checkpoint_it_saved_on_drain(tmp_pa
         return status, digest
 
     status, digest = _run(first_life())
-    assert status["epoch"] == 2 and status["checkpoint_epoch"] == 2 and status["checkpoints_written"] == 1
+    assert (
+        status["epoch"] == 2
+        and status["checkpoint_epoch"] == 2
+        and status["checkpoints_written"] == 1
+    )
     assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [2]
 
     async def second_life() -> tuple[dict[str, Any], str]:
@@ -591,13 +702,21 @@ def test_a_restarted_server_resumes_from_the_checkpoint_it_saved_on_drain(tmp_pa
         return status, resumed
 
     status, resumed = _run(second_life())
-    assert status["resumed_from"] == "checkpoint" and status["epoch"] == 2 and status["checkpoint_epoch"] == 2
+    assert (
+        status["resumed_from"] == "checkpoint"
+        and status["epoch"] == 2
+        and status["checkpoint_epoch"] == 2
+    )
     assert resumed == digest
 
 
-def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(tmp_path: Path) -> None:
+def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(
+    tmp_path: Path,
+) -> None:
     clock = FakeClock()
-    config = StageServerConfig(device="cpu", benchmark_iterations=1, checkpoint_period_s=60, checkpoint_keep=1)
+    config = StageServerConfig(
+        device="cpu", benchmark_iterations=1, checkpoint_period_s=60, checkpoint_keep=1
+    )
 
     async def body() -> None:
         reg, server = _last_stage(tmp_path, config, clock=clock)
@@ -605,6 +724,11 @@ def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(
         await _train_last_stage(reg, range(0, 2))  # epoch 1, but the period has not passed
         clock.now += 61
         await _train_last_stage(reg, range(2, 4))  # a step after the period: epoch 1 is saved
+        # The write runs on the checkpoint thread, and a checkpoint is due only once the one
+        # before it is written: wait for it, so that the step below finds the writer idle.
+        await async_wait_for(
+            lambda: server.status()["checkpoints_written"] == 1, 30, "the first checkpoint"
+        )
         clock.now += 30
         await _train_last_stage(reg, range(4, 6))  # within the period: nothing
         clock.now += 31
@@ -613,7 +737,9 @@ def test_a_periodic_checkpoint_is_taken_after_a_step_once_the_period_has_passed(
         assert server.status()["checkpoints_written"] == 2
 
     _run(body())
-    assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [3]  # keep=1 pruned epoch 1
+    assert [e for e, _ in list_checkpoints(tmp_path, CKPT_SPEC.run_id, 1)] == [
+        3
+    ]  # keep=1 pruned epoch 1
 
 
 def test_a_server_that_never_opened_saves_no_checkpoint_on_drain(tmp_path: Path) -> None:
@@ -632,7 +758,12 @@ def test_a_server_that_never_opened_saves_no_checkpoint_on_drain(tmp_path: Path)
 class PeersAt(LocalOptimizer):
     """A LocalOptimizer whose 'peers' answer with a given state (as load_state_from_peers would)."""
 
-    def __init__(self, module: nn.Module, spec: RunSpec, peer_state: tuple[int, dict[str, torch.Tensor], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: RunSpec,
+        peer_state: tuple[int, dict[str, torch.Tensor], dict[str, Any]],
+    ) -> None:
         super().__init__(module, spec)
         self.peer_state = peer_state
 
@@ -641,7 +772,9 @@ class PeersAt(LocalOptimizer):
         return True
 
 
-@pytest.mark.parametrize(("peer_epoch", "winner", "epoch"), [(1, "checkpoint", 2), (2, "peers", 2), (3, "peers", 3)])
+@pytest.mark.parametrize(
+    ("peer_epoch", "winner", "epoch"), [(1, "checkpoint", 2), (2, "peers", 2), (3, "peers", 3)]
+)
 def test_resume_takes_the_checkpoint_only_when_it_is_newer_than_the_peers(
     tmp_path: Path, peer_epoch: int, winner: str, epoch: int
 ) -> None:
@@ -659,7 +792,11 @@ def test_resume_takes_the_checkpoint_only_when_it_is_newer_than_the_peers(
     peers = {name: t + 0.5 if name.startswith("model.") else t for name, t in tensors.items()}
 
     async def restart() -> tuple[dict[str, Any], torch.Tensor]:
-        _, server = _last_stage(tmp_path, config, make_optimizer=lambda m: PeersAt(m, CKPT_SPEC, (peer_epoch, peers, meta)))
+        _, server = _last_stage(
+            tmp_path,
+            config,
+            make_optimizer=lambda m: PeersAt(m, CKPT_SPEC, (peer_epoch, peers, meta)),
+        )
         await server.open()
         status, weights = server.status(), next(iter(server.module.state_dict().values())).clone()
         await server.close()

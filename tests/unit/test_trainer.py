@@ -1,17 +1,21 @@
 """Trainer: micro-batches through real stage servers in this process (no sockets).
 
 An in-memory swarm hands each request to the addressed server's handler, encoding and
-decoding payloads as the endpoint does, and can inject faults (an error answer, a lost
-connection) per server. Checks: hop and token accounting, re-routing around a busy or dead
-server with bans, resending the input after a cache miss, a micro-batch that fails on every
-attempt fails alone, and the validation loss through the swarm equals the full model's.
+decoding payloads as the endpoint does (ReceivedTensors, lazy replies), and can inject
+faults (an error answer, a lost connection) per server. Checks: hop and token accounting,
+stage outputs relayed undecoded, re-routing around a busy or dead server with bans,
+resending the input after a cache miss, a micro-batch that fails on every attempt fails
+alone, a malformed relayed output blamed on its sender, a reply in another codec
+re-encoded (gradients through error feedback), and the validation loss through the swarm
+equals the full model's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import pytest
@@ -24,10 +28,11 @@ from wanswarm.node.stage.server import StageServer, StageServerConfig
 from wanswarm.node.training.model import build_full_model
 from wanswarm.node.training.routing import RouterConfig
 from wanswarm.node.training.trainer import ServerInfo, Trainer, TrainerConfig, servers_from_peers
-from wanswarm.transport.codecs import CodecSpec, EncodedTensor, decode, encode
+from wanswarm.transport.codecs import CodecSpec, EncodedTensor, encode
 from wanswarm.transport.endpoint import Handler, PathStats, PeerAddress, Request, Response
-from wanswarm.transport.errors import ConnectError, RemoteError, RequestTimeout
+from wanswarm.transport.errors import ConnectError, ProtocolError, RemoteError, RequestTimeout
 from wanswarm.transport.identity import Identity
+from wanswarm.transport.tensors import ReceivedTensor, Sendable
 
 TRAINER = "trainerA"
 
@@ -50,17 +55,22 @@ class Registry:
         self.handlers[kind] = handler
 
 
-def _plain(tensors: Sequence[torch.Tensor | EncodedTensor], codec: CodecSpec | None) -> list[torch.Tensor]:
-    """What the other side decodes: encoded tensors decoded, plain ones through ``codec``."""
+def _encoded(tensors: Sequence[Sendable], codec: CodecSpec | None) -> list[EncodedTensor]:
+    """What goes on the wire: plain tensors through ``codec``, the others as they are."""
     out = []
     for t in tensors:
-        if isinstance(t, EncodedTensor):
-            out.append(decode(t))
-        elif codec is not None and codec.name != "none":
-            out.append(decode(encode(t, codec)))
+        if isinstance(t, torch.Tensor):
+            out.append(encode(t, codec or CodecSpec("none")))
         else:
-            out.append(t.clone())
+            out.append(t.encoded if isinstance(t, ReceivedTensor) else t)
     return out
+
+
+def _received(
+    tensors: Sequence[Sendable], codec: CodecSpec | None, sender: str
+) -> list[ReceivedTensor]:
+    """What the other side receives (ProtocolError for a payload refused on receipt)."""
+    return [ReceivedTensor.of(e, sender=sender) for e in _encoded(tensors, codec)]
 
 
 class InMemorySwarm:
@@ -73,31 +83,42 @@ class InMemorySwarm:
         self.faults: dict[str, list[Exception]] = {}  # per server: raised by its next requests
         self.dead: set[str] = set()
         self.sent: list[tuple[str, str]] = []  # (peer, kind) of every request
+        self.requests: list[tuple[str, str, list[Sendable]]] = []  # and its tensors
+        self.tamper: dict[str, Callable[[Response], Response]] = {}  # per server: its replies
 
     async def request(
         self,
         peer: PeerAddress,
         kind: str,
         header: dict[str, Any],
-        tensors: Sequence[torch.Tensor | EncodedTensor] = (),
+        tensors: Sequence[Sendable] = (),
         *,
         codec: CodecSpec | None = None,
         timeout: float,
         allow_nonfinite: bool = False,
+        lazy: bool = False,
     ) -> Response:
         self.sent.append((peer.peer_id, kind))
+        self.requests.append((peer.peer_id, kind, list(tensors)))
         if peer.peer_id in self.dead:
             raise ConnectError(f"{peer.peer_id} is unreachable")
         pending = self.faults.get(peer.peer_id)
         if pending:
             raise pending.pop(0)
         handler = self.registries[peer.peer_id].handlers[kind]
+        try:  # the server's endpoint decodes and checks every tensor before the handler runs
+            plain = [t.tensor() for t in _received(tensors, codec, self.peer_id)]
+        except ProtocolError as exc:
+            raise RemoteError(exc.code, str(exc)) from None
         try:
             async with asyncio.timeout(timeout):
-                reply = await handler(Request(self.peer_id, kind, dict(header), _plain(tensors, codec)))
+                reply = await handler(Request(self.peer_id, kind, dict(header), plain))
         except TimeoutError:
             raise RequestTimeout(f"{kind} to {peer.peer_id}") from None
-        return Response(header=dict(reply.header), tensors=list(_plain(reply.tensors, reply.codec)))
+        reply = self.tamper.get(peer.peer_id, lambda r: r)(reply)
+        received = _received(reply.tensors, reply.codec, peer.peer_id)
+        out: list[Sendable] = list(received) if lazy else [t.tensor() for t in received]
+        return Response(header=dict(reply.header), tensors=out)
 
     def path_stats(self, peer_id: str) -> PathStats | None:
         return None
@@ -106,7 +127,13 @@ class InMemorySwarm:
 class Swarm:
     """Servers per stage behind an InMemorySwarm, and the view the trainer reads."""
 
-    def __init__(self, spec: RunSpec, replicas: Sequence[int], config: StageServerConfig | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        replicas: Sequence[int],
+        config: StageServerConfig | None = None,
+        **kw: Any,
+    ) -> None:
         self.spec = spec
         self.net = InMemorySwarm()
         cfg = config or StageServerConfig(device="cpu", benchmark_iterations=1)
@@ -117,14 +144,27 @@ class Swarm:
                 reg = Registry()
                 self.net.registries[name] = reg
                 self.servers[name] = StageServer(
-                    spec, stage, cfg, endpoint=reg, make_optimizer=lambda m: LocalOptimizer(m, spec), **kw
+                    spec,
+                    stage,
+                    cfg,
+                    endpoint=reg,
+                    make_optimizer=lambda m: LocalOptimizer(m, spec),
+                    **kw,
                 )
 
     def view(self) -> dict[int, list[ServerInfo]]:
         out: dict[int, list[ServerInfo]] = {}
         for name, server in self.servers.items():
             out.setdefault(server.stage, []).append(
-                ServerInfo(name, "127.0.0.1", 1, throughput=100.0, queue_len=0, state=server.state, rtt=0.01)
+                ServerInfo(
+                    name,
+                    "127.0.0.1",
+                    1,
+                    throughput=100.0,
+                    queue_len=0,
+                    state=server.state,
+                    rtt=0.01,
+                )
             )
         return out
 
@@ -170,14 +210,107 @@ def test_micro_batches_walk_every_stage_forward_and_back() -> None:
     assert c.tokens == n * 2 * 8
     assert c.loss_ewma is not None and 5.0 < c.loss_ewma < 6.0  # about ln(256) at init
     kinds = [k for _, k in swarm.net.sent]
-    assert kinds.count("forward") == 2 * n and kinds.count("forward_loss") == n and kinds.count("backward") == 2 * n
+    assert (
+        kinds.count("forward") == 2 * n
+        and kinds.count("forward_loss") == n
+        and kinds.count("backward") == 2 * n
+    )
     for server in swarm.servers.values():
         assert server.counters.applied == n and server.counters.cache_misses == 0
     # by reference: stage inputs travelled once (forward), not again with the backward
     assert swarm.servers["s1r0"].counters.backward == n
     assert c.payload_bytes_sent > 0 and c.payload_bytes_received > 0
     status = trainer.status()
-    assert status["micro_batches"]["completed"] == n and status["hops"] == {"0": 2 * n, "1": 2 * n, "2": n}
+    assert status["micro_batches"]["completed"] == n
+    assert status["hops"] == {"0": 2 * n, "1": 2 * n, "2": n}
+
+
+def test_stage_outputs_are_relayed_as_they_came() -> None:
+    spec = _spec()
+    swarm = Swarm(spec, [1, 1, 1])
+    n = 3
+
+    async def main() -> Trainer:
+        async with swarm:
+            trainer = swarm.trainer()
+            await trainer.run(max_micro_batches=n)
+            return trainer
+
+    trainer = asyncio.run(main())
+    assert (trainer.counters.completed, trainer.counters.failed) == (n, 0)
+    int8 = CodecSpec.from_wire("int8/b64/f32")
+    # (server, kind) -> the stage whose output it gets: forward activations, backward dL/dy
+    relayed = {("s1r0", "forward"): "s0r0", ("s2r0", "forward_loss"): "s1r0",
+               ("s1r0", "backward"): "s2r0", ("s0r0", "backward"): "s1r0"}
+    seen = 0
+    for peer, kind, tensors in swarm.net.requests:
+        sender = relayed.get((peer, kind))
+        if sender is None:
+            continue
+        t = tensors[-1] if kind == "backward" else tensors[0]
+        assert isinstance(t, ReceivedTensor) and t.sender == sender and t.codec == int8
+        assert not t.is_decoded  # the trainer never dequantized it, nor quantized it again
+        seen += 1
+    assert seen == 4 * n
+    assert len(trainer._ef) == 0  # the servers' own error feedback is the only one
+
+
+def test_a_reply_in_another_codec_is_reencoded_gradients_through_error_feedback() -> None:
+    spec = _spec()
+    swarm = Swarm(spec, [1, 1, 1])
+
+    def plain(reply: Response) -> Response:  # the same tensors, sent in codec none
+        tensors = [ReceivedTensor.of(t).tensor() for t in _encoded(reply.tensors, reply.codec)]
+        return Response(reply.header, list(tensors))
+
+    swarm.net.tamper = {"s0r0": plain, "s2r0": plain}
+
+    async def main() -> Trainer:
+        async with swarm:
+            trainer = swarm.trainer()
+            await trainer.run(max_micro_batches=2)
+            return trainer
+
+    trainer = asyncio.run(main())
+    assert (trainer.counters.completed, trainer.counters.failed) == (2, 0)
+    int8 = CodecSpec.from_wire("int8/b64/f32")
+    to_s1 = [ts for p, k, ts in swarm.net.requests if p == "s1r0" and k in ("forward", "backward")]
+    assert len(to_s1) == 4
+    for tensors in to_s1:  # re-encoded by the trainer in the run's codec
+        assert isinstance(tensors[-1], EncodedTensor) and tensors[-1].spec == int8
+    assert (1, "grad_output") in trainer._ef and (0, "grad_output") not in trainer._ef
+
+
+def test_a_malformed_relayed_output_is_blamed_on_its_sender() -> None:
+    spec = _spec("none")  # a raw payload can carry NaN past the header checks
+    swarm = Swarm(spec, [1, 1, 1])
+    poisoned: list[Response] = []
+
+    def poison_once(reply: Response) -> Response:
+        if poisoned or not reply.tensors:
+            return reply
+        y = _encoded(reply.tensors, reply.codec)[0]
+        poisoned.append(reply)
+        return Response(reply.header, [encode(torch.full(y.shape, math.nan), CodecSpec("none"))])
+
+    swarm.net.tamper = {"s0r0": poison_once}
+    config = TrainerConfig(max_in_flight=1, request_timeout_s=30.0)
+
+    async def main() -> tuple[Trainer, tuple[int, int]]:
+        async with swarm:
+            trainer = swarm.trainer(config)
+            await trainer.run(max_micro_batches=1)
+            failures = (trainer.router.failures("s0r0"), trainer.router.failures("s1r0"))
+            await trainer.run(max_micro_batches=3)  # s0r0 answers honestly from now on
+            return trainer, failures
+
+    trainer, (sender_failures, refuser_failures) = asyncio.run(main())
+    c = trainer.counters
+    assert (c.completed, c.failed) == (2, 1)
+    assert c.errors["non_finite"] == 1 and c.retried_hops == 0
+    # the sender of the NaN was banned; the stage that refused it was not, and computed nothing
+    assert (sender_failures, refuser_failures) == (1, 0)
+    assert swarm.servers["s1r0"].counters.forward == 2
 
 
 def test_busy_and_dead_servers_are_banned_and_routed_around() -> None:
@@ -185,7 +318,11 @@ def test_busy_and_dead_servers_are_banned_and_routed_around() -> None:
     swarm = Swarm(spec, [1, 3, 1])
     swarm.net.faults["s1r0"] = [RemoteError("busy", "queue full")]
     swarm.net.dead.add("s1r1")
-    config = TrainerConfig(max_in_flight=1, request_timeout_s=30.0, router=RouterConfig(ban_base_s=600.0, ban_max_s=600.0))
+    config = TrainerConfig(
+        max_in_flight=1,
+        request_timeout_s=30.0,
+        router=RouterConfig(ban_base_s=600.0, ban_max_s=600.0),
+    )
 
     async def main() -> Trainer:
         async with swarm:
@@ -262,7 +399,8 @@ def test_validation_loss_through_the_swarm_equals_the_full_model() -> None:
     spec = _spec("none")
     swarm = Swarm(spec, [1, 2, 1])
     gen = torch.Generator().manual_seed(11)
-    windows = torch.randint(0, 256, (5, spec.model.seq_len + 1), generator=gen)  # 5: a short last chunk
+    # 5 windows: a short last chunk
+    windows = torch.randint(0, 256, (5, spec.model.seq_len + 1), generator=gen)
     inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     async def main() -> float:
@@ -282,9 +420,17 @@ def test_servers_from_the_peer_table() -> None:
     ids = [Identity.generate().peer_id for _ in range(3)]
     table = PeerTable(own_peer_id="me", rtt_window=60.0)
     records = {
-        ids[0]: ServerRecord(peer_id=ids[0], state="online", stage=1, throughput=12.5, queue=3,
-                             quic=QuicAddress(host="10.0.0.1", port=4000)),
-        ids[1]: ServerRecord(peer_id=ids[1], state="joining", stage=0, quic=QuicAddress(host="10.0.0.2", port=4001)),
+        ids[0]: ServerRecord(
+            peer_id=ids[0],
+            state="online",
+            stage=1,
+            throughput=12.5,
+            queue=3,
+            quic=QuicAddress(host="10.0.0.1", port=4000),
+        ),
+        ids[1]: ServerRecord(
+            peer_id=ids[1], state="joining", stage=0, quic=QuicAddress(host="10.0.0.2", port=4001)
+        ),
         ids[2]: ServerRecord(peer_id=ids[2], state="online", stage=None, server=False),
     }
     table.apply({k: (r, 1e12) for k, r in records.items()}, {}, now=0.0, wall_now=0.0)
