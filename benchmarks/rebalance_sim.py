@@ -37,10 +37,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from wanswarm.node.membership.records import ServerState
 from wanswarm.node.stage.selection import (
     RebalancePolicy,
-    ServerInfo,
-    ServerState,
+    ServerLoad,
     choose_stage,
     next_rebalance_delay,
     plan_rebalance,
@@ -153,7 +153,7 @@ def simulate(
     began = time.perf_counter()
     rng = random.Random(seed)
     peers: dict[str, _Peer] = {}
-    records: dict[str, ServerInfo] = {}  # what the DHT shows: one record per server
+    records: dict[str, ServerLoad] = {}  # what the DHT shows: one record per server
     heap: list[tuple[float, int, str, str, int]] = []  # (time, seq, kind, peer, epoch)
     serving = [0.0] * n_stages  # throughput per stage of online servers
     seq = 0
@@ -165,7 +165,7 @@ def simulate(
 
     def announce(pid: str) -> None:
         p = peers[pid]
-        records[pid] = ServerInfo(pid, p.stage, p.throughput, p.state)
+        records[pid] = ServerLoad(pid, p.stage, p.throughput, p.state)
 
     def pick_stage(throughput: float) -> int:
         if random_joins:
@@ -176,7 +176,7 @@ def simulate(
         return [p.throughput for p in peers.values() if not p.fresh]
 
     for pid, thr in trace.initial:  # a settled swarm: everyone joined in turn and loaded
-        peers[pid] = _Peer(thr, pick_stage(thr), ServerState.ONLINE, fresh=False)
+        peers[pid] = _Peer(thr, pick_stage(thr), "online", fresh=False)
         serving[peers[pid].stage] += thr
         announce(pid)
         if rebalance:
@@ -218,10 +218,10 @@ def simulate(
                     for m in plan_rebalance(list(records.values()), n_stages, policy).moves
                 }
                 plans += 1
-            if peer.state != ServerState.ONLINE or pid not in plan:
+            if peer.state != "online" or pid not in plan:
                 continue
             serving[peer.stage] -= peer.throughput
-            peer.stage, peer.state = plan[pid], ServerState.JOINING
+            peer.stage, peer.state = plan[pid], "joining"
             peer.epoch += 1
             push(at + policy.load_s, "ready", pid, peer.epoch)
             moves += 1
@@ -229,21 +229,21 @@ def simulate(
             peer = peers.get(pid)
             if peer is None or peer.epoch != epoch:
                 continue
-            peer.state = ServerState.ONLINE
+            peer.state = "online"
             serving[peer.stage] += peer.throughput
             if peer.fresh:
                 peer.fresh = False
                 bound = upper_bound(eligible(), n_stages)
         elif kind == "join":
             thr = joins[pid]
-            peers[pid] = _Peer(thr, pick_stage(thr), ServerState.JOINING, fresh=True)
+            peers[pid] = _Peer(thr, pick_stage(thr), "joining", fresh=True)
             push(at + policy.load_s, "ready", pid, 0)
             if rebalance:
                 push(at + next_rebalance_delay(rng, policy), "check", pid)
         else:  # leave
             peer = peers.pop(pid)
             del records[pid]
-            if peer.state == ServerState.ONLINE:
+            if peer.state == "online":
                 serving[peer.stage] -= peer.throughput
             if not peer.fresh:
                 bound = upper_bound(eligible(), n_stages)
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     joins = sum(e.joins for e in trace.events)
     print(
         f"{args.peers} peers, {args.stages} stages, {args.hours:g} h, churn {args.churn:.0%}/h "
-        f"({joins} joins, {len(trace.events) - joins} leaves), throughput lognormal(0, {args.sigma}), "
+        f"({joins} joins, {len(trace.events) - joins} leaves), "
+        f"throughput lognormal(0, {args.sigma}), "
         f"period {args.period:g} s, load {args.load:g} s, min gain {args.min_gain:.1%}"
     )
     with_rb = simulate(trace, args.stages, policy, rebalance=True, seed=args.seed)
@@ -308,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"{hour:>5} {fractions[0]:8.2%} {fractions[1]:8.2%} {fractions[2]:22.2%}")
     print(
-        f"{'mean':>5} {with_rb.mean_fraction:8.2%} {without.mean_fraction:8.2%} {randomly.mean_fraction:22.2%}"
+        f"{'mean':>5} {with_rb.mean_fraction:8.2%} {without.mean_fraction:8.2%} "
+        f"{randomly.mean_fraction:22.2%}"
     )
     print(
-        f"rebalancing: {with_rb.moves} moves ({with_rb.moves / args.hours:.0f}/h) from {with_rb.plans} plans; "
+        f"rebalancing: {with_rb.moves} moves ({with_rb.moves / args.hours:.0f}/h) "
+        f"from {with_rb.plans} plans; "
         f"greedy LPT reaches {with_rb.lpt_fraction_of_bound:.2%} of U (so the optimum is within "
         f"{1 - with_rb.lpt_fraction_of_bound:.2%} of U); simulated in "
         f"{with_rb.seconds + without.seconds + randomly.seconds:.1f} s"

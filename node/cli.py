@@ -86,10 +86,17 @@ examples:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (see configs/node.toml)")
     parser.add_argument(
-        "--state-dir", type=Path, metavar="DIR",
-        help="state directory (identity.key, control.sock); default $STATE_DIRECTORY or ~/.local/share/wanswarm",
+        "--config", type=Path, metavar="FILE", help="TOML config file (see configs/node.toml)"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=(
+            "state directory (identity.key, control.sock); "
+            "default $STATE_DIRECTORY or ~/.local/share/wanswarm"
+        ),
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -103,12 +110,22 @@ def _add_join_flags(parser: argparse.ArgumentParser) -> None:
         help="multiaddrs of running peers, each ending in /p2p/<peer id>; none: start a new swarm",
     )
     parser.add_argument("--run", metavar="NAME", help="name of the training run to join (node.run)")
-    parser.add_argument("--host", metavar="ADDR", help="bind address of the DHT (TCP) and QUIC (UDP) sockets")
-    parser.add_argument("--dht-port", type=int, metavar="PORT", help="TCP port of the DHT; 0 picks a free one")
-    parser.add_argument("--quic-port", type=int, metavar="PORT", help="UDP port of QUIC; 0 picks a free one")
-    parser.add_argument("--log-format", choices=["text", "json"], help="log line format (log.format)")
     parser.add_argument(
-        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="least severe level logged (log.level)"
+        "--host", metavar="ADDR", help="bind address of the DHT (TCP) and QUIC (UDP) sockets"
+    )
+    parser.add_argument(
+        "--dht-port", type=int, metavar="PORT", help="TCP port of the DHT; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--quic-port", type=int, metavar="PORT", help="UDP port of QUIC; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], help="log line format (log.format)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="least severe level logged (log.level)",
     )
 
 
@@ -116,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Train one transformer together with volunteers over the internet (SWARM-style).",
+        description=(
+            "Train one transformer together with volunteers over the internet (SWARM-style)."
+        ),
         epilog=MAIN_EPILOG,
         formatter_class=fmt,
     )
@@ -124,8 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     join = sub.add_parser(
-        "join", help="run a node in the foreground until it leaves", epilog=JOIN_EPILOG, formatter_class=fmt,
-        description="Run a node: join (or start) the swarm, serve, and leave gracefully on SIGTERM/SIGINT.",
+        "join",
+        help="run a node in the foreground until it leaves",
+        epilog=JOIN_EPILOG,
+        formatter_class=fmt,
+        description=(
+            "Run a node: join (or start) the swarm, serve, and leave gracefully on "
+            "SIGTERM/SIGINT."
+        ),
     )
     _add_config_flags(join)
     _add_join_flags(join)
@@ -148,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, metavar="SECONDS",
         help="give up waiting after this long (default: the daemon's shutdown_timeout + 60)",
     )
-    leave.add_argument("--no-wait", action="store_true", help="return once the daemon accepted the request")
+    leave.add_argument(
+        "--no-wait", action="store_true", help="return once the daemon accepted the request"
+    )
 
     from .tools.demo import DEMO_DURATION_S  # no torch: the module imports it only when it runs
 
@@ -161,19 +188,48 @@ def build_parser() -> argparse.ArgumentParser:
             "measure again, print per-stage figures, stop every daemon."
         ),
     )
-    demo.add_argument("--replicas", type=int, default=2, metavar="N", help="daemons per stage (default 2)")
-    demo.add_argument("--duration", type=float, default=DEMO_DURATION_S, metavar="SECONDS",
-                      help=f"stop training after this long (default {DEMO_DURATION_S:.0f}: with start-up, "
-                           "evaluation and shutdown the whole demo takes under 10 minutes on 2 idle cores)")
+    demo.add_argument(
+        "--replicas", type=int, default=2, metavar="N", help="daemons per stage (default 2)"
+    )
+    demo.add_argument(
+        "--duration",
+        type=float,
+        default=DEMO_DURATION_S,
+        metavar="SECONDS",
+        help=f"stop training after this long (default {DEMO_DURATION_S:.0f}: with start-up, "
+        "evaluation and shutdown the whole demo takes under 10 minutes on 2 idle cores)",
+    )
     demo.add_argument("--tokens", type=int, default=1_500_000, metavar="N",
                       help="stop once the trainers completed this many tokens (default 1500000)")
-    demo.add_argument("--wan", choices=["lan", "home", "wan", "bad"], help="put a WAN emulator before every QUIC port")
-    demo.add_argument("--eval-windows", type=int, default=64, metavar="N", help="validation windows evaluated (default 64)")
-    demo.add_argument("--json", action="store_true", help="end with one JSON line of results (progress on stderr)")
+    demo.add_argument(
+        "--wan",
+        choices=["lan", "home", "wan", "bad"],
+        help="put a WAN emulator before every QUIC port",
+    )
+    demo.add_argument(
+        "--eval-windows",
+        type=int,
+        default=64,
+        metavar="N",
+        help="validation windows evaluated (default 64)",
+    )
+    demo.add_argument(
+        "--json", action="store_true", help="end with one JSON line of results (progress on stderr)"
+    )
     demo.add_argument("--keep", action="store_true", help="keep the temporary state dirs and logs")
-    demo.add_argument("--run-spec", type=Path, metavar="PATH", help="run spec TOML for every daemon (default: the embedded tiny run)")
-    demo.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="a config setting for every daemon, e.g. --set trainer.max_in_flight=4 (repeatable)")
+    demo.add_argument(
+        "--run-spec",
+        type=Path,
+        metavar="PATH",
+        help="run spec TOML for every daemon (default: the embedded tiny run)",
+    )
+    demo.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config setting for every daemon, e.g. --set trainer.max_in_flight=4 (repeatable)",
+    )
     config = sub.add_parser(
         "config", help="print the effective settings, or every default with its description",
         epilog=CONFIG_EPILOG, formatter_class=fmt,
@@ -181,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(config)
     _add_join_flags(config)
-    config.add_argument("--defaults", action="store_true", help="print the commented template of all settings")
+    config.add_argument(
+        "--defaults", action="store_true", help="print the commented template of all settings"
+    )
     return parser
 
 
@@ -245,11 +303,16 @@ def _leave(args: argparse.Namespace) -> int:
     if ack.already_leaving:
         print(f"daemon (pid {ack.pid}) was already leaving; asked it to hurry", flush=True)
     else:
-        print(f"daemon (pid {ack.pid}) is leaving: draining for up to {ack.shutdown_timeout_s:.0f}s", flush=True)
+        print(
+            f"daemon (pid {ack.pid}) is leaving: draining for up to {ack.shutdown_timeout_s:.0f}s",
+            flush=True,
+        )
     if args.no_wait:
         return 0
     timeout = args.timeout if args.timeout is not None else ack.shutdown_timeout_s + 60.0
-    if client.wait_until_gone(ack.pid, timeout, on_progress=lambda line: print(f"  {line}", flush=True)):
+    if client.wait_until_gone(
+        ack.pid, timeout, on_progress=lambda line: print(f"  {line}", flush=True)
+    ):
         print("left")
         return 0
     print(f"{PROG}: daemon (pid {ack.pid}) still running after {timeout:.0f}s", file=sys.stderr)
@@ -274,10 +337,19 @@ def _demo(args: argparse.Namespace) -> int:
         raise ConfigError("--replicas, --tokens and --eval-windows must be >= 1, --duration > 0")
     from .tools.demo import DemoOptions, run_demo  # imports torch: only for 'demo'
 
-    return run_demo(DemoOptions(
-        replicas=args.replicas, duration_s=args.duration, tokens=args.tokens, wan=args.wan,
-        json=args.json, keep=args.keep, eval_windows=args.eval_windows, extra=tuple(args.set), run_spec=args.run_spec,
-    ))
+    return run_demo(
+        DemoOptions(
+            replicas=args.replicas,
+            duration_s=args.duration,
+            tokens=args.tokens,
+            wan=args.wan,
+            json=args.json,
+            keep=args.keep,
+            eval_windows=args.eval_windows,
+            extra=tuple(args.set),
+            run_spec=args.run_spec,
+        )
+    )
 
 
 COMMANDS = {"join": _join, "status": _status, "leave": _leave, "config": _config, "demo": _demo}

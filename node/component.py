@@ -17,8 +17,9 @@ instead of dying silently) and are cancelled on leave. Lifecycle code never chan
         def status(self): return {"queue": len(self.queue)}
 
 Optional capabilities are found by shape: a component with ``async ping(peer_id, timeout=)``
-(:class:`~wanswarm.node.membership.prober.RttSource`) replaces the DHT ping as the prober's RTT source, one
-with ``traffic() -> (bytes_in, bytes_out)`` (:class:`TrafficSource`) feeds status and metrics.
+(:class:`~wanswarm.node.membership.prober.RttSource`) replaces the DHT ping as the prober's
+RTT source, one with ``traffic() -> (bytes_in, bytes_out)`` (:class:`TrafficSource`) feeds
+status and metrics.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..transport.identity import Identity
 from .membership.peers import PeerTable
 from .membership.tracker import Membership
+
+if TYPE_CHECKING:  # dht.py imports hivemind, which importing this module must not
+    from .membership.dht import Dht
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,8 @@ class ComponentContext:
     peers: PeerTable
     membership: Membership
     spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]
-    # the DHT adapter (dht.Dht); typed loosely so that this module does not import hivemind
-    dht: Any
+    # the DHT adapter: a stage server's optimizer averages over it (Dht.hivemind_optimizer)
+    dht: Dht
 
 
 @runtime_checkable

@@ -146,7 +146,9 @@ class ControlServer:
         check_socket_path(self.path)
         if self.path.exists() or self.path.is_symlink():
             if _socket_answers(self.path, timeout=1.0):
-                raise StateDirError(f"another daemon answers on {self.path}; stop it or choose another state dir")
+                raise StateDirError(
+                    f"another daemon answers on {self.path}; stop it or choose another state dir"
+                )
             self.path.unlink()
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._server = await asyncio.start_unix_server(
@@ -199,8 +201,15 @@ class ControlServer:
             head = json.loads(line)
         except (ValueError, UnicodeDecodeError):
             return _error("bad_request", "request is not a JSON object on one line")
-        if isinstance(head, dict) and isinstance(head.get("v"), int) and head["v"] != CONTROL_VERSION:
-            return _error("unsupported_version", f"control version {head['v']}; this daemon speaks {CONTROL_VERSION}")
+        if (
+            isinstance(head, dict)
+            and isinstance(head.get("v"), int)
+            and head["v"] != CONTROL_VERSION
+        ):
+            return _error(
+                "unsupported_version",
+                f"control version {head['v']}; this daemon speaks {CONTROL_VERSION}",
+            )
         try:
             request = _REQUEST.validate_python(head)
         except ValidationError as exc:
@@ -209,7 +218,9 @@ class ControlServer:
         try:
             if isinstance(request, StatusRequest):
                 return OkResponse(result=self.handler.status().model_dump(mode="json"))
-            return OkResponse(result=self.handler.request_leave("control request").model_dump(mode="json"))
+            return OkResponse(
+                result=self.handler.request_leave("control request").model_dump(mode="json")
+            )
         except Exception as exc:  # a bug in a status provider must not take the socket down
             log.exception("control request %s failed", request.op)
             return _error("internal", f"{type(exc).__name__}: {exc}")
@@ -219,7 +230,8 @@ def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs; an exited process its parent has not reaped yet (a zombie) does not."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows the last ')'
+            # "pid (comm) state ...": comm may hold spaces or parentheses, the state follows
+            # the last ')'
             return fh.read().rpartition(b")")[2].split()[0] != b"Z"
     except FileNotFoundError:
         return False
@@ -234,14 +246,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _error(code: Literal["bad_request", "unsupported_version", "internal"], message: str) -> ErrorResponse:
+def _error(
+    code: Literal["bad_request", "unsupported_version", "internal"], message: str
+) -> ErrorResponse:
     return ErrorResponse(error=ErrorBody(code=code, message=message))
 
 
 class ControlClient:
     """Blocking client for the CLI (no event loop needed to ask one question)."""
 
-    def __init__(self, path: Path, timeout: float = 5.0, max_response_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self, path: Path, timeout: float = 5.0, max_response_bytes: int = 4 * 1024 * 1024
+    ) -> None:
         self.path = path
         self.timeout = timeout
         self.max_response_bytes = max_response_bytes
@@ -251,14 +267,18 @@ class ControlClient:
         try:
             return StatusReport.model_validate(result)
         except ValidationError as exc:
-            raise ControlProtocolError(f"daemon sent an invalid status: {exc.errors()[0]['msg']}") from None
+            raise ControlProtocolError(
+                f"daemon sent an invalid status: {exc.errors()[0]['msg']}"
+            ) from None
 
     def leave(self) -> LeaveAck:
         result = self._call(LeaveRequest())
         try:
             return LeaveAck.model_validate(result)
         except ValidationError as exc:
-            raise ControlProtocolError(f"daemon sent an invalid leave answer: {exc.errors()[0]['msg']}") from None
+            raise ControlProtocolError(
+                f"daemon sent an invalid leave answer: {exc.errors()[0]['msg']}"
+            ) from None
 
     def wait_until_gone(self, pid: int, timeout: float, on_progress: Callable[[str], None]) -> bool:
         """After ``leave``: report the daemon's progress until its socket closes and ``pid`` exits.
@@ -303,15 +323,21 @@ class ControlClient:
                 sock.sendall(request.model_dump_json().encode() + b"\n")
                 data = self._read_line(sock)
             except TimeoutError:
-                raise ControlProtocolError(f"daemon did not answer within {self.timeout}s") from None
+                raise ControlProtocolError(
+                    f"daemon did not answer within {self.timeout}s"
+                ) from None
             except ConnectionError as exc:
                 raise DaemonNotRunning(f"daemon closed the control connection: {exc}") from None
         try:
             response = _RESPONSE.validate_json(data)
         except ValidationError as exc:
-            raise ControlProtocolError(f"daemon sent an invalid response: {exc.errors()[0]['msg']}") from None
+            raise ControlProtocolError(
+                f"daemon sent an invalid response: {exc.errors()[0]['msg']}"
+            ) from None
         if isinstance(response, ErrorResponse):
-            raise ControlProtocolError(f"daemon refused the request: {response.error.code}: {response.error.message}")
+            raise ControlProtocolError(
+                f"daemon refused the request: {response.error.code}: {response.error.message}"
+            )
         return response.result
 
     def _read_line(self, sock: socket.socket) -> bytes:
@@ -325,7 +351,9 @@ class ControlClient:
             if chunk.endswith(b"\n"):
                 break
             if size > self.max_response_bytes:
-                raise ControlProtocolError(f"daemon response exceeds {self.max_response_bytes} bytes")
+                raise ControlProtocolError(
+                    f"daemon response exceeds {self.max_response_bytes} bytes"
+                )
         if not chunks:
             raise DaemonNotRunning("daemon closed the control connection without answering")
         return b"".join(chunks)

@@ -65,7 +65,10 @@ def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
         lock.acquire()
         identity, identity_path = load_identity(config.state_dir)
         set_log_context(peer=identity.peer_id)
-        log.info("starting wanswarm %s, run %r, state dir %s", __version__, config.node.run, config.state_dir)
+        log.info(
+            "starting wanswarm %s, run %r, state dir %s",
+            __version__, config.node.run, config.state_dir,
+        )
         dht = Dht.spawn(config.dht, config.node.run, identity, identity_path)
     except (NodeError, TransportError) as exc:
         lock.release()
@@ -83,7 +86,7 @@ def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if dht.is_alive():  # the loop died before its own shutdown ran
-            dht.hivemind_dht.shutdown()
+            dht.shutdown_blocking()
         lock.release()
 
 
@@ -107,7 +110,9 @@ class Daemon:
         self.rng = random.Random()
         self.table = PeerTable(self.peer_id, rtt_window=config.prober.min_window)
         self.metrics = NodeMetrics(config.node.run, self.peer_id, __version__)
-        self.membership = Membership(dht, config.node, self.peer_id, self.table, self.rng, self.metrics)
+        self.membership = Membership(
+            dht, config.node, self.peer_id, self.table, self.rng, self.metrics
+        )
         self.notifier: SdNotifier | None = notifier_from_env()
         self.state: DaemonState = "starting"
         self.dht_addrs: list[str] = []
@@ -243,7 +248,8 @@ class Daemon:
                 spawn(control.serve(), "control")
                 spawn(self._watch_dht(), "dht-watch")
                 if self.notifier is not None and self.notifier.watchdog_interval is not None:
-                    spawn(self._watchdog(self.notifier, self.notifier.watchdog_interval), "watchdog")
+                    interval = self.notifier.watchdog_interval
+                    spawn(self._watchdog(self.notifier, interval), "watchdog")
                 if await self._until_leave(self._join(spawn)):
                     await self._leave.wait()
                 await self._graceful_leave()
@@ -310,7 +316,8 @@ class Daemon:
         self.membership.set_state("online")
         self._set_state("online")
         await self._announce_logged()
-        spawn(self.membership.announce_loop(first_delay=self.config.node.record_ttl / 3), "announce")
+        first_delay = self.config.node.record_ttl / 3
+        spawn(self.membership.announce_loop(first_delay=first_delay), "announce")
         spawn(self._housekeeping(), "housekeeping")
         log.info("online: %d peers known", len(self.table))
         if self.notifier is not None:
@@ -344,7 +351,10 @@ class Daemon:
             try:
                 ok = await self.membership.withdraw()
             except DhtError as exc:
-                log.warning("could not withdraw our record (it expires within %.0fs): %s", cfg.record_ttl, exc)
+                log.warning(
+                    "could not withdraw our record (it expires within %.0fs): %s",
+                    cfg.record_ttl, exc,
+                )
             else:
                 log.info("record withdrawn" if ok else "withdrawal not confirmed by the DHT")
         self._set_state("left")
@@ -367,7 +377,10 @@ class Daemon:
             hurry.cancel()
         for component, drain in zip(self._started_components, drains, strict=True):
             if not drain.done():
-                log.warning("%s did not finish draining in time; abandoning its in-flight work", component.name)
+                log.warning(
+                    "%s did not finish draining in time; abandoning its in-flight work",
+                    component.name,
+                )
                 drain.cancel()
             elif not drain.cancelled() and drain.exception() is not None:
                 log.error("%s failed while draining: %s", component.name, drain.exception())
@@ -412,7 +425,7 @@ class Daemon:
             await ended
         finally:
             loop.remove_reader(sentinel)
-        raise JoinError(f"the DHT process exited unexpectedly (exit code {self.dht.hivemind_dht.exitcode})")
+        raise JoinError(f"the DHT process exited unexpectedly (exit code {self.dht.exitcode})")
 
     async def _watchdog(self, notifier: SdNotifier, interval: float) -> None:
         while True:
@@ -423,7 +436,8 @@ class Daemon:
     async def _housekeeping(self) -> None:
         """Refresh addresses, traffic counters and systemd's STATUS= line."""
         while True:
-            await asyncio.sleep(jittered(self.config.node.membership_period, self.config.node.announce_jitter, self.rng))
+            node = self.config.node
+            await asyncio.sleep(jittered(node.membership_period, node.announce_jitter, self.rng))
             await self._refresh_addrs()
             traffic = self._traffic()
             if traffic is not None:

@@ -3,13 +3,13 @@
 Every error that crosses a module boundary of the node is a ``NodeError``; exceptions of
 third-party libraries (hivemind, prometheus-client) are translated in the one adapter module
 that imports the library. Errors that belong to one module's concept live in that module
-(they are listed here so that the tree is read in one place). The CLI maps the tree to exit statuses: ``ConfigError`` is 2
-(a usage error), everything else 1. The tree::
+(they are listed here so that the tree is read in one place). The CLI maps the tree to exit
+statuses: ``ConfigError`` is 2 (a usage error), everything else 1. The tree::
 
     NodeError
-    ├── ConfigError                  a setting is unusable (one line naming the field and what is allowed)
+    ├── ConfigError                  a setting is unusable (one line: the field, what it allows)
     ├── StateDirError                state directory unusable, or already in use by another daemon
-    ├── RecordError                  a DHT record that does not match its schema (dropped, never fatal)
+    ├── RecordError                  a DHT record not matching its schema (dropped, never fatal)
     │   └── UnsupportedRecordVersion a record from a newer release (dropped, logged once)
     ├── DhtError                     the DHT failed (hivemind's exceptions, translated)
     │   ├── JoinError                could not start the DHT or reach any initial peer
@@ -21,6 +21,7 @@ that imports the library. Errors that belong to one module's concept live in tha
     ├── BadReply                     a server's reply broke the protocol (protocol.py)
     ├── HopFailed                    a hop failed on every attempt (trainer.py)
     ├── DemoError                    the demo swarm could not start or lost a daemon (demo.py)
+    ├── LabError                     the network lab could not be built or used (netlab.py)
     └── ControlError                 the control socket (``wanswarm status`` / ``leave``)
         ├── DaemonNotRunning         nothing listens on the control socket
         └── ControlProtocolError     a malformed request or response

@@ -30,7 +30,8 @@ class LogConfig(BaseModel):
         default="INFO", description="Least severe level written."
     )
     format: Literal["text", "json"] = Field(
-        default="text", description="'text' for people, 'json' (one object per line) for log collectors."
+        default="text",
+        description="'text' for people, 'json' (one object per line) for log collectors.",
     )
 
 
@@ -59,7 +60,9 @@ def log_context() -> LogContext:
 class NodeLogger(logging.LoggerAdapter[logging.Logger]):
     """Adds the node's ``peer`` and ``stage`` to each record (explicit ``extra`` wins)."""
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
         extra = dict(kwargs.get("extra") or {})
         extra.setdefault("peer", _CONTEXT.peer)
         extra.setdefault("stage", _CONTEXT.stage)

@@ -40,9 +40,12 @@ class MetricsConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     host: str = Field(
-        default="127.0.0.1", description="Address the metrics server binds to; keep it local or firewalled."
+        default="127.0.0.1",
+        description="Address the metrics server binds to; keep it local or firewalled.",
     )
-    port: int = Field(default=0, ge=0, le=65535, description="TCP port of the metrics server; 0 turns it off.")
+    port: int = Field(
+        default=0, ge=0, le=65535, description="TCP port of the metrics server; 0 turns it off."
+    )
 
     @field_validator("host")
     @classmethod
@@ -64,7 +67,9 @@ class _TotalsCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
-            "wanswarm_transport_bytes", "Payload bytes moved by the transport.", labels=["direction"]
+            "wanswarm_transport_bytes",
+            "Payload bytes moved by the transport.",
+            labels=["direction"],
         )
         family.add_metric(["in"], float(self.bytes_in))
         family.add_metric(["out"], float(self.bytes_out))
@@ -85,18 +90,27 @@ class NodeMetrics:
         self._started = time.monotonic()
         self.info = Info("wanswarm_node", "Identity of this daemon.", registry=r)
         self.info.info({"peer_id": peer_id, "run": run, "version": version})
-        self.state = Enum("wanswarm_state", "Lifecycle state of the daemon.", states=STATES, registry=r)
+        self.state = Enum(
+            "wanswarm_state", "Lifecycle state of the daemon.", states=STATES, registry=r
+        )
         self.state.state("starting")
-        self.uptime = Gauge("wanswarm_uptime_seconds", "Seconds since the daemon started.", registry=r)
+        self.uptime = Gauge(
+            "wanswarm_uptime_seconds", "Seconds since the daemon started.", registry=r
+        )
         self.uptime.set_function(lambda: time.monotonic() - self._started)
         self.peers_known = Gauge(
-            "wanswarm_peers_known", "Peers of the run listed in the DHT, by stage.", ["stage"], registry=r
+            "wanswarm_peers_known",
+            "Peers of the run listed in the DHT, by stage.",
+            ["stage"],
+            registry=r,
         )
         self.records_published = Counter(
             "wanswarm_records_published", "Records this node stored in the DHT.", registry=r
         )
         self.publish_failures = Counter(
-            "wanswarm_record_publish_failures", "Record stores that failed or timed out.", registry=r
+            "wanswarm_record_publish_failures",
+            "Record stores that failed or timed out.",
+            registry=r,
         )
         self.records_dropped = Counter(
             "wanswarm_records_dropped",
@@ -105,7 +119,10 @@ class NodeMetrics:
             registry=r,
         )
         self.membership_reads = Counter(
-            "wanswarm_membership_reads", "Reads of the run's records, by result.", ["result"], registry=r
+            "wanswarm_membership_reads",
+            "Reads of the run's records, by result.",
+            ["result"],
+            registry=r,
         )
         self.probes = Counter("wanswarm_probes", "RTT probes, by result.", ["result"], registry=r)
         self.rtt = Gauge(
@@ -174,7 +191,9 @@ class NodeMetrics:
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise NodeError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+            raise NodeError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from None
         bound_host, bound_port = self._server.server_address[:2]
         return str(bound_host), int(bound_port)
 

@@ -12,6 +12,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .logs import short_peer
+from .membership.records import ServerState
 
 STATUS_VERSION: Final = 1
 DaemonState = Literal["starting", "joining", "online", "draining", "left"]
@@ -26,7 +27,7 @@ class PeerStatus(_Model):
 
     peer_id: str
     stage: int | None
-    state: str
+    state: ServerState
     rtt_ms: float | None = Field(description="Our smoothed RTT to it (RFC 6298), ms.")
     min_rtt_ms: float | None = Field(description="Smallest RTT in the prober's window, ms.")
     probe_failures: int = 0
@@ -52,11 +53,16 @@ class StatusReport(_Model):
     dht_addrs: list[str]
     quic_addr: str | None
     peers: list[PeerStatus]
-    bytes_in: int | None = Field(default=None, description="Payload bytes received (None: no transport).")
-    bytes_out: int | None = Field(default=None, description="Payload bytes sent (None: no transport).")
+    bytes_in: int | None = Field(
+        default=None, description="Payload bytes received (None: no transport)."
+    )
+    bytes_out: int | None = Field(
+        default=None, description="Payload bytes sent (None: no transport)."
+    )
     records_published: int = 0
     records_refused: int = Field(
-        default=0, description="Forged or malformed records our DHT node refused (stores and answers)."
+        default=0,
+        description="Forged or malformed records our DHT node refused (stores and answers).",
     )
     drain_deadline_s: float | None = Field(
         default=None, description="While draining: seconds left before in-flight work is abandoned."
@@ -96,16 +102,24 @@ def _bytes(value: int | None) -> str:
 
 def render_text(report: StatusReport) -> str:
     """A summary for people: identity, state, addresses, then the peers grouped by stage."""
-    roles = "+".join(r for r, on in (("server", report.server), ("trainer", report.trainer)) if on) or "none"
+    roles = (
+        "+".join(r for r, on in (("server", report.server), ("trainer", report.trainer)) if on)
+        or "none"
+    )
     lines = [
         f"peer id   {report.peer_id}",
         f"run       {report.run}   stage {'-' if report.stage is None else report.stage}   "
         f"state {report.state}   roles {roles}",
-        f"uptime    {format_duration(report.uptime_s)}   pid {report.pid}   version {report.version}",
+        f"uptime    {format_duration(report.uptime_s)}   pid {report.pid}   "
+        f"version {report.version}",
     ]
     if report.drain_deadline_s is not None:
-        lines.append(f"draining  {report.drain_deadline_s:.1f}s left of {report.shutdown_timeout_s:.0f}s")
-    lines.append("dht       " + ("\n          ".join(report.dht_addrs) if report.dht_addrs else "-"))
+        lines.append(
+            f"draining  {report.drain_deadline_s:.1f}s left of {report.shutdown_timeout_s:.0f}s"
+        )
+    lines.append(
+        "dht       " + ("\n          ".join(report.dht_addrs) if report.dht_addrs else "-")
+    )
     lines.append(f"quic      {report.quic_addr or '-'}")
     lines.append(f"traffic   in {_bytes(report.bytes_in)}   out {_bytes(report.bytes_out)}")
     lines.append(f"peers     {len(report.peers)} known")
@@ -147,7 +161,8 @@ def _training_lines(report: StatusReport) -> list[str]:
     if server:
         lines.append(
             f"server    stage {server.get('stage')} ({server.get('state')})   "
-            f"{server.get('applied', 0)} micro-batches served   optimizer step {server.get('epoch', 0)}   "
+            f"{server.get('applied', 0)} micro-batches served   "
+            f"optimizer step {server.get('epoch', 0)}   "
             f"queue {server.get('queue', 0)}   {server.get('throughput', 0)} samples/s"
         )
         state = [f"state from {server['resumed_from']}"] if server.get("resumed_from") else []
@@ -158,8 +173,11 @@ def _training_lines(report: StatusReport) -> list[str]:
             state.append(f"moves {server['moves']} (last {last.get('from')} -> {last.get('to')})")
         if server.get("compute_s"):
             # a synchronous step waits inside the optimizer for the stage's all-reduce
-            state.append(f"requests ran {server['compute_s']:.0f}s   in the optimizer "
-                         f"{server.get('optimizer_s', 0.0):.0f}s (longest {server.get('optimizer_max_s', 0.0):.1f}s)")
+            state.append(
+                f"requests ran {server['compute_s']:.0f}s   in the optimizer "
+                f"{server.get('optimizer_s', 0.0):.0f}s "
+                f"(longest {server.get('optimizer_max_s', 0.0):.1f}s)"
+            )
         if state:
             lines.append("          " + "   ".join(state))
     trainer = comps.get("trainer")
@@ -169,12 +187,16 @@ def _training_lines(report: StatusReport) -> list[str]:
         ratios = trainer.get("wire_compression") or {}
         wire = "   ".join(f"{k} {v}x" for k, v in ratios.items())
         lines.append(
-            f"trainer   loss {'-' if loss is None else f'{loss:.3f}'}   {trainer.get('tokens_per_s', 0)} tokens/s   "
+            f"trainer   loss {'-' if loss is None else f'{loss:.3f}'}   "
+            f"{trainer.get('tokens_per_s', 0)} tokens/s   "
             f"{mb.get('completed', 0)} micro-batches done, {mb.get('failed', 0)} failed"
             + (f"   wire compression {wire}" if wire else "")
         )
     endpoint = comps.get("endpoint")
     if endpoint:
-        lines.append(f"endpoint  run {endpoint.get('run_id')}   {endpoint.get('requests_served', 0)} requests served, "
-                     f"{endpoint.get('requests_sent', 0)} sent")
+        lines.append(
+            f"endpoint  run {endpoint.get('run_id')}   "
+            f"{endpoint.get('requests_served', 0)} requests served, "
+            f"{endpoint.get('requests_sent', 0)} sent"
+        )
     return lines

@@ -44,7 +44,8 @@ class Override:
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
-    """$STATE_DIRECTORY (first entry), else $XDG_DATA_HOME/wanswarm, else ~/.local/share/wanswarm."""
+    """$STATE_DIRECTORY (first entry), else $XDG_DATA_HOME/wanswarm, else
+    ~/.local/share/wanswarm."""
     if environ.get("STATE_DIRECTORY"):
         # systemd passes a colon-separated list when the unit names several directories
         return Path(environ["STATE_DIRECTORY"].split(":")[0])
@@ -86,7 +87,11 @@ def _read_toml(file: Path) -> dict[str, Any]:
 
 
 def _merge(
-    into: dict[str, Any], new: Mapping[str, Any], provenance: dict[str, str], source: str, prefix: tuple[str, ...]
+    into: dict[str, Any],
+    new: Mapping[str, Any],
+    provenance: dict[str, str],
+    source: str,
+    prefix: tuple[str, ...],
 ) -> None:
     for key, value in new.items():
         path = (*prefix, key)
@@ -118,7 +123,10 @@ def _field_annotation(root: type[BaseModel], parts: list[str]) -> Any:
     model: Any = root
     annotation: Any = None
     for part in parts:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+        if (
+            not (isinstance(model, type) and issubclass(model, BaseModel))
+            or part not in model.model_fields
+        ):
             return None
         annotation = model.model_fields[part].annotation
         model = annotation
@@ -206,7 +214,9 @@ def _describe_one(root: type[BaseModel], error: Mapping[str, Any]) -> tuple[str,
 
 
 def describe_validation_error(
-    exc: ValidationError, provenance: Mapping[str, str] | None = None, root: type[BaseModel] | None = None
+    exc: ValidationError,
+    provenance: Mapping[str, str] | None = None,
+    root: type[BaseModel] | None = None,
 ) -> str:
     """One line for all errors of ``exc``: ``field: problem [from source]; ...``."""
     provenance = provenance or {}
@@ -221,9 +231,14 @@ def describe_validation_error(
 
 
 def build(
-    model: type[M], *, file: Path | None, environ: Mapping[str, str], overrides: Sequence[Override] = ()
+    model: type[M],
+    *,
+    file: Path | None,
+    environ: Mapping[str, str],
+    overrides: Sequence[Override] = (),
 ) -> M:
-    """Validate ``model`` from the file, then the environment, then the overrides (see module doc)."""
+    """Validate ``model`` from the file, then the environment, then the overrides (see the
+    module docstring)."""
     tree: dict[str, Any] = {}
     provenance: dict[str, str] = {}
     if file is not None:

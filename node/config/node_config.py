@@ -2,7 +2,7 @@
 
 Precedence, lowest first: defaults < TOML file (``--config``) < environment
 (``WANSWARM__SECTION__KEY``) < command-line flags (``--set section.key=value`` and the CLI's
-shortcuts); config_layers.py builds the tree and words the one-line errors, e.g.
+shortcuts); layers.py builds the tree and words the one-line errors, e.g.
 ``dht.port: must be ≤ 65535 (got 70000) [from WANSWARM__DHT__PORT]``.
 
 Sections live next to their owners (log in logs.py, control in control.py, metrics in
@@ -11,8 +11,8 @@ averaging and trainer in their modules); the node, DHT and rebalance sections li
 sections.py, light, because the CLI's client commands (``status``, ``leave``) read them without
 importing this module's heavier section owners.
 
-``python -m wanswarm.node.config.node_config --dump-toml`` prints the commented template that is committed
-as configs/node.toml (see config_template.py).
+``python -m wanswarm.node.config.node_config --dump-toml`` prints the commented template that
+is committed as configs/node.toml (see template.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,11 @@ class NodeConfig(BaseModel):
 
     @property
     def control_socket(self) -> Path:
-        return self.control.socket if self.control.socket is not None else self.state_dir / "control.sock"
+        return (
+            self.control.socket
+            if self.control.socket is not None
+            else self.state_dir / "control.sock"
+        )
 
 
 def load_config(

@@ -118,15 +118,17 @@ class NodeSection(_Section):
     stage: int | None = Field(
         default=None,
         ge=0,
-        description="Serve this pipeline stage instead of choosing the least-served one. Unset: choose.",
+        description=(
+            "Serve this pipeline stage instead of choosing the least-served one. Unset: choose."
+        ),
     )
     join_backoff: float = Field(
         default=3.0,
         ge=0,
         le=600,
         description=(
-            "Longest random wait, seconds, before a server re-reads the records and claims a stage, "
-            "so that servers starting together spread over the stages."
+            "Longest random wait, seconds, before a server re-reads the records and claims a "
+            "stage, so that servers starting together spread over the stages."
         ),
     )
 
@@ -144,7 +146,9 @@ class DhtConfig(_Section):
     """Membership: hivemind's Kademlia DHT over a libp2p daemon (TCP)."""
 
     host: str = Field(default="0.0.0.0", description="Address the DHT's TCP socket binds to.")
-    port: int = Field(default=0, ge=0, le=65535, description="TCP port of the DHT; 0 picks a free one.")
+    port: int = Field(
+        default=0, ge=0, le=65535, description="TCP port of the DHT; 0 picks a free one."
+    )
     initial_peers: tuple[str, ...] = Field(
         default=(),
         description=(
@@ -155,12 +159,15 @@ class DhtConfig(_Section):
     announce_maddrs: tuple[str, ...] = Field(
         default=(),
         description=(
-            "Multiaddrs other peers should dial to reach us (e.g. /ip4/203.0.113.7/tcp/31337 behind "
-            "a forwarded port). Empty: the addresses libp2p observes."
+            "Multiaddrs other peers should dial to reach us (e.g. /ip4/203.0.113.7/tcp/31337 "
+            "behind a forwarded port). Empty: the addresses libp2p observes."
         ),
     )
     bootstrap_timeout: float = Field(
-        default=60.0, gt=0, le=600, description="Seconds to start the DHT and hear from an initial peer."
+        default=60.0,
+        gt=0,
+        le=600,
+        description="Seconds to start the DHT and hear from an initial peer.",
     )
     rpc_timeout: float = Field(
         default=5.0, gt=0, le=120, description="Seconds one DHT RPC to one peer may take."
@@ -204,8 +211,8 @@ class DhtConfig(_Section):
         for item in value:
             if not _MADDR.match(item) or "/p2p/" in item:
                 raise ValueError(
-                    f"each entry must be a multiaddr without /p2p/, such as /ip4/203.0.113.7/tcp/31337 "
-                    f"(got {item!r})"
+                    "each entry must be a multiaddr without /p2p/, such as "
+                    f"/ip4/203.0.113.7/tcp/31337 (got {item!r})"
                 )
         return value
 
@@ -220,7 +227,8 @@ class DhtConfig(_Section):
 
 
 class RebalanceConfig(RebalancePolicy):
-    """Moving stage servers from the best-served stage to the worst-served one (docs/stage_selection.md).
+    """Moving stage servers from the best-served stage to the worst-served one
+    (docs/stage_selection.md).
 
     The policy fields (period_s, jitter, min_gain, load_s, max_moves) are
     stage_selection.RebalancePolicy's: every server of a run should use the same values, so
@@ -263,16 +271,25 @@ class ClientConfig(BaseModel):
     @property
     def state_dir(self) -> Path:
         if self.node.state_dir is None:
-            raise ConfigError("node.state_dir: not resolved; build the config with load_client_config()")
+            raise ConfigError(
+                "node.state_dir: not resolved; build the config with load_client_config()"
+            )
         return self.node.state_dir
 
     @property
     def control_socket(self) -> Path:
-        return self.control.socket if self.control.socket is not None else self.state_dir / "control.sock"
+        return (
+            self.control.socket
+            if self.control.socket is not None
+            else self.state_dir / "control.sock"
+        )
 
 
-def resolved_paths(node: NodeSection, control: ControlConfig, environ: Mapping[str, str]) -> dict[str, BaseModel]:
-    """``node`` and ``control`` with the state dir and the socket made absolute (defaults filled)."""
+def resolved_paths(
+    node: NodeSection, control: ControlConfig, environ: Mapping[str, str]
+) -> dict[str, BaseModel]:
+    """``node`` and ``control`` with the state dir and the socket made absolute (defaults
+    filled)."""
     state_dir = node.state_dir if node.state_dir is not None else default_state_dir(environ)
     state_dir = Path(os.path.abspath(state_dir.expanduser()))
     socket = control.socket if control.socket is not None else state_dir / "control.sock"
@@ -284,9 +301,13 @@ def resolved_paths(node: NodeSection, control: ControlConfig, environ: Mapping[s
 
 
 def load_client_config(
-    *, file: Path | None = None, environ: Mapping[str, str] | None = None, overrides: Sequence[Override] = ()
+    *,
+    file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Sequence[Override] = (),
 ) -> ClientConfig:
-    """The client's slice of the config, layered like config.load_config; ConfigError on problems."""
+    """The client's slice of the config, layered like node_config.load_config; ConfigError on
+    problems."""
     environ = os.environ if environ is None else environ
     config = build(ClientConfig, file=file, environ=environ, overrides=overrides)
     return config.model_copy(update=resolved_paths(config.node, config.control, environ))

@@ -23,8 +23,8 @@ HEADER = """\
 # wanswarm node configuration: every setting, its default and what it does.
 #
 # Generated from the config models by `wanswarm config --defaults` (or
-# `python -m wanswarm.node.config.node_config --dump-toml`); tests/unit/test_config.py fails when this
-# file and the generator disagree, so edit the models' descriptions, not this file.
+# `python -m wanswarm.node.config.node_config --dump-toml`); tests/unit/test_config.py fails
+# when this file and the generator disagree, so edit the models' descriptions, not this file.
 #
 # Precedence, lowest first: defaults < this file (`wanswarm join --config FILE`)
 #   < environment (WANSWARM__SECTION__KEY=value, e.g. WANSWARM__DHT__PORT=31337)
@@ -99,7 +99,8 @@ def _render(lines: list[str], path: list[str], model: type[BaseModel]) -> None:
 
 
 def render_values(config: BaseModel) -> str:
-    """The values of a config instance as plain TOML (``wanswarm config`` shows the effective one)."""
+    """The values of a config instance as plain TOML (``wanswarm config`` shows the effective
+    one)."""
     lines: list[str] = []
     _render_values(lines, [], config)
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,10 +1,15 @@
-"""The hivemind DHT adapter: typed records in, typed records out (the only hivemind.dht importer).
+"""The hivemind DHT adapter: typed records in, typed records out (the only hivemind.dht
+importer).
+
+The hivemind DHT object stays inside this module: the daemon uses :class:`Dht`'s typed methods
+and the averaging adapter asks it for a ``hivemind.Optimizer`` on the node's DHT
+(:meth:`Dht.hivemind_optimizer`).
 
 hivemind runs its DHT node in a forked process (plus a p2pd daemon) and talks to it through a
-pipe; every call here sends one coroutine to that process (``run_coroutine(..., return_future=True)``)
-and awaits its MPFuture with a deadline from config. Deadlines are also applied inside the DHT
-process, so an abandoned call does not keep working there. hivemind's exceptions become
-:class:`~wanswarm.node.errors.DhtError`.
+pipe; every call here sends one coroutine to that process
+(``run_coroutine(..., return_future=True)``) and awaits its MPFuture with a deadline from
+config. Deadlines are also applied inside the DHT process, so an abandoned call does not keep
+working there. hivemind's exceptions become :class:`~wanswarm.node.errors.DhtError`.
 
 Ownership and schema (ARCHITECTURE §3) are enforced by :class:`OwnedRecordValidator`, a hivemind
 ``RecordValidatorBase``: for the run's keys, a sub-key must be a peer id and its value must carry
@@ -33,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.protocol import DHTProtocol
@@ -67,11 +72,15 @@ from .records import (
     unseal,
 )
 
+if TYPE_CHECKING:
+    from hivemind import Optimizer
+
 log = get_logger(__name__)
 T = TypeVar("T")
 
 _SERIALIZER = DHTProtocol.serializer
-_VERDICT_CACHE_ENTRIES = 4096  # judged records remembered by the validator (a few hundred bytes each)
+# judged records remembered by the validator (a few hundred bytes each)
+_VERDICT_CACHE_ENTRIES = 4096
 
 
 def route_hivemind_logs() -> None:
@@ -193,7 +202,8 @@ async def _in_dht_store(
         )
     except TimeoutError:
         return "timeout", []
-    return "ok", [bool(result.get((key, subkey))) for key, subkey in zip(keys, subkeys, strict=True)]
+    pairs = zip(keys, subkeys, strict=True)
+    return "ok", [bool(result.get((key, subkey))) for key, subkey in pairs]
 
 
 async def _in_dht_get_dictionaries(
@@ -201,7 +211,9 @@ async def _in_dht_get_dictionaries(
 ) -> tuple[str, dict[str, Any]]:
     try:
         # latest: traverse the whole beam and merge every replica's sub-keys, not the first found
-        found = await asyncio.wait_for(node.get_many(keys, sufficient_expiration_time=float("inf")), timeout)
+        found = await asyncio.wait_for(
+            node.get_many(keys, sufficient_expiration_time=float("inf")), timeout
+        )
     except TimeoutError:
         return "timeout", {}
     out: dict[str, Any] = {}
@@ -210,7 +222,10 @@ async def _in_dht_get_dictionaries(
         if item is None:
             out[key] = {}
         elif isinstance(item.value, dict):
-            out[key] = {subkey: (entry.value, entry.expiration_time) for subkey, entry in item.value.items()}
+            out[key] = {
+                subkey: (entry.value, entry.expiration_time)
+                for subkey, entry in item.value.items()
+            }
         else:
             out[key] = None  # a plain value where a dictionary belongs
     return "ok", out
@@ -255,7 +270,6 @@ class _DhtProcess(DHT):
         super().run()
 
 
-
 def _bind_maddr(host: str, port: int) -> str:
     return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
 
@@ -263,7 +277,14 @@ def _bind_maddr(host: str, port: int) -> str:
 class Dht:
     """The node's DHT: one hivemind DHT process, started before the event loop."""
 
-    def __init__(self, process: DHT, config: DhtConfig, run: str, peer_id: str, validator: OwnedRecordValidator):
+    def __init__(
+        self,
+        process: DHT,
+        config: DhtConfig,
+        run: str,
+        peer_id: str,
+        validator: OwnedRecordValidator,
+    ) -> None:
         self._process = process
         self.config = config
         self.run = run
@@ -312,18 +333,29 @@ class Dht:
                 scratch.close()
         return cls(process, config, run, identity.peer_id, validator)
 
-    @property
-    def hivemind_dht(self) -> DHT:
-        """The underlying hivemind.DHT, for the averaging adapter (hivemind.Optimizer needs it)."""
-        return self._process
+    def hivemind_optimizer(self, **options: Any) -> Optimizer:
+        """A ``hivemind.Optimizer`` that collaborates over this DHT (averaging.py's
+        CollaborativeOptimizer): ``options`` are its keyword arguments other than ``dht``."""
+        from hivemind import Optimizer
+
+        return Optimizer(dht=self._process, **options)
 
     @property
     def sentinel(self) -> int:
         """A file descriptor that becomes readable when the DHT process ends."""
         return self._process.sentinel
 
+    @property
+    def exitcode(self) -> int | None:
+        """The DHT process's exit status; None while it runs."""
+        return self._process.exitcode
+
     def is_alive(self) -> bool:
         return self._process.is_alive()
+
+    def shutdown_blocking(self) -> None:
+        """Stop the DHT process from outside the event loop (blocks until it has stopped)."""
+        self._process.shutdown()
 
     async def wait_ready(self) -> None:
         """Wait until the DHT process has started and bootstrapped; JoinError otherwise."""
@@ -339,7 +371,9 @@ class Dht:
                 return
             except TimeoutError:
                 if loop.time() >= deadline:
-                    raise JoinError(f"the DHT did not start within dht.bootstrap_timeout={timeout}s") from None
+                    raise JoinError(
+                        f"the DHT did not start within dht.bootstrap_timeout={timeout}s"
+                    ) from None
             except Exception as exc:
                 raise JoinError(_describe_join_failure(exc)) from None
 
@@ -363,18 +397,23 @@ class Dht:
 
     async def visible_maddrs(self) -> list[str]:
         """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers."""
-        result: list[str] = await self._call(_in_dht_visible_maddrs, self.config.rpc_timeout, "visible_maddrs")
+        result: list[str] = await self._call(
+            _in_dht_visible_maddrs, self.config.rpc_timeout, "visible_maddrs"
+        )
         return result
 
     async def publish(self, server: ServerRecord, rtt: RttRecord, expiration: float) -> bool:
-        """Store our two records (signed by the validator); True when the DHT reports both stored."""
+        """Store our two records (signed by the validator); True when the DHT reports both
+        stored."""
         items = [
             (servers_key(self.run), self.peer_id, encode_record(server), expiration),
             (rtt_key(self.run), self.peer_id, encode_record(rtt), expiration),
         ]
         inner = self.config.request_timeout
         status, accepted = await self._call(
-            partial(_in_dht_store, items=items, timeout=inner), inner + self.config.rpc_timeout, "store"
+            partial(_in_dht_store, items=items, timeout=inner),
+            inner + self.config.rpc_timeout,
+            "store",
         )
         if status == "timeout":
             raise DhtTimeout(f"store took longer than dht.request_timeout={inner}s")
@@ -385,7 +424,9 @@ class Dht:
         keys = [servers_key(self.run), rtt_key(self.run)]
         inner = self.config.request_timeout
         status, found = await self._call(
-            partial(_in_dht_get_dictionaries, keys=keys, timeout=inner), inner + self.config.rpc_timeout, "get"
+            partial(_in_dht_get_dictionaries, keys=keys, timeout=inner),
+            inner + self.config.rpc_timeout,
+            "get",
         )
         if status == "timeout":
             raise DhtTimeout(f"lookup took longer than dht.request_timeout={inner}s")
@@ -394,7 +435,10 @@ class Dht:
         for key, kind in ((keys[0], ServerRecord), (keys[1], RttRecord)):
             entries = found.get(key)
             if entries is None:
-                self._drop(read, key, "-", "malformed", "a plain value is stored where a dictionary belongs")
+                self._drop(
+                    read, key, "-", "malformed",
+                    "a plain value is stored where a dictionary belongs",
+                )
                 continue
             for subkey, (value, expiration) in entries.items():
                 if not isinstance(expiration, float | int) or expiration <= now:
@@ -416,14 +460,18 @@ class Dht:
                     read.rtts[subkey] = record
         return read
 
-    def _drop(self, read: MembershipRead, key: str, subkey: object, reason: str, detail: str) -> None:
+    def _drop(
+        self, read: MembershipRead, key: str, subkey: object, reason: str, detail: str
+    ) -> None:
         read.dropped.append(reason)
         marker = (key, repr(subkey)[:80], reason)
         if marker not in self._logged_drops:
             if len(self._logged_drops) > 1024:
                 self._logged_drops.clear()
             self._logged_drops.add(marker)
-            log.warning("dropped a record under %s (sub-key %.80r): %s: %s", key, subkey, reason, detail)
+            log.warning(
+                "dropped a record under %s (sub-key %.80r): %s: %s", key, subkey, reason, detail
+            )
 
     async def ping(self, peer_id: str, timeout: float) -> float:
         """Round-trip seconds of one DHT ping RPC to ``peer_id`` (timed in the DHT process)."""
@@ -431,7 +479,9 @@ class Dht:
             PeerID.from_base58(peer_id)
         except ValueError as exc:
             raise ProbeError(f"not a peer id: {peer_id!r}") from exc
-        rtt = await self._call(partial(_in_dht_ping, peer_id=peer_id, timeout=timeout), timeout + 1.0, "ping")
+        rtt = await self._call(
+            partial(_in_dht_ping, peer_id=peer_id, timeout=timeout), timeout + 1.0, "ping"
+        )
         if rtt is None:
             raise ProbeError(f"{peer_id} did not answer a ping within {timeout}s")
         return float(rtt)
@@ -451,8 +501,14 @@ class Dht:
 def _describe_join_failure(exc: BaseException) -> str:
     text = str(exc)
     if "bootstrap failed" in text or "failed to connect to bootstrap peers" in text:
-        return "none of the initial peers answered; check dht.initial_peers (or omit them to start a new swarm)"
+        return (
+            "none of the initial peers answered; check dht.initial_peers "
+            "(or omit them to start a new swarm)"
+        )
     if "already taken" in text:
-        return "this node's identity is already in use by another running peer (same state dir copied?)"
+        return (
+            "this node's identity is already in use by another running peer "
+            "(same state dir copied?)"
+        )
     return f"the DHT failed to start: {type(exc).__name__}: {text}"
 

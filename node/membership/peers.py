@@ -7,10 +7,18 @@ will add loss/delivery rates and bans here; today it holds records and RTT estim
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .records import LISTED_STATES, MAX_RTT_ENTRIES, RttEntry, RttRecord, ServerRecord
+from .records import (
+    LISTED_STATES,
+    MAX_RTT_ENTRIES,
+    QuicAddress,
+    RttEntry,
+    RttRecord,
+    ServerRecord,
+    ServerState,
+)
 from .rtt import RttEstimator
 
 
@@ -31,6 +39,19 @@ class Peer:
     @property
     def stage(self) -> int | None:
         return self.record.stage
+
+
+@dataclass(frozen=True)
+class ServerPeer:
+    """A peer that serves a stage, as :meth:`PeerTable.servers` lists it."""
+
+    peer: Peer
+    stage: int
+    quic: QuicAddress  # where its stage server answers
+
+    @property
+    def record(self) -> ServerRecord:
+        return self.peer.record
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,34 @@ class PeerTable:
             key=lambda p: (p.stage is None, p.stage if p.stage is not None else 0, p.peer_id),
         )
 
+    def servers(
+        self,
+        states: Collection[ServerState] = LISTED_STATES,
+        *,
+        stage: int | None = None,
+        run_id: str | None = None,
+    ) -> list[ServerPeer]:
+        """The peers whose records announce a stage server we can reach, in ``peers()`` order.
+
+        A record counts when it says ``server``, names a stage and a QUIC address, and its
+        state is one of ``states``; ``stage`` and ``run_id`` (the run spec's hash) narrow
+        the list to that stage or that spec. Every view of the swarm's servers (stage
+        selection, state donors, the trainer's routing) is built from this list.
+        """
+        out = []
+        for peer in self.peers():
+            record = peer.record
+            if not record.server or record.stage is None or record.quic is None:
+                continue
+            if record.state not in states:
+                continue
+            if (stage is not None and record.stage != stage) or (
+                run_id is not None and record.run_id != run_id
+            ):
+                continue
+            out.append(ServerPeer(peer, record.stage, record.quic))
+        return out
+
     def apply(
         self,
         servers: Mapping[str, tuple[ServerRecord, float]],
@@ -79,7 +128,9 @@ class PeerTable:
         listed = {
             peer_id: (record, expiration)
             for peer_id, (record, expiration) in servers.items()
-            if peer_id != self.own_peer_id and record.state in LISTED_STATES and expiration > wall_now
+            if peer_id != self.own_peer_id
+            and record.state in LISTED_STATES
+            and expiration > wall_now
         }
         left = tuple(sorted(set(self._peers) - set(listed)))
         for peer_id in left:

@@ -29,15 +29,24 @@ class ProberConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    period: float = Field(default=10.0, gt=0, le=3600, description="Seconds between probe rounds (jittered).")
-    timeout: float = Field(default=3.0, gt=0, le=60, description="Seconds to wait for one ping's answer.")
+    period: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds between probe rounds (jittered)."
+    )
+    timeout: float = Field(
+        default=3.0, gt=0, le=60, description="Seconds to wait for one ping's answer."
+    )
     max_peers: int = Field(
-        default=16, ge=1, le=256, description="Most peers pinged per round; neighbouring stages go first."
+        default=16,
+        ge=1,
+        le=256,
+        description="Most peers pinged per round; neighbouring stages go first.",
     )
     min_window: float = Field(
         default=120.0, gt=0, le=86400, description="Seconds over which the minimum RTT is taken."
     )
-    jitter: float = Field(default=0.2, ge=0, le=0.5, description="Relative jitter of the probe period.")
+    jitter: float = Field(
+        default=0.2, ge=0, le=0.5, description="Relative jitter of the probe period."
+    )
 
     @model_validator(mode="after")
     def _timeout_fits(self) -> ProberConfig:
@@ -77,7 +86,8 @@ def choose_targets(
 
 
 class Prober:
-    """Measures RTTs to peers from ``table`` through ``source`` every ``config.period`` (jittered)."""
+    """Measures RTTs to peers from ``table`` through ``source`` every ``config.period``
+    (jittered)."""
 
     def __init__(
         self,
@@ -106,7 +116,9 @@ class Prober:
 
     async def probe_round(self) -> dict[str, float | None]:
         """Ping the chosen peers concurrently; returns peer id -> RTT seconds (None: failed)."""
-        targets = choose_targets(self.table.peers(), self.own_stage(), self.config.max_peers, self.rng)
+        targets = choose_targets(
+            self.table.peers(), self.own_stage(), self.config.max_peers, self.rng
+        )
         results = await asyncio.gather(*(self._probe(peer_id) for peer_id in targets))
         self.rounds += 1
         return dict(zip(targets, results, strict=True))

@@ -37,8 +37,11 @@ MAX_RTT_ENTRIES = 64
 MAX_STAGES = 4096
 
 PeerIdStr = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")]
+# A node's lifecycle as its record announces it, the one vocabulary every module uses:
+# joining (chose a stage, loading it; not serving yet), online, draining (leaving; no work
+# is sent to it), left (the tombstone written on leave).
 ServerState = Literal["joining", "online", "draining", "left"]
-LISTED_STATES: frozenset[str] = frozenset({"joining", "online", "draining"})
+LISTED_STATES: frozenset[ServerState] = frozenset({"joining", "online", "draining"})
 
 
 def servers_key(run: str) -> str:

@@ -209,7 +209,9 @@ class Membership:
         for peer_id in changes.joined:
             peer = self.table.get(peer_id)
             stage = "-" if peer is None or peer.stage is None else peer.stage
-            log.info("peer %s joined (stage %s, %d known)", short_peer(peer_id), stage, len(self.table))
+            log.info(
+                "peer %s joined (stage %s, %d known)", short_peer(peer_id), stage, len(self.table)
+            )
         for peer_id in changes.left:
             log.info("peer %s left (%d known)", short_peer(peer_id), len(self.table))
         return changes
@@ -220,4 +222,6 @@ class Membership:
                 await self.refresh()
             except DhtError as exc:
                 log.warning("reading the swarm's records failed: %s", exc)
-            await asyncio.sleep(jittered(self.config.membership_period, self.config.announce_jitter, self.rng))
+            await asyncio.sleep(
+                jittered(self.config.membership_period, self.config.announce_jitter, self.rng)
+            )

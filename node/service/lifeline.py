@@ -11,10 +11,11 @@ the kernel to send it SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``),
 once if the parent is already gone. SIGKILL, not SIGTERM: a forked child inherits the
 daemon's Python-level SIGTERM handler (the graceful leave), which in the child does nothing,
 so a SIGTERM would be swallowed (seen: orphaned averagers with SIGTERM caught). The children
-hold no state of their own worth a clean exit: the daemon that owned it is gone. Forks from other threads are left alone: the death
-signal fires when the *forking thread* ends, which for a worker thread is not the daemon's
-death. (The DHT process sets the same thing itself and also leaves the process group:
-node/membership/dht.py.) Elsewhere than Linux ``install()`` does nothing.
+hold no state of their own worth a clean exit: the daemon that owned it is gone. Forks from
+other threads are left alone: the death signal fires when the *forking thread* ends, which
+for a worker thread is not the daemon's death. (The DHT process sets the same thing itself
+and also leaves the process group: node/membership/dht.py.) Elsewhere than Linux
+``install()`` does nothing.
 """
 
 from __future__ import annotations

@@ -38,8 +38,12 @@ def prepare_state_dir(path: Path) -> None:
     if not stat.S_ISDIR(mode):
         raise StateDirError(f"state dir {path} is not a directory")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.warning("state dir %s is writable by group or others (mode %o); run 'chmod 700 %s'",
-                    path, stat.S_IMODE(mode), path)
+        log.warning(
+            "state dir %s is writable by group or others (mode %o); run 'chmod 700 %s'",
+            path,
+            stat.S_IMODE(mode),
+            path,
+        )
 
 
 class StateDirLock:
@@ -61,7 +65,8 @@ class StateDirLock:
             os.close(fd)
             raise StateDirError(
                 f"another wanswarm daemon (pid {holder}) uses state dir {self.path.parent}; "
-                f"stop it with 'wanswarm leave --state-dir {self.path.parent}' or pick another --state-dir"
+                f"stop it with 'wanswarm leave --state-dir {self.path.parent}' "
+                "or pick another --state-dir"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())

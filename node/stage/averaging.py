@@ -14,32 +14,32 @@ then runs on the stage server's device thread, after each backward. Its averager
 forked processes (hivemind's design), started by the constructor.
 
 Blocking or delayed steps. A blocking step stalls the device thread for matchmaking plus
-the all-reduce at every epoch boundary (several seconds over the WAN: measured here at
-about 2.5 s per epoch with ``matchmaking_time=2``), during which every trainer's requests
-to this server queue up or go elsewhere. We therefore default to hivemind's delayed
-parameter updates (``delay_optimizer_step`` + ``delay_grad_averaging``, i.e. DPU,
-arXiv:2101.06840): at an epoch boundary ``step`` hands the accumulated gradients to a
-background all-reduce and optimizer step and returns at once; the new parameters are
-copied into the served module by the first ``step`` after they are ready, on the device
-thread, so forward and backward never see a half-written tensor. The price is one epoch of
-staleness (gradients computed at ``theta_k`` are applied to ``theta_{k+1}``), which DPU
-shows to be harmless at the large batches this targets. ``delayed_updates = false`` gives
-exactly synchronous training (equivalent to one big batch) at the cost of the stall.
+the all-reduce at every epoch boundary (seconds over the WAN; docs/averaging.md), during
+which every trainer's requests to this server queue up or go elsewhere. We therefore
+default to hivemind's delayed parameter updates (``delay_optimizer_step`` +
+``delay_grad_averaging``, i.e. DPU, arXiv:2101.06840): at an epoch boundary ``step`` hands
+the accumulated gradients to a background all-reduce and optimizer step and returns at
+once; the new parameters are copied into the served module by the first ``step`` after they
+are ready, on the device thread, so forward and backward never see a half-written tensor.
+The price is one epoch of staleness (gradients computed at ``theta_k`` are applied to
+``theta_{k+1}``), which DPU shows to be harmless at the large batches this targets.
+``delayed_updates = false`` gives exactly synchronous training (equivalent to one big
+batch) at the cost of the stall.
 
 Forming the group ahead of time. hivemind pre-schedules an epoch's gradient round when, at
 a ``step`` call, the epoch is estimated to end within ``matchmaking_time``; but ``step``
-only runs once per micro-batch (seconds apart here), so the check usually misses and the
-whole matchmaking lands in the stall at the epoch boundary. With synchronous steps,
+only runs once per micro-batch (seconds apart over a WAN), so the check usually misses and
+the whole matchmaking lands in the stall at the epoch boundary. With synchronous steps,
 ``form_group_early`` schedules the round when the estimated end is within
 ``matchmaking_time`` plus two intervals between this replica's ``step`` or ``step_if_due``
-calls (at least a second): the group is formed by the time the epoch ends and waits for
-the trigger (up to ``averaging_timeout``), leaving only the all-reduce in the stall. A
+calls (at least a second): the group is formed by the time the epoch ends and waits for the
+trigger (up to ``averaging_timeout``), leaving only the all-reduce in the stall. A
 pre-scheduled round that failed before being used (no group in time) is dropped before the
 step: hivemind would otherwise take the epoch's step with this replica's local gradients
-alone, and the replicas would drift apart. All of this applies to synchronous steps only:
-with delayed updates nothing blocks on a missing replica, and the extra rounds loaded the
-DHT enough to slow a rebalancing move past its test's bound in CI (the dropped-round fix
-is therefore not applied there either; that remains open).
+alone, and the replicas would drift apart. Both happen in ``_prepare_round``, which runs
+with synchronous steps only: with delayed updates no step waits for a missing replica, and
+a failed pre-scheduled round is left to hivemind (docs/averaging.md says what that means
+for the replicas).
 
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
@@ -119,7 +119,9 @@ class AveragingConfig(BaseModel):
         default=60.0,
         gt=0.0,
         le=3600.0,
-        description="Give up on an averaging round after this many seconds (about 2x an all-reduce).",
+        description=(
+            "Give up on an averaging round after this many seconds (about 2x an all-reduce)."
+        ),
     )
     next_chunk_timeout: float | None = Field(
         default=None,
@@ -132,10 +134,16 @@ class AveragingConfig(BaseModel):
         ),
     )
     load_state_timeout: float = Field(
-        default=120.0, gt=0.0, le=3600.0, description="Deadline of one download of the stage's state, seconds."
+        default=120.0,
+        gt=0.0,
+        le=3600.0,
+        description="Deadline of one download of the stage's state, seconds.",
     )
     shutdown_timeout: float = Field(
-        default=5.0, gt=0.0, le=600.0, description="Seconds to say goodbye to averaging peers on leave."
+        default=5.0,
+        gt=0.0,
+        le=600.0,
+        description="Seconds to say goodbye to averaging peers on leave.",
     )
     delayed_updates: bool = Field(
         default=True,
@@ -145,7 +153,10 @@ class AveragingConfig(BaseModel):
         ),
     )
     average_state_every: int = Field(
-        default=1, ge=1, le=1_000_000, description="Average parameters with the stage's peers every this many epochs."
+        default=1,
+        ge=1,
+        le=1_000_000,
+        description="Average parameters with the stage's peers every this many epochs.",
     )
     grad_compression: CompressionName = Field(
         default="fp16",
@@ -180,6 +191,14 @@ class AveragingConfig(BaseModel):
                 f"({self.matchmaking_time}); raise averaging.averaging_timeout"
             )
         return self
+
+
+class OptimizerHost(Protocol):
+    """Where a collaborative optimizer's ``hivemind.Optimizer`` comes from: the node's DHT
+    adapter (dht.Dht) builds it on the DHT it runs, which no other module touches."""
+
+    def hivemind_optimizer(self, **options: Any) -> Any:
+        """A ``hivemind.Optimizer`` on this DHT; ``options`` are its arguments but ``dht``."""
 
 
 class StageOptimizer(Protocol):
@@ -222,9 +241,12 @@ class StageOptimizer(Protocol):
         ``export_state`` would wait for it)."""
 
     def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-        """``(epoch, tensors, meta)``: the stage's state as private CPU copies (see checkpoint.py)."""
+        """``(epoch, tensors, meta)``: the stage's state as private CPU copies (see
+        checkpoint.py)."""
 
-    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def import_state(
+        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> None:
         """Install a state from ``export_state`` (possibly another replica's); ``CheckpointError``
         before anything changes when it does not fit."""
 
@@ -271,7 +293,9 @@ def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
     return opt
 
 
-def make_schedule(spec: OptimizerSpec, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+def make_schedule(
+    spec: OptimizerSpec, opt: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup then cosine or constant: step k (0-based) runs at lr * lr_multiplier(k)."""
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, spec.lr_multiplier)
     # hivemind fast-forwards the schedule to the epoch of a downloaded state before any
@@ -378,7 +402,9 @@ class LocalOptimizer:
         return self._epoch, snapshot(live), optimizer_meta(self._opt)
 
     @torch.no_grad()
-    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def import_state(
+        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> None:
         epoch = checked_epoch(epoch)
         live = module_tensors(self._module) | optimizer_tensors(self._opt)
         check_fits(live, tensors)
@@ -410,7 +436,9 @@ def _compression(name: CompressionName) -> Any:
         return hc.ScaledFloat16Compression()
     # 8-bit for the big matrices, fp16 for norms and small tensors (hivemind's ALBERT recipe)
     big = hc.Uniform8BitQuantization() if name == "uint8" else hc.Quantile8BitQuantization()
-    return hc.SizeAdaptiveCompression(threshold=2**16, less=hc.Float16Compression(), greater_equal=big)
+    return hc.SizeAdaptiveCompression(
+        threshold=2**16, less=hc.Float16Compression(), greater_equal=big
+    )
 
 
 class CollaborativeOptimizer:
@@ -425,14 +453,14 @@ class CollaborativeOptimizer:
         module: nn.Module,
         spec: RunSpec,
         stage: int,
-        dht: Any,  # a started hivemind.DHT
+        dht: OptimizerHost,
         config: AveragingConfig,
     ) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise AveragingError(
-                "construct CollaborativeOptimizer on the main thread (hivemind installs signal handlers)"
+                "construct CollaborativeOptimizer on the main thread "
+                "(hivemind installs signal handlers)"
             )
-        import hivemind
         from hivemind.utils.crypto import RSAPrivateKey
 
         self.run_id = averaging_run_id(spec, stage)
@@ -443,8 +471,7 @@ class CollaborativeOptimizer:
         # workers (averager.run_in_background); the daemon's own SIGINT handling must survive
         sigint = signal.getsignal(signal.SIGINT)
         try:
-            self._opt = hivemind.Optimizer(
-                dht=dht,
+            self._opt = dht.hivemind_optimizer(
                 run_id=self.run_id,
                 target_batch_size=spec.batch.target_batch_size,
                 batch_size_per_step=spec.batch.micro_batch_size,
@@ -504,7 +531,11 @@ class CollaborativeOptimizer:
         progress = opt.tracker.global_progress
         # samples_accumulated: what the replicas reported for this epoch (no extrapolation);
         # hivemind's ETA alone can pass with nothing accumulated anywhere
-        if progress.num_peers <= 1 or progress.samples_accumulated <= 0 or not opt.tracker.ready_to_update_epoch:
+        if (
+            progress.num_peers <= 1
+            or progress.samples_accumulated <= 0
+            or not opt.tracker.ready_to_update_epoch
+        ):
             return False
         if self.local_epoch < opt.tracker.global_epoch:
             return False  # behind the stage: the next micro-batch's step resyncs first
@@ -528,7 +559,8 @@ class CollaborativeOptimizer:
         now = time.monotonic()
         if self._last_call is not None:
             gap = now - self._last_call
-            self.call_interval_s = gap if self.call_interval_s == 0.0 else 0.7 * self.call_interval_s + 0.3 * gap
+            previous = self.call_interval_s
+            self.call_interval_s = gap if previous == 0.0 else 0.7 * previous + 0.3 * gap
         self._last_call = now
         opt = self._opt
         control = opt.scheduled_grads
@@ -604,9 +636,12 @@ class CollaborativeOptimizer:
         self.flush()
         averager = self._opt.state_averager
         with torch.no_grad(), averager.lock_averaged_tensors:
-            return self.local_epoch, snapshot(self._live_tensors()), optimizer_meta(averager.optimizer)
+            tensors = snapshot(self._live_tensors())
+            return self.local_epoch, tensors, optimizer_meta(averager.optimizer)
 
-    def import_state(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def import_state(
+        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> None:
         epoch = checked_epoch(epoch)
         opt, averager = self._opt, self._opt.state_averager
         live = self._live_tensors()

@@ -80,12 +80,18 @@ class Manifest(BaseModel):
     version: Literal[1] = Field(description="Manifest format version.")
     run_id: str = Field(pattern=_RUN_ID.pattern, description="Run id (hash of the run spec).")
     stage: int = Field(ge=0, le=1_000_000, description="Pipeline stage the tensors belong to.")
-    epoch: int = Field(ge=0, description="Optimizer steps the state has taken (collaboration epoch).")
+    epoch: int = Field(
+        ge=0, description="Optimizer steps the state has taken (collaboration epoch)."
+    )
     created: float = Field(ge=0.0, description="Unix time the checkpoint was written.")
-    state_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of state.safetensors.")
+    state_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="SHA-256 of state.safetensors."
+    )
     state_bytes: int = Field(ge=0, description="Size of state.safetensors in bytes.")
     tensors: int = Field(ge=0, description="Number of tensors in state.safetensors.")
-    optimizer: dict[str, Any] = Field(description="Optimizer state that is not a tensor (param_groups).")
+    optimizer: dict[str, Any] = Field(
+        description="Optimizer state that is not a tensor (param_groups)."
+    )
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,9 @@ def _name_pattern(run_id: str, stage: int) -> re.Pattern[str]:
 
 def _check_run_id(run_id: str) -> None:
     if not _RUN_ID.match(run_id):
-        raise CheckpointError(f"run id {run_id!r} cannot name a checkpoint (letters, digits and '_' only)")
+        raise CheckpointError(
+            f"run id {run_id!r} cannot name a checkpoint (letters, digits and '_' only)"
+        )
 
 
 def list_checkpoints(state_dir: Path, run_id: str, stage: int) -> list[tuple[int, Path]]:
@@ -210,11 +218,15 @@ def write_checkpoint(
         optimizer=dict(optimizer_meta),
     )
     try:
-        manifest_bytes = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False).encode()
+        manifest_bytes = json.dumps(
+            manifest.model_dump(mode="json"), indent=1, allow_nan=False
+        ).encode()
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"optimizer state is not JSON-able: {exc}") from exc
     if len(manifest_bytes) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"manifest of {len(manifest_bytes)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        raise CheckpointError(
+            f"manifest of {len(manifest_bytes)} bytes exceeds {MAX_MANIFEST_BYTES}"
+        )
 
     root = state_dir / CHECKPOINTS_DIR
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -281,15 +293,23 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
         with open(path / MANIFEST_FILE, "rb") as f:
             raw_bytes = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
-        raise CheckpointError(f"{path.name}: no readable manifest ({exc.strerror or exc})") from None
+        raise CheckpointError(
+            f"{path.name}: no readable manifest ({exc.strerror or exc})"
+        ) from None
     if len(raw_bytes) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{path.name}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         raw = json.loads(raw_bytes)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise CheckpointError(f"{path.name}: manifest is not JSON ({type(exc).__name__})") from None
-    if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{path.name}: manifest version {raw['version']} is newer than this release")
+    if (
+        isinstance(raw, dict)
+        and isinstance(raw.get("version"), int)
+        and raw["version"] > FORMAT_VERSION
+    ):
+        raise CheckpointError(
+            f"{path.name}: manifest version {raw['version']} is newer than this release"
+        )
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
@@ -298,7 +318,8 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
         raise CheckpointError(f"{path.name}: invalid manifest ({where}: {first['msg']})") from None
     if manifest.run_id != run_id or manifest.stage != stage:
         raise CheckpointError(
-            f"{path.name}: holds run {manifest.run_id} stage {manifest.stage}, not run {run_id} stage {stage}"
+            f"{path.name}: holds run {manifest.run_id} stage {manifest.stage}, "
+            f"not run {run_id} stage {stage}"
         )
     match = _name_pattern(run_id, stage).match(path.name)
     if match is None or int(match.group(1)) != manifest.epoch:
@@ -310,16 +331,25 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
             raise CheckpointError(f"{path.name}: {STATE_FILE} is not a regular file")
         size = info.st_size
         if size != manifest.state_bytes:
-            raise CheckpointError(f"{path.name}: {STATE_FILE} has {size} bytes, the manifest says {manifest.state_bytes}")
+            raise CheckpointError(
+                f"{path.name}: {STATE_FILE} has {size} bytes, "
+                f"the manifest says {manifest.state_bytes}"
+            )
         if _sha256(state) != manifest.state_sha256:
             raise CheckpointError(f"{path.name}: {STATE_FILE} does not match its SHA-256")
         tensors = load_file(state, device="cpu")
     except OSError as exc:
-        raise CheckpointError(f"{path.name}: cannot read {STATE_FILE} ({exc.strerror or exc})") from None
+        raise CheckpointError(
+            f"{path.name}: cannot read {STATE_FILE} ({exc.strerror or exc})"
+        ) from None
     except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{path.name}: {STATE_FILE} is not a safetensors file ({exc})") from None
+        raise CheckpointError(
+            f"{path.name}: {STATE_FILE} is not a safetensors file ({exc})"
+        ) from None
     if len(tensors) != manifest.tensors:
-        raise CheckpointError(f"{path.name}: {len(tensors)} tensors, the manifest says {manifest.tensors}")
+        raise CheckpointError(
+            f"{path.name}: {len(tensors)} tensors, the manifest says {manifest.tensors}"
+        )
     return Checkpoint(path=path, manifest=manifest, tensors=tensors)
 
 
@@ -341,7 +371,9 @@ def latest(state_dir: Path, run_id: str, stage: int) -> Checkpoint | None:
     return None
 
 
-def resume_source(peers_answered: bool, peer_epoch: int, checkpoint_epoch: int | None) -> ResumeSource:
+def resume_source(
+    peers_answered: bool, peer_epoch: int, checkpoint_epoch: int | None
+) -> ResumeSource:
     """Where a starting server's state comes from: its own checkpoint when it is newer than
     what the peers gave (or no peer answered), else the peers, else a fresh initialization."""
     if checkpoint_epoch is not None and (not peers_answered or checkpoint_epoch > peer_epoch):
@@ -362,7 +394,9 @@ class CheckpointSchedule:
     last_epoch: int | None = None
 
     def due(self, now: float, epoch: int) -> bool:
-        return self.period_s > 0 and now - self.last_time >= self.period_s and epoch != self.last_epoch
+        return (
+            self.period_s > 0 and now - self.last_time >= self.period_s and epoch != self.last_epoch
+        )
 
     def mark(self, now: float, epoch: int) -> None:
         self.last_time, self.last_epoch = now, epoch
@@ -376,24 +410,36 @@ class Checkpointer:
     ``written``, ``failures`` and ``epoch`` are written by the writer thread (and ``epoch`` by
     ``resume``, before any write)."""
 
-    EMPTY_STATUS: ClassVar[dict[str, int]] = {"checkpoint_epoch": -1, "checkpoints_written": 0, "checkpoint_failures": 0}
+    EMPTY_STATUS: ClassVar[dict[str, int]] = {
+        "checkpoint_epoch": -1,
+        "checkpoints_written": 0,
+        "checkpoint_failures": 0,
+    }
 
-    def __init__(self, state_dir: Path, run_id: str, stage: int, *, period_s: float, keep: int) -> None:
+    def __init__(
+        self, state_dir: Path, run_id: str, stage: int, *, period_s: float, keep: int
+    ) -> None:
         _check_run_id(run_id)
         self.state_dir, self.run_id, self.stage, self.keep = state_dir, run_id, stage, keep
         self.schedule = CheckpointSchedule(period_s)
         self.written = 0
         self.failures = 0
-        self.epoch = -1  # epoch of the newest checkpoint written (or resumed from, set by the owner)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-checkpoint")
+        # epoch of the newest checkpoint written (or resumed from, set by the owner)
+        self.epoch = -1
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"stage{stage}-checkpoint"
+        )
         self._writing: Future[None] | None = None
 
     def due(self, now: float, epoch: int) -> bool:
         """A periodic checkpoint is due and the previous one is written."""
         return self.schedule.due(now, epoch) and (self._writing is None or self._writing.done())
 
-    def submit(self, now: float, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Future[None]:
-        """Queue a write of this state; the future never raises (failures are logged and counted)."""
+    def submit(
+        self, now: float, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> Future[None]:
+        """Queue a write of this state; the future never raises (failures are logged and
+        counted)."""
         self.schedule.mark(now, epoch)
         self._writing = self._writer.submit(self._write, epoch, tensors, meta)
         return self._writing
@@ -401,7 +447,9 @@ class Checkpointer:
     def _write(self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         started = time.perf_counter()
         try:
-            path = write_checkpoint(self.state_dir, self.run_id, self.stage, epoch, tensors, meta, keep=self.keep)
+            path = write_checkpoint(
+                self.state_dir, self.run_id, self.stage, epoch, tensors, meta, keep=self.keep
+            )
         except (OSError, CheckpointError) as exc:
             self.failures += 1
             log.warning("stage %d: checkpoint of epoch %d not written: %s", self.stage, epoch, exc)
@@ -420,8 +468,13 @@ class Checkpointer:
         if found is None:
             return fallback
         if resume_source(peers_answered, peer_epoch, found.epoch) != "checkpoint":
-            log.info("stage %d: the peers' epoch %d is not older than our checkpoint's (%d): keeping theirs",
-                     self.stage, peer_epoch, found.epoch)
+            log.info(
+                "stage %d: the peers' epoch %d is not older than our checkpoint's (%d): "
+                "keeping theirs",
+                self.stage,
+                peer_epoch,
+                found.epoch,
+            )
             return fallback
         try:
             install(found.epoch, found.tensors, found.optimizer_meta)
@@ -429,12 +482,21 @@ class Checkpointer:
             log.warning("stage %d: not resuming from %s: %s", self.stage, found.path, exc)
             return fallback
         self.epoch = found.epoch
-        log.info("stage %d: resumed from checkpoint %s (epoch %d%s)", self.stage, found.path.name, found.epoch,
-                 f", peers had {peer_epoch}" if peers_answered else ", no peer answered")
+        log.info(
+            "stage %d: resumed from checkpoint %s (epoch %d%s)",
+            self.stage,
+            found.path.name,
+            found.epoch,
+            f", peers had {peer_epoch}" if peers_answered else ", no peer answered",
+        )
         return "checkpoint"
 
     def status(self) -> dict[str, int]:
-        return {"checkpoint_epoch": self.epoch, "checkpoints_written": self.written, "checkpoint_failures": self.failures}
+        return {
+            "checkpoint_epoch": self.epoch,
+            "checkpoints_written": self.written,
+            "checkpoint_failures": self.failures,
+        }
 
     def close(self) -> None:
         """Let a write in flight finish (blocking), then stop the writer."""
@@ -479,40 +541,62 @@ def optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def check_fits(expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
-    """``CheckpointError`` unless ``tensors`` has exactly the names, shapes and dtypes of ``expected``."""
+    """``CheckpointError`` unless ``tensors`` has exactly the names, shapes and dtypes of
+    ``expected``."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [
-        f"{name} {tuple(tensors[name].shape)}/{tensors[name].dtype} (want {tuple(t.shape)}/{t.dtype})"
+        f"{name} {tuple(tensors[name].shape)}/{tensors[name].dtype} "
+        f"(want {tuple(t.shape)}/{t.dtype})"
         for name, t in expected.items()
         if name in tensors and (tensors[name].shape != t.shape or tensors[name].dtype != t.dtype)
     ]
     problems = []
     if missing:
-        problems.append(f"missing {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        problems.append(
+            f"missing {', '.join(missing[:3])}"
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
     if unexpected:
-        problems.append(f"unexpected {', '.join(unexpected[:3])}" + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""))
+        problems.append(
+            f"unexpected {', '.join(unexpected[:3])}"
+            + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+        )
     if wrong:
-        problems.append(f"mismatched {'; '.join(wrong[:3])}" + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
+        problems.append(
+            f"mismatched {'; '.join(wrong[:3])}"
+            + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        )
     if problems:
         raise CheckpointError("checkpoint does not fit this stage: " + "; ".join(problems))
 
 
-def checked_param_groups(opt: torch.optim.Optimizer, meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+def checked_param_groups(
+    opt: torch.optim.Optimizer, meta: Mapping[str, Any]
+) -> list[dict[str, Any]]:
     """The hyperparameters of ``meta`` for each of ``opt``'s param_groups, validated (same
-    groups, sizes, keys and value types; finite numbers), tuples restored; else ``CheckpointError``."""
+    groups, sizes, keys and value types; finite numbers), tuples restored; else
+    ``CheckpointError``."""
     groups = meta.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
-        raise CheckpointError(f"checkpoint's optimizer has other param_groups (want {len(opt.param_groups)})")
+        raise CheckpointError(
+            f"checkpoint's optimizer has other param_groups (want {len(opt.param_groups)})"
+        )
     out = []
     for i, (saved, live) in enumerate(zip(groups, opt.param_groups, strict=True)):
         if not isinstance(saved, dict):
             raise CheckpointError(f"param_groups[{i}] is not an object")
         if saved.get("num_params") != len(live["params"]):
-            raise CheckpointError(f"param_groups[{i}] has {saved.get('num_params')} parameters, want {len(live['params'])}")
+            raise CheckpointError(
+                f"param_groups[{i}] has {saved.get('num_params')} parameters, "
+                f"want {len(live['params'])}"
+            )
         keys = set(live) - {"params"}
         if set(saved) - {"num_params"} != keys:
-            raise CheckpointError(f"param_groups[{i}] has keys {sorted(set(saved) - {'num_params'})}, want {sorted(keys)}")
+            raise CheckpointError(
+                f"param_groups[{i}] has keys {sorted(set(saved) - {'num_params'})}, "
+                f"want {sorted(keys)}"
+            )
         values = {}
         for key in keys:
             values[key] = _coerce(saved[key], live[key], f"param_groups[{i}].{key}")
@@ -521,7 +605,8 @@ def checked_param_groups(opt: torch.optim.Optimizer, meta: Mapping[str, Any]) ->
 
 
 def _coerce(value: Any, like: Any, where: str) -> Any:
-    """``value`` (from JSON) as the type of the live ``like``; ``CheckpointError`` when it cannot be."""
+    """``value`` (from JSON) as the type of the live ``like``; ``CheckpointError`` when it
+    cannot be."""
     if isinstance(like, bool) or like is None:
         if type(value) is not type(like):
             raise CheckpointError(f"{where}: {value!r} is not like {like!r}")
@@ -531,7 +616,11 @@ def _coerce(value: Any, like: Any, where: str) -> Any:
             raise CheckpointError(f"{where}: {value!r} is not an integer")
         return value
     if isinstance(like, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise CheckpointError(f"{where}: {value!r} is not a finite number")
         return float(value)
     if isinstance(like, str):
@@ -541,7 +630,9 @@ def _coerce(value: Any, like: Any, where: str) -> Any:
     if isinstance(like, (tuple, list)):
         if not isinstance(value, list) or len(value) != len(like):
             raise CheckpointError(f"{where}: {value!r} does not have {len(like)} items")
-        items = [_coerce(v, w, f"{where}[{j}]") for j, (v, w) in enumerate(zip(value, like, strict=True))]
+        items = [
+            _coerce(v, w, f"{where}[{j}]") for j, (v, w) in enumerate(zip(value, like, strict=True))
+        ]
         return tuple(items) if isinstance(like, tuple) else items
     raise CheckpointError(f"{where}: cannot restore a value of type {type(like).__name__}")
 

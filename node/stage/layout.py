@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Contiguous split of ``sum(blocks_per_stage)`` blocks into ``len(blocks_per_stage)`` stages."""
+    """Contiguous split of ``sum(blocks_per_stage)`` blocks into ``len(blocks_per_stage)``
+    stages."""
 
     blocks_per_stage: tuple[int, ...]
 

@@ -41,28 +41,24 @@ import hashlib
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..membership.records import ServerState
 
-class ServerState(StrEnum):
-    """Lifecycle of a stage server as announced in ``{run}.servers``."""
-
-    JOINING = "joining"  # chose a stage, loading its state; not serving yet
-    ONLINE = "online"
-    DRAINING = "draining"  # leaving; no longer counted
+# the states whose throughput counts toward a stage's total (draining servers are gone)
+COUNTED_STATES: frozenset[ServerState] = frozenset({"joining", "online"})
 
 
 @dataclass(frozen=True)
-class ServerInfo:
+class ServerLoad:
     """What stage selection needs from one ``{run}.servers`` record."""
 
     peer_id: str
     stage: int
     throughput: float  # samples/s this server processes at its stage
-    state: ServerState = ServerState.ONLINE
+    state: ServerState = "online"
 
 
 @dataclass(frozen=True)
@@ -122,15 +118,15 @@ class RebalancePolicy(BaseModel):
         return self
 
 
-def _counted(server: ServerInfo, n_stages: int) -> bool:
+def _counted(server: ServerLoad, n_stages: int) -> bool:
     return (
-        server.state != ServerState.DRAINING
+        server.state in COUNTED_STATES
         and 0 <= server.stage < n_stages
         and server.throughput > 0
     )
 
 
-def stage_totals(servers: Iterable[ServerInfo], n_stages: int) -> list[float]:
+def stage_totals(servers: Iterable[ServerLoad], n_stages: int) -> list[float]:
     """Summed throughput per stage of the joining and online servers."""
     totals = [0.0] * n_stages
     for server in servers:
@@ -139,13 +135,13 @@ def stage_totals(servers: Iterable[ServerInfo], n_stages: int) -> list[float]:
     return totals
 
 
-def bottleneck(servers: Iterable[ServerInfo], n_stages: int) -> float:
+def bottleneck(servers: Iterable[ServerLoad], n_stages: int) -> float:
     """The swarm's throughput bound: the lowest stage total."""
     return min(stage_totals(servers, n_stages))
 
 
 def choose_stage(
-    servers: Iterable[ServerInfo],
+    servers: Iterable[ServerLoad],
     n_stages: int,
     own_throughput: float | Sequence[float],
     rng: random.Random,
@@ -196,10 +192,10 @@ def next_rebalance_delay(rng: random.Random, policy: RebalancePolicy) -> float:
     return policy.period_s * rng.uniform(1.0 - policy.jitter, 1.0 + policy.jitter)
 
 
-def _view_digest(servers: Sequence[ServerInfo]) -> bytes:
+def _view_digest(servers: Sequence[ServerLoad]) -> bytes:
     h = hashlib.sha256()
     for s in sorted(servers, key=lambda s: s.peer_id):
-        h.update(f"{s.peer_id}\0{s.stage}\0{s.throughput!r}\0{s.state.value}\n".encode())
+        h.update(f"{s.peer_id}\0{s.stage}\0{s.throughput!r}\0{s.state}\n".encode())
     return h.digest()
 
 
@@ -208,7 +204,7 @@ def _tie_key(peer_id: str, digest: bytes) -> bytes:
 
 
 def plan_rebalance(
-    servers: Sequence[ServerInfo], n_stages: int, policy: RebalancePolicy
+    servers: Sequence[ServerLoad], n_stages: int, policy: RebalancePolicy
 ) -> RebalancePlan:
     """The moves the swarm should make now, computed identically by every server (pure)."""
     counted = [s for s in servers if _counted(s, n_stages)]
@@ -217,10 +213,10 @@ def plan_rebalance(
         totals[server.stage] += server.throughput
     before = min(totals)
     initial_totals = tuple(totals)
-    movable: list[list[ServerInfo]] = [[] for _ in range(n_stages)]
+    movable: list[list[ServerLoad]] = [[] for _ in range(n_stages)]
     online = [0] * n_stages
     for server in counted:
-        if server.state == ServerState.ONLINE:
+        if server.state == "online":
             movable[server.stage].append(server)
             online[server.stage] += 1
     digest: bytes | None = None  # of the whole view; computed only if a tie must be broken
@@ -294,7 +290,7 @@ def plan_move(plan: RebalancePlan, peer_id: str) -> Move | None:
 
 
 def rebalance_decision(
-    servers: Sequence[ServerInfo], n_stages: int, peer_id: str, policy: RebalancePolicy
+    servers: Sequence[ServerLoad], n_stages: int, peer_id: str, policy: RebalancePolicy
 ) -> Move | None:
     """This server's part of the current plan: where to move, or None to stay."""
     return plan_move(plan_rebalance(servers, n_stages, policy), peer_id)

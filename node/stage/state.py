@@ -75,7 +75,9 @@ class StageStateSharing:
         if not self._serving():
             raise RuntimeError("this server is not online yet")
         loop = asyncio.get_running_loop()
-        epoch, tensors, meta = await loop.run_in_executor(self._executor, self._optimizer.export_state)
+        epoch, tensors, meta = await loop.run_in_executor(
+            self._executor, self._optimizer.export_state
+        )
         return Snapshot(epoch, tensors, meta)
 
     async def load(self) -> bool:
@@ -85,9 +87,15 @@ class StageStateSharing:
         if donors:
             started = time.monotonic()
             try:
-                snap = await download_state(self._endpoint, donors, kind_prefix=self.prefix, config=self._config)
+                snap = await download_state(
+                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config
+                )
                 await loop.run_in_executor(
-                    self._executor, self._optimizer.import_state, snap.epoch, dict(snap.tensors), dict(snap.meta)
+                    self._executor,
+                    self._optimizer.import_state,
+                    snap.epoch,
+                    dict(snap.tensors),
+                    dict(snap.meta),
                 )
             except (StateTransferError, CheckpointError, AveragingError) as exc:
                 log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
@@ -97,10 +105,18 @@ class StageStateSharing:
                 nbytes = sum(t.numel() * t.element_size() for t in snap.tensors.values())
                 self.last_download = {"epoch": snap.epoch, "donors": len(donors), "bytes": nbytes,
                                       "seconds": round(seconds, 2)}
-                log.info("stage %d: state of epoch %d downloaded from %d donor(s): %.1f MB in %.1fs",
-                         self.stage, snap.epoch, len(donors), nbytes / 1e6, seconds)
+                log.info(
+                    "stage %d: state of epoch %d downloaded from %d donor(s): %.1f MB in %.1fs",
+                    self.stage,
+                    snap.epoch,
+                    len(donors),
+                    nbytes / 1e6,
+                    seconds,
+                )
                 return True
-        return bool(await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers))
+        return bool(
+            await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
+        )
 
     def close(self) -> None:
         self.donor.close()

@@ -183,8 +183,10 @@ class StateDonor:
     def _prune(self, now: float) -> None:
         cfg = self.config
         self._retained = [
-            r for r in self._retained
-            if now - r.last_used <= cfg.snapshot_idle_ttl_s and now - r.taken_at <= cfg.snapshot_max_age_s
+            r
+            for r in self._retained
+            if now - r.last_used <= cfg.snapshot_idle_ttl_s
+            and now - r.taken_at <= cfg.snapshot_max_age_s
         ]
 
     async def _current(self) -> _Retained:
@@ -204,7 +206,9 @@ class StateDonor:
             snap = await self._snapshot()
         except Exception as exc:
             logger.warning("cannot snapshot %s for a downloader: %r", self.kind_prefix, exc)
-            raise refuse_state(StateErrorCode.NOT_READY, f"no snapshot: {type(exc).__name__}") from exc
+            raise refuse_state(
+                StateErrorCode.NOT_READY, f"no snapshot: {type(exc).__name__}"
+            ) from exc
         retained = await asyncio.to_thread(self._retain, snap, now)
         self.counts["snapshots"] += 1
         if len(self._retained) >= cfg.max_retained:  # evict the least recently used
@@ -219,7 +223,9 @@ class StateDonor:
             for name, tensor in snap.tensors.items():
                 t = tensor.detach().to("cpu").contiguous()
                 dtype = dtype_to_wire(t.dtype)
-                entries.append(TensorEntry(name=name, dtype=dtype, shape=tuple(t.shape), nbytes=t.nbytes))
+                entries.append(
+                    TensorEntry(name=name, dtype=dtype, shape=tuple(t.shape), nbytes=t.nbytes)
+                )
                 views.append(byte_view(t))
             if len(entries) > MAX_TENSORS:
                 raise ValueError(f"{len(entries)} tensors exceed {MAX_TENSORS}")
@@ -240,9 +246,13 @@ class StateDonor:
                 digests=tuple(chunk_digests(retained.views, chunks)), meta=retained.meta,
             )
         except ValidationError as exc:
-            logger.error("no manifest of %s in chunks of %d: %s", self.kind_prefix, chunk_bytes, exc)
+            logger.error(
+                "no manifest of %s in chunks of %d: %s", self.kind_prefix, chunk_bytes, exc
+            )
             raise refuse_state(StateErrorCode.INTERNAL, "state cannot be described") from exc
         body = manifest.model_dump_json().encode()
         if len(body) > MAX_MANIFEST_BYTES:
-            raise refuse_state(StateErrorCode.INTERNAL, f"manifest of {len(body)} bytes is too large")
+            raise refuse_state(
+                StateErrorCode.INTERNAL, f"manifest of {len(body)} bytes is too large"
+            )
         return chunks, body

@@ -118,7 +118,10 @@ class StateTransferConfig(BaseModel):
         default=0.2, ge=0.0, le=60.0, description="Pause of a worker after a 'busy' answer."
     )
     max_busy: int = Field(
-        default=50, ge=1, le=10000, description="'busy' answers in a row after which a donor is banned."
+        default=50,
+        ge=1,
+        le=10000,
+        description="'busy' answers in a row after which a donor is banned.",
     )
     snapshot_reuse_s: float = Field(
         default=10.0, ge=0.0, le=3600.0,
@@ -130,7 +133,10 @@ class StateTransferConfig(BaseModel):
         description="A retained snapshot no request touched for this long is dropped.",
     )
     snapshot_max_age_s: float = Field(
-        default=3600.0, gt=0.0, le=86400.0, description="A retained snapshot is dropped at this age."
+        default=3600.0,
+        gt=0.0,
+        le=86400.0,
+        description="A retained snapshot is dropped at this age.",
     )
     max_retained: int = Field(
         default=2, ge=1, le=8,
@@ -138,7 +144,10 @@ class StateTransferConfig(BaseModel):
         "gets the newest one rather than evicting one that is being downloaded.",
     )
     max_concurrent_chunks: int = Field(
-        default=16, ge=1, le=1024, description="Chunk requests a donor serves at once; more are 'busy'."
+        default=16,
+        ge=1,
+        le=1024,
+        description="Chunk requests a donor serves at once; more are 'busy'.",
     )
 
 
@@ -275,7 +284,9 @@ class ChunkRequest(_Wire):
     v: Literal[1] = Field(default=1, description="State transfer version.")
     epoch: _Epoch = Field(description="Epoch of the manifest this chunk belongs to.")
     snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of that snapshot.")
-    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Plan's chunk size.")
+    chunk_bytes: int = Field(
+        ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Plan's chunk size."
+    )
     index: int = Field(ge=0, lt=MAX_CHUNKS, description="Chunk number in the plan.")
 
 
@@ -313,8 +324,12 @@ class Manifest(_Wire):
     snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of the snapshot.")
     chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Chunk size.")
     total_bytes: int = Field(ge=0, le=_MAX_BYTES, description="Bytes of the flattened state.")
-    tensors: tuple[TensorEntry, ...] = Field(max_length=MAX_TENSORS, description="Tensors, in order.")
-    digests: tuple[_Digest, ...] = Field(max_length=MAX_CHUNKS, description="BLAKE2b-256 per chunk.")
+    tensors: tuple[TensorEntry, ...] = Field(
+        max_length=MAX_TENSORS, description="Tensors, in order."
+    )
+    digests: tuple[_Digest, ...] = Field(
+        max_length=MAX_CHUNKS, description="BLAKE2b-256 per chunk."
+    )
     meta: dict[str, Any] = Field(description="The optimizer's JSON meta.")
 
     @model_validator(mode="after")
@@ -410,7 +425,8 @@ class ChunkScheduler:
         return index
 
     def next_straggler(self, donor: str, now: float, straggler_s: float) -> float | None:
-        """Seconds until ``take`` may give ``donor`` a straggler, None if no chunk may become one."""
+        """Seconds until ``take`` may give ``donor`` a straggler, None if no chunk may become
+        one."""
         waits = [
             since + straggler_s - now
             for holders in self.in_flight.values()

@@ -143,7 +143,9 @@ class StateDownload:
         try:
             async with asyncio.timeout_at(self._deadline):
                 results = await asyncio.gather(*(self._manifest(d) for d in self.donors))
-                usable = [(d, m) for d, m in zip(self.donors, results, strict=True) if m is not None]
+                usable = [
+                    (d, m) for d, m in zip(self.donors, results, strict=True) if m is not None
+                ]
                 for group in group_manifests(usable):
                     snapshot = await self._download(group)
                     if snapshot is not None:
@@ -153,7 +155,9 @@ class StateDownload:
                 f"{self.kind_prefix}: no complete state within {cfg.timeout_s:.3g} s "
                 f"({len(self._have)} chunks held); tried {self.report.summary()}"
             ) from None
-        raise StateTransferError(f"{self.kind_prefix}: every donor failed; tried {self.report.summary()}")
+        raise StateTransferError(
+            f"{self.kind_prefix}: every donor failed; tried {self.report.summary()}"
+        )
 
     def _timeout(self, limit: float) -> float:
         return max(0.001, min(limit, self._deadline - asyncio.get_running_loop().time()))
@@ -218,7 +222,9 @@ class StateDownload:
             """How long a chunk may be out before an idle donor duplicates it."""
             if len(took) < 3:
                 return self.config.chunk_timeout_s
-            return min(self.config.endgame_factor * statistics.median(took), self.config.chunk_timeout_s)
+            return min(
+                self.config.endgame_factor * statistics.median(took), self.config.chunk_timeout_s
+            )
 
         async def worker(donor: PeerAddress, snapshot_id: int) -> None:
             nonlocal done_bytes, live
@@ -263,7 +269,8 @@ class StateDownload:
                         if sched.complete or sched.exhausted:
                             over.set()
                     if error == StateErrorCode.BUSY:
-                        await asyncio.sleep(self.config.busy_backoff_s)  # back-off, not a wait on state
+                        # a back-off, not a wait on state
+                        await asyncio.sleep(self.config.busy_backoff_s)
             finally:
                 live -= 1
                 if live == 0:
@@ -313,7 +320,9 @@ class StateDownload:
             return None, f"bad chunk reply: {str(exc)[:160]}"
         arr = data.numpy().data
         digest = (
-            await asyncio.to_thread(state_digest, arr) if chunk.nbytes > THREAD_BYTES else state_digest(arr)
+            await asyncio.to_thread(state_digest, arr)
+            if chunk.nbytes > THREAD_BYTES
+            else state_digest(arr)
         )
         if digest != manifest.digests[chunk.index]:
             return None, f"chunk {chunk.index} does not match its digest"
@@ -360,6 +369,12 @@ async def download_state(
                           ("max_parallel_per_donor", max_parallel_per_donor)) if v is not None
     }
     base = config or StateTransferConfig()
-    cfg = StateTransferConfig.model_validate({**base.model_dump(), **overrides}) if overrides else base
-    download = StateDownload(endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress)
+    cfg = (
+        StateTransferConfig.model_validate({**base.model_dump(), **overrides})
+        if overrides
+        else base
+    )
+    download = StateDownload(
+        endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress
+    )
     return await download.run()

@@ -28,7 +28,12 @@ THROUGHPUT_CACHE = "throughput.json"
 
 
 def cached_throughput(
-    module: StageModule, spec: RunSpec, stage: int, device: torch.device, state_dir: Path | None, iterations: int
+    module: StageModule,
+    spec: RunSpec,
+    stage: int,
+    device: torch.device,
+    state_dir: Path | None,
+    iterations: int,
 ) -> float:
     """The cached figure for ``(run_id, stage, device)``, else a fresh measurement (then cached)."""
     key = f"{spec.run_id}/{stage}/{device}"

@@ -4,9 +4,9 @@ Starts ``replicas x stages`` daemons as subprocesses (``wanswarm join`` on 127.0
 0, each with its own temporary state directory and log file). The first bootstraps the DHT;
 the others start together once it is up and join through its address. Daemon ``i`` serves
 stage ``i mod S`` (``node.stage``): the demo knows its layout, so it pins it rather than
-waiting for each claim in turn (a swarm of volunteers uses stage_selection instead). With ``--wan PROFILE`` every daemon gets a
-WAN emulator process in front of its QUIC port and announces the emulator's address, so every
-link into it crosses the emulated WAN.
+waiting for each claim in turn (a swarm of volunteers uses stage_selection instead). With
+``--wan PROFILE`` every daemon gets a WAN emulator process in front of its QUIC port and
+announces the emulator's address, so every link into it crosses the emulated WAN.
 
 While the swarm trains, a progress line (optimizer epoch, trainer loss, tokens/s, elapsed)
 is redrawn in place on a TTY, printed every few seconds otherwise. Validation loss is measured
@@ -58,7 +58,16 @@ DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see _spawn_daem
 # the validation loss passed 2.5 after about 340 s of training (docs/tiny_run.md).
 DEMO_DURATION_S = 450.0
 # the fields of the --json line, in order (run_swarm returns these and more)
-JSON_FIELDS = ("val_loss_start", "val_loss_end", "tokens", "tokens_per_s", "daemons", "stages", "elapsed_s", "epoch")
+JSON_FIELDS = (
+    "val_loss_start",
+    "val_loss_end",
+    "tokens",
+    "tokens_per_s",
+    "daemons",
+    "stages",
+    "elapsed_s",
+    "epoch",
+)
 
 
 class DemoError(NodeError):
@@ -76,9 +85,15 @@ class DemoOptions:
     root: Path | None = None
     eval_windows: int = 64
     extra: tuple[str, ...] = ()  # --set items passed to every daemon
-    run_spec: Path | None = None  # run spec TOML of every daemon and the evaluation client; None: embedded tiny run
-    data_seed: int | None = None  # daemon i trains on trainer.data_seed = data_seed + i; None: seeds from peer ids
-    progress_period_s: float | None = None  # plain progress lines this often (no in-place redraw); None: the default
+    run_spec: Path | None = (
+        None  # run spec TOML of every daemon and the evaluation client; None: embedded tiny run
+    )
+    data_seed: int | None = (
+        None  # daemon i trains on trainer.data_seed = data_seed + i; None: seeds from peer ids
+    )
+    progress_period_s: float | None = (
+        None  # plain progress lines this often (no in-place redraw); None: the default
+    )
     label: str = ""  # prefix of every line written (e.g. a benchmark's configuration)
 
 
@@ -110,7 +125,9 @@ class Demo:
         self.out = out
         self.spec_path = None if options.run_spec is None else options.run_spec.resolve()
         try:
-            self.spec = default_run_spec() if self.spec_path is None else load_run_spec(self.spec_path)
+            self.spec = (
+                default_run_spec() if self.spec_path is None else load_run_spec(self.spec_path)
+            )
         except RunSpecError as exc:
             raise DemoError(str(exc)) from None
         self.n_daemons = options.replicas * self.spec.n_stages
@@ -120,13 +137,17 @@ class Demo:
         self.tty = out.isatty() and not options.json and options.progress_period_s is None
         self.traffic_start: dict[str, Any] = {}  # traffic() when training starts (set by train)
         self.traffic_end: dict[str, Any] = {}  # and when it stops
-        self.line_period_s = PLAIN_LINE_PERIOD_S if options.progress_period_s is None else options.progress_period_s
+        self.line_period_s = (
+            PLAIN_LINE_PERIOD_S if options.progress_period_s is None else options.progress_period_s
+        )
 
     # ---- output -------------------------------------------------------------------
 
     def say(self, text: str) -> None:
         if self.options.label:
-            text = "\n".join(f"{self.options.label} {line}" if line else line for line in text.split("\n"))
+            text = "\n".join(
+                f"{self.options.label} {line}" if line else line for line in text.split("\n")
+            )
         if not self.options.json:
             self.out.write(text + "\n")
             self.out.flush()
@@ -176,9 +197,22 @@ class Demo:
         if self.options.wan is not None:
             quic_port = _free_udp_port()
             emulator = subprocess.Popen(
-                [sys.executable, "-m", "wanswarm.transport.wan", "--profile", self.options.wan,
-                 "--target", f"127.0.0.1:{quic_port}", "--listen", "127.0.0.1:0", "--seed", str(index)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "wanswarm.transport.wan",
+                    "--profile",
+                    self.options.wan,
+                    "--target",
+                    f"127.0.0.1:{quic_port}",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--seed",
+                    str(index),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
             assert emulator.stdout is not None
             line = emulator.stdout.readline().decode()  # its first line: the bound address
@@ -189,19 +223,40 @@ class Demo:
                 raise DemoError(f"WAN emulator did not start: {line!r}") from exc
             sets += [f"node.announce_host={host}", f"node.announce_port={port}"]
         cmd = [
-            sys.executable, "-m", "wanswarm.node.cli", "join", "--state-dir", str(state_dir),
-            "--host", "127.0.0.1", "--dht-port", "0", "--quic-port", str(quic_port), "--run", "demo",
+            sys.executable,
+            "-m",
+            "wanswarm.node.cli",
+            "join",
+            "--state-dir",
+            str(state_dir),
+            "--host",
+            "127.0.0.1",
+            "--dht-port",
+            "0",
+            "--quic-port",
+            str(quic_port),
+            "--run",
+            "demo",
         ]
         for item in [*sets, *self.options.extra]:
             cmd += ["--set", item]
         if initial:
             cmd += ["--initial-peers", *initial]
         # one compute thread per daemon: several daemons share the machine's cores
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         with open(log_file, "wb") as sink:
             proc = subprocess.Popen(
-                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=env,
+                cmd,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
             )
         node = _Node(index, state_dir, proc, log_file, emulator)
         self.nodes.append(node)
@@ -218,7 +273,8 @@ class Demo:
         return node.status
 
     async def _until(self, what: str, check: Any, timeout: float) -> Any:
-        """Poll ``check()`` (async, returns a value or None) until it answers; DemoError on timeout."""
+        """Poll ``check()`` (async, returns a value or None) until it answers; DemoError on
+        timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -238,12 +294,18 @@ class Demo:
             code = node.proc.poll()
             if code is not None:
                 tail = node.log_file.read_text(errors="replace").strip().splitlines()[-5:]
-                raise DemoError(f"daemon {node.index} exited with status {code}; its log ends:\n  " + "\n  ".join(tail))
+                raise DemoError(
+                    f"daemon {node.index} exited with status {code}; its log ends:\n  "
+                    + "\n  ".join(tail)
+                )
 
     async def start_swarm(self) -> None:
         wan = f" behind WAN emulators ({self.options.wan})" if self.options.wan else ""
-        self.say(f"starting {self.n_daemons} daemons ({self.spec.n_stages} stages x {self.options.replicas}){wan} "
-                 f"on run {self.spec.name} ({self.spec.run_id}); logs in {self.root}")
+        self.say(
+            f"starting {self.n_daemons} daemons "
+            f"({self.spec.n_stages} stages x {self.options.replicas}){wan} "
+            f"on run {self.spec.name} ({self.spec.run_id}); logs in {self.root}"
+        )
         first = self._spawn_daemon(0, [])
 
         async def bootstrap() -> list[str] | None:
@@ -261,8 +323,12 @@ class Demo:
         statuses = await asyncio.gather(*(self._poll(n) for n in self.nodes))
         if any(s is None or s["state"] != "online" for s in statuses):
             return None
-        served = {s["stage"] for s in statuses
-                  if s is not None and s.get("components", {}).get("stage_server", {}).get("state") == "online"}
+        served = {
+            s["stage"]
+            for s in statuses
+            if s is not None
+            and s.get("components", {}).get("stage_server", {}).get("state") == "online"
+        }
         return True if served >= set(range(self.spec.n_stages)) else None
 
     async def shutdown(self) -> None:
@@ -298,10 +364,17 @@ class Demo:
             if not server or addr is None or node.proc.poll() is not None:
                 continue
             host, _, port = addr.rpartition(":")
-            out.setdefault(server["stage"], []).append(ServerInfo(
-                peer_id=status["peer_id"], host=host.strip("[]"), port=int(port),
-                throughput=server["throughput"], queue_len=server["queue"], state=server["state"], rtt=None,
-            ))
+            out.setdefault(server["stage"], []).append(
+                ServerInfo(
+                    peer_id=status["peer_id"],
+                    host=host.strip("[]"),
+                    port=int(port),
+                    throughput=server["throughput"],
+                    queue_len=server["queue"],
+                    state=server["state"],
+                    rtt=None,
+                )
+            )
         return out
 
     async def evaluate(self) -> float:
@@ -316,8 +389,12 @@ class Demo:
         inputs, targets = await asyncio.to_thread(validation_set, self.spec)
         n = min(self.options.eval_windows, int(inputs.shape[0]))
         servers = self._servers()
-        async with Endpoint(Identity.generate(), TransportConfig(host="127.0.0.1", port=0)) as endpoint:
-            trainer = Trainer(self.spec, TrainerConfig(), endpoint=endpoint, servers=lambda: servers)
+        async with Endpoint(
+            Identity.generate(), TransportConfig(host="127.0.0.1", port=0)
+        ) as endpoint:
+            trainer = Trainer(
+                self.spec, TrainerConfig(), endpoint=endpoint, servers=lambda: servers
+            )
             try:
                 return await trainer.evaluate((inputs[:n], targets[:n]))
             except NodeError as exc:
@@ -331,8 +408,12 @@ class Demo:
     # ---- training -----------------------------------------------------------------
 
     def _totals(self) -> dict[str, Any]:
-        trainers = [n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status]
-        servers = [n.status.get("components", {}).get("stage_server", {}) for n in self.nodes if n.status]
+        trainers = [
+            n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status
+        ]
+        servers = [
+            n.status.get("components", {}).get("stage_server", {}) for n in self.nodes if n.status
+        ]
         losses = [t["loss_ewma"] for t in trainers if t.get("loss_ewma") is not None]
         return {
             "tokens": sum(t.get("tokens", 0) for t in trainers),
@@ -351,8 +432,12 @@ class Demo:
         QUIC bytes are UDP payload bytes of every daemon's endpoint (trainer and server
         traffic, FEC repair symbols, retransmissions, acknowledgements and pings included).
         """
-        trainers = [n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status]
-        endpoints = [n.status.get("components", {}).get("endpoint", {}) for n in self.nodes if n.status]
+        trainers = [
+            n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status
+        ]
+        endpoints = [
+            n.status.get("components", {}).get("endpoint", {}) for n in self.nodes if n.status
+        ]
         hops = [0] * self.spec.n_stages
         for t in trainers:
             for stage, count in t.get("hops", {}).items():
@@ -361,11 +446,15 @@ class Demo:
         return {
             "tokens": sum(t.get("tokens", 0) for t in trainers),
             "payload_bytes_sent": sum(t.get("payload_bytes", {}).get("sent", 0) for t in trainers),
-            "payload_bytes_received": sum(t.get("payload_bytes", {}).get("received", 0) for t in trainers),
+            "payload_bytes_received": sum(
+                t.get("payload_bytes", {}).get("received", 0) for t in trainers
+            ),
             "hops": hops,
             "retried_hops": sum(t.get("retried_hops", 0) for t in trainers),
             "cache_misses": sum(t.get("cache_misses", 0) for t in trainers),
-            "failed_micro_batches": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
+            "failed_micro_batches": sum(
+                t.get("micro_batches", {}).get("failed", 0) for t in trainers
+            ),
             "quic_bytes_out": sum(e.get("bytes_out") or 0 for e in endpoints),
             "quic_bytes_in": sum(e.get("bytes_in") or 0 for e in endpoints),
         }
@@ -387,11 +476,20 @@ class Demo:
             t = self._totals()
             elapsed = loop.time() - started
             loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
-            line = (f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
-                    f"{t['tokens'] / 1e3:>7.0f}k tokens  {t['completed']} micro-batches ({t['failed']} failed)  "
-                    f"{elapsed:>5.0f}s / {self.options.duration_s:.0f}s")
+            line = (
+                f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
+                f"{t['tokens'] / 1e3:>7.0f}k tokens  "
+                f"{t['completed']} micro-batches ({t['failed']} failed)  "
+                f"{elapsed:>5.0f}s / {self.options.duration_s:.0f}s"
+            )
             if self.tty:
-                self.out.write("\r" + self.options.label + (" " if self.options.label else "") + line + "\x1b[K")
+                self.out.write(
+                    "\r"
+                    + self.options.label
+                    + (" " if self.options.label else "")
+                    + line
+                    + "\x1b[K"
+                )
                 self.out.flush()
             elif elapsed - last_line >= self.line_period_s:
                 self.say(line)
@@ -412,22 +510,34 @@ class Demo:
         for stage in range(self.spec.n_stages):
             members = [n for n in self.nodes if n.status.get("stage") == stage]
             ids = {n.status["peer_id"] for n in members}
-            rtts = [p["rtt_ms"] for n in self.nodes for p in n.status.get("peers", [])
-                    if p["peer_id"] in ids and p.get("rtt_ms") is not None]
+            rtts = [
+                p["rtt_ms"]
+                for n in self.nodes
+                for p in n.status.get("peers", [])
+                if p["peer_id"] in ids and p.get("rtt_ms") is not None
+            ]
             comp = [n.status.get("components", {}) for n in members]
-            rows.append({
-                "stage": stage,
-                "peers": len(members),
-                "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
-                "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
-                "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
-                # device-thread seconds, summed over the stage's servers: running requests, and
-                # inside the optimizer, from requests or the periodic step check (a synchronous
-                # step waits there for the all-reduce)
-                "compute_s": round(sum(c.get("stage_server", {}).get("compute_s", 0.0) for c in comp), 1),
-                "optimizer_s": round(sum(c.get("stage_server", {}).get("optimizer_s", 0.0) for c in comp), 1),
-                "epoch": max((c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0),
-            })
+            rows.append(
+                {
+                    "stage": stage,
+                    "peers": len(members),
+                    "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
+                    "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
+                    "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
+                    # device-thread seconds, summed over the stage's servers: running requests, and
+                    # inside the optimizer, from requests or the periodic step check (a synchronous
+                    # step waits there for the all-reduce)
+                    "compute_s": round(
+                        sum(c.get("stage_server", {}).get("compute_s", 0.0) for c in comp), 1
+                    ),
+                    "optimizer_s": round(
+                        sum(c.get("stage_server", {}).get("optimizer_s", 0.0) for c in comp), 1
+                    ),
+                    "epoch": max(
+                        (c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0
+                    ),
+                }
+            )
         return rows
 
     async def measure(self) -> dict[str, Any]:
@@ -442,23 +552,37 @@ class Demo:
         elapsed, start_tokens = await self.train()
         totals = self._totals()
         val_end = await self.evaluate()
-        tokens_at_eval_end = self._totals()["tokens"]  # evaluate() polled: trainers went on meanwhile
-        self.say(f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
-                 f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}")
+        tokens_at_eval_end = self._totals()[
+            "tokens"
+        ]  # evaluate() polled: trainers went on meanwhile
+        self.say(
+            f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
+            f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}"
+        )
         rows = self.stage_table()
-        self.say(f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} "
-                 f"{'device s':>9} {'in step s':>9} {'epoch':>6}")
+        self.say(
+            f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} "
+            f"{'device s':>9} {'in step s':>9} {'epoch':>6}"
+        )
         for r in rows:
             rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
-            self.say(f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} {_bytes(r['bytes_sent']):>12} "
-                     f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}")
-        self.say("(device s: seconds the stage's servers ran requests, summed; in step s: seconds inside "
-                 "the optimizer, from requests and from the periodic step check, where a synchronous step "
-                 "waits for the stage's all-reduce)")
+            self.say(
+                f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} "
+                f"{_bytes(r['bytes_sent']):>12} "
+                f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}"
+            )
+        self.say(
+            "(device s: seconds the stage's servers ran requests, summed; in step s: seconds "
+            "inside the optimizer, from requests and from the periodic step check, where a "
+            "synchronous step waits for the stage's all-reduce)"
+        )
         start, end = self.traffic_start, self.traffic_end
         training = {
-            key: ([b - a for a, b in zip(start[key], end[key], strict=True)] if isinstance(start[key], list)
-                  else end[key] - start[key])
+            key: (
+                [b - a for a, b in zip(start[key], end[key], strict=True)]
+                if isinstance(start[key], list)
+                else end[key] - start[key]
+            )
             for key in start
         }
         return {
@@ -466,7 +590,9 @@ class Demo:
             "val_loss_start": round(val_start, 4),
             "val_loss_end": round(val_end, 4),
             "tokens": totals["tokens"],
-            "tokens_per_s": round((totals["tokens"] - start_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+            "tokens_per_s": round((totals["tokens"] - start_tokens) / elapsed, 1)
+            if elapsed > 0
+            else 0.0,
             "daemons": self.n_daemons,
             "stages": rows,
             "elapsed_s": round(elapsed, 1),
@@ -478,7 +604,8 @@ class Demo:
             "replicas": self.options.replicas,
             "tokens_at_eval_end": tokens_at_eval_end,
             "failed_micro_batches": totals["failed"],
-            "training": training,  # traffic() deltas over the training phase (between the evaluations)
+            # traffic() deltas over the training phase (between the evaluations)
+            "training": training,
             "interrupted": self.stop.is_set(),
         }
 

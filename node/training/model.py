@@ -171,7 +171,8 @@ class StageModule(nn.Module):
         logits = self.forward(x)  # (B, T, V)
         if targets.shape != logits.shape[:2] or targets.dtype != torch.int64:
             raise StageInputError(
-                f"targets must be int64 {tuple(logits.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}"
+                f"targets must be int64 {tuple(logits.shape[:2])}, "
+                f"got {targets.dtype} {tuple(targets.shape)}"
             )
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # ()
 

@@ -55,10 +55,14 @@ class RouterConfig(BaseModel):
         default=0.002,
         ge=0.0,
         le=10.0,
-        description="Absolute floor of the temperature, seconds (spreads load when all costs are tiny).",
+        description="Absolute floor of the temperature, seconds "
+        "(spreads load when all costs are tiny).",
     )
     default_rtt_s: float = Field(
-        default=0.1, gt=0.0, le=60.0, description="RTT assumed for a peer with no measurement, seconds."
+        default=0.1,
+        gt=0.0,
+        le=60.0,
+        description="RTT assumed for a peer with no measurement, seconds.",
     )
     default_delivery_rate_bps: float = Field(
         default=100e6,
@@ -71,11 +75,17 @@ class RouterConfig(BaseModel):
         description="Floor of a peer's announced throughput, samples/s (a 0 or absent figure).",
     )
     ban_base_s: float = Field(
-        default=1.0, gt=0.0, le=3600.0, description="Ban after a first failure, seconds (then doubles)."
+        default=1.0,
+        gt=0.0,
+        le=3600.0,
+        description="Ban after a first failure, seconds (then doubles).",
     )
     ban_max_s: float = Field(default=60.0, gt=0.0, le=86400.0, description="Longest ban, seconds.")
     ban_jitter: float = Field(
-        default=0.2, ge=0.0, lt=1.0, description="Bans are multiplied by a uniform factor in [1-j, 1+j]."
+        default=0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Bans are multiplied by a uniform factor in [1-j, 1+j].",
     )
 
     @model_validator(mode="after")
@@ -179,7 +189,9 @@ class Router:
         if not candidates:
             return None
         avoided = set(avoid)
-        pool = [c for c in candidates if c.peer_id not in avoided and self.is_available(c.peer_id, now)]
+        pool = [
+            c for c in candidates if c.peer_id not in avoided and self.is_available(c.peer_id, now)
+        ]
         if not pool:
             # every fresh peer is banned: ignore bans, but still prefer untried peers
             pool = [c for c in candidates if c.peer_id not in avoided] or list(candidates)

@@ -28,13 +28,28 @@ class FakeDaemon:
         if self.broken:
             raise RuntimeError("status provider bug")
         return StatusReport(
-            peer_id=PEER, run="demo", stage=None, state="online", server=True, trainer=True, pid=os.getpid(),
-            version="0.1.0", uptime_s=1.0, dht_addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}"], quic_addr=None, peers=[],
+            peer_id=PEER,
+            run="demo",
+            stage=None,
+            state="online",
+            server=True,
+            trainer=True,
+            pid=os.getpid(),
+            version="0.1.0",
+            uptime_s=1.0,
+            dht_addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}"],
+            quic_addr=None,
+            peers=[],
         )
 
     def request_leave(self, reason: str) -> LeaveAck:
         self.leaves.append(reason)
-        return LeaveAck(accepted=True, already_leaving=len(self.leaves) > 1, pid=os.getpid(), shutdown_timeout_s=30)
+        return LeaveAck(
+            accepted=True,
+            already_leaving=len(self.leaves) > 1,
+            pid=os.getpid(),
+            shutdown_timeout_s=30,
+        )
 
 
 def _short_dir() -> Path:
@@ -46,7 +61,9 @@ def _serve(body: Callable[[ControlServer, FakeDaemon, Path], Awaitable[None]]) -
         directory = _short_dir()
         path = directory / "control.sock"
         daemon = FakeDaemon()
-        server = ControlServer(ControlConfig(request_timeout=2.0, max_request_bytes=1024), path, daemon)
+        server = ControlServer(
+            ControlConfig(request_timeout=2.0, max_request_bytes=1024), path, daemon
+        )
         await server.start()
         task = asyncio.ensure_future(server.serve())
         try:
@@ -91,7 +108,10 @@ def test_bad_requests_get_error_answers_and_the_server_lives_on() -> None:
             (b'{"v": 1, "op": "reboot"}\n', "bad_request"),
             (b'{"v": 1, "op": "status", "extra": 1}\n', "bad_request"),
             (b'{"v": 9, "op": "status"}\n', "unsupported_version"),
-            (b'{"v": 1, "op": "status"' + b" " * 2000 + b"}\n", "bad_request"),  # over max_request_bytes
+            (
+                b'{"v": 1, "op": "status"' + b" " * 2000 + b"}\n",
+                "bad_request",
+            ),  # over max_request_bytes
             (b'["v", 1]\n', "bad_request"),
         ]
         for payload, code in cases:
@@ -103,7 +123,8 @@ def test_bad_requests_get_error_answers_and_the_server_lives_on() -> None:
         with pytest.raises(ControlProtocolError, match="internal"):
             await asyncio.to_thread(ControlClient(path, timeout=5).status)
         daemon.broken = False
-        # a client that connects and says nothing is dropped at the deadline; others still get answers
+        # a client that connects and says nothing is dropped at the deadline; others still get
+        # answers
         reader, writer = await asyncio.open_unix_connection(str(path))
         answer = await _raw(path, b'{"v": 1, "op": "status"}\n')
         assert answer["ok"] is True
@@ -152,11 +173,32 @@ def test_stale_socket_is_replaced_and_a_live_one_refused() -> None:
 
 
 def test_text_status_shows_the_servers_state_source_checkpoint_moves_and_device_times() -> None:
-    server = {"stage": 1, "state": "online", "applied": 12, "epoch": 7, "queue": 0, "throughput": 9.5,
-              "resumed_from": "checkpoint", "checkpoint_epoch": 6, "moves": 2, "last_move": {"from": 0, "to": 1}}
+    server = {
+        "stage": 1,
+        "state": "online",
+        "applied": 12,
+        "epoch": 7,
+        "queue": 0,
+        "throughput": 9.5,
+        "resumed_from": "checkpoint",
+        "checkpoint_epoch": 6,
+        "moves": 2,
+        "last_move": {"from": 0, "to": 1},
+    }
     report = StatusReport(
-        peer_id=PEER, run="demo", stage=1, state="online", server=True, trainer=False, pid=1, version="0",
-        uptime_s=3.0, dht_addrs=[], quic_addr=None, peers=[], components={"stage_server": server},
+        peer_id=PEER,
+        run="demo",
+        stage=1,
+        state="online",
+        server=True,
+        trainer=False,
+        pid=1,
+        version="0",
+        uptime_s=3.0,
+        dht_addrs=[],
+        quic_addr=None,
+        peers=[],
+        components={"stage_server": server},
     )
     text = render_text(report)
     assert "12 micro-batches served   optimizer step 7" in text
@@ -165,6 +207,16 @@ def test_text_status_shows_the_servers_state_source_checkpoint_moves_and_device_
     busy = report.model_copy(update={"components": {"stage_server": {
         **server, "compute_s": 120.4, "optimizer_s": 31.2, "optimizer_max_s": 2.46}}})
     assert "requests ran 120s   in the optimizer 31s (longest 2.5s)" in render_text(busy)
-    fresh = report.model_copy(update={"components": {"stage_server": {**server, "resumed_from": None,
-                                                                      "checkpoint_epoch": None, "moves": 0}}})
+    fresh = report.model_copy(
+        update={
+            "components": {
+                "stage_server": {
+                    **server,
+                    "resumed_from": None,
+                    "checkpoint_epoch": None,
+                    "moves": 0,
+                }
+            }
+        }
+    )
     assert "state from" not in render_text(fresh) and "moves" not in render_text(fresh)

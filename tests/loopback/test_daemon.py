@@ -20,7 +20,7 @@ from wanswarm.node.daemon import Daemon
 from wanswarm.node.membership.records import ServerRecord
 from wanswarm.transport.identity import Identity
 
-from .fake_dht import FakeDht
+from tests.unit.fake_dht import FakeDht
 
 OTHER = Identity.generate().peer_id
 
@@ -121,7 +121,10 @@ def test_join_serve_and_leave_in_order(state_dir: Path) -> None:
 
     async def body(task: asyncio.Future[int]) -> None:
         await _until(lambda: daemon.state == "online")
-        await _until(lambda: daemon.table.get(OTHER) is not None and daemon.table.get(OTHER).rtt.srtt)  # type: ignore[union-attr]
+        await _until(
+            lambda: daemon.table.get(OTHER) is not None
+            and daemon.table.get(OTHER).rtt.srtt  # type: ignore[union-attr]
+        )
         report = await asyncio.to_thread(ControlClient(state_dir / "control.sock").status)
         assert report.state == "online" and report.stage == 2 and report.peers[0].peer_id == OTHER
         assert report.peers[0].rtt_ms == 2.0 and report.components == {"recorder": {"events": 2}}
@@ -143,7 +146,12 @@ def test_join_serve_and_leave_in_order(state_dir: Path) -> None:
 def test_drain_is_bounded_by_shutdown_timeout(state_dir: Path) -> None:
     identity = Identity.generate()
     component = Recorder(drain_forever=True)
-    daemon = Daemon(_config(state_dir, "node.shutdown_timeout=0.5"), identity, FakeDht(identity.peer_id), [component])
+    daemon = Daemon(
+        _config(state_dir, "node.shutdown_timeout=0.5"),
+        identity,
+        FakeDht(identity.peer_id),
+        [component],
+    )
 
     async def body(task: asyncio.Future[int]) -> None:
         await _until(lambda: daemon.state == "online")
@@ -190,9 +198,14 @@ def test_a_rtt_capable_component_replaces_the_dht_ping(state_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("failure", ["join", "dht-dies", "component-crash"])
-def test_failures_end_the_daemon_with_status_1(state_dir: Path, failure: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_failures_end_the_daemon_with_status_1(
+    state_dir: Path, failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
     identity = Identity.generate()
-    dht = FakeDht(identity.peer_id, join_error="none of the initial peers answered" if failure == "join" else None)
+    dht = FakeDht(
+        identity.peer_id,
+        join_error="none of the initial peers answered" if failure == "join" else None,
+    )
     component = Recorder(crash_loop=failure == "component-crash")
     daemon = Daemon(_config(state_dir), identity, dht, [component])
 
@@ -202,8 +215,11 @@ def test_failures_end_the_daemon_with_status_1(state_dir: Path, failure: str, ca
             dht.die()
 
     assert _run(daemon, body) == 1
-    expected = {"join": "none of the initial peers answered", "dht-dies": "DHT process exited unexpectedly",
-                "component-crash": "component bug"}[failure]
+    expected = {
+        "join": "none of the initial peers answered",
+        "dht-dies": "DHT process exited unexpectedly",
+        "component-crash": "component bug",
+    }[failure]
     assert expected in caplog.text
     assert dht.shut_down and not (state_dir / "control.sock").exists()
     if failure != "join":
@@ -232,3 +248,22 @@ def test_sigint_leaves_even_after_a_component_ignored_it(state_dir: Path) -> Non
 
     assert _run(daemon, body) == 0
     assert [record.state for record, _ in dht.published][-1] == "left"
+
+
+def test_build_components_hands_each_its_own_section(state_dir: Path) -> None:
+    from wanswarm.node.endpoint import EndpointComponent
+    from wanswarm.node.stage.placement import ServerComponent
+    from wanswarm.node.swarm_node import TrainerComponent, build_components
+
+    config = _config(state_dir, "node.stage=1", "node.announce_port=9000", "node.join_backoff=2")
+    endpoint, server, trainer = build_components(config)
+    assert isinstance(endpoint, EndpointComponent)
+    assert isinstance(server, ServerComponent) and isinstance(trainer, TrainerComponent)
+    assert endpoint.config is config.transport and endpoint.announce_port == 9000
+    assert endpoint.request_timeout_s == config.trainer.request_timeout_s
+    assert server.config is config.stage_server and server.averaging is config.averaging
+    assert server.rebalance is config.rebalance
+    assert (server.pinned_stage, server.join_backoff) == (1, 2.0)
+    assert trainer.config is config.trainer and trainer.server is server
+    no_server = config.model_copy(update={"node": config.node.model_copy(update={"server": False})})
+    assert [c.name for c in build_components(no_server)] == ["endpoint", "trainer"]

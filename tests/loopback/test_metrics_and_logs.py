@@ -65,7 +65,12 @@ def test_metrics_are_served_on_loopback() -> None:
 @pytest.fixture
 def stream() -> Iterator[io.StringIO]:
     buffer = io.StringIO()
-    saved = logging.getLogger().handlers[:], logging.getLogger().level, log_context().peer, log_context().stage
+    saved = (
+        logging.getLogger().handlers[:],
+        logging.getLogger().level,
+        log_context().peer,
+        log_context().stage,
+    )
     yield buffer
     root = logging.getLogger()
     root.handlers[:] = saved[0]

@@ -1,4 +1,5 @@
-"""An in-memory stand-in for dht.Dht with hivemind's rule for sub-keys: the latest expiration wins."""
+"""An in-memory stand-in for dht.Dht with hivemind's rule for sub-keys: the latest expiration
+wins."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class FakeDht(MemoryDht):
         self.peer_id = peer_id
         self.join_error = join_error
         self.validator = SimpleNamespace(rejected=0)
-        self.hivemind_dht = SimpleNamespace(exitcode=None)
+        self.exitcode: int | None = None
         self._read_fd, self._write_fd = os.pipe()
         self.shut_down = False
         self.pings: list[str] = []
@@ -63,7 +64,7 @@ class FakeDht(MemoryDht):
 
     def die(self) -> None:
         """Simulate the DHT process exiting: its sentinel becomes readable."""
-        self.hivemind_dht.exitcode = -9
+        self.exitcode = -9
         os.close(self._write_fd)
         self._write_fd = -1
 

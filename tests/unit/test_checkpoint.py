@@ -76,7 +76,9 @@ def _trained(epochs: int) -> tuple[torch.nn.Module, LocalOptimizer]:
     return module, opt
 
 
-def _write(state_dir: Path, opt: LocalOptimizer, keep: int = 2, stage: int = STAGE, run: str = RUN) -> Path:
+def _write(
+    state_dir: Path, opt: LocalOptimizer, keep: int = 2, stage: int = STAGE, run: str = RUN
+) -> Path:
     epoch, tensors, meta = opt.export_state()
     return write_checkpoint(state_dir, run, stage, epoch, tensors, meta, keep=keep, now=1.7e9)
 
@@ -124,7 +126,9 @@ def test_import_clears_gradients_accumulated_toward_the_old_epoch() -> None:
     module = build_stage(SPEC, STAGE)
     opt = LocalOptimizer(module, SPEC)
     gen = torch.Generator().manual_seed(3)
-    module.forward_loss(torch.randn(B, T, C, generator=gen), torch.randint(0, 256, (B, T), generator=gen)).backward()  # type: ignore[operator]
+    module.forward_loss(
+        torch.randn(B, T, C, generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+    ).backward()  # type: ignore[operator]
     opt.step(B)  # half an epoch accumulated
     assert opt.samples_accumulated == B
     opt.import_state(*_exported(1))
@@ -150,7 +154,9 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path: Pat
     torn.mkdir()
     (torn / STATE_FILE).write_bytes(good[: len(good) // 2])
     (torn / MANIFEST_FILE).write_text(
-        (root / checkpoint_name(RUN, STAGE, 2) / MANIFEST_FILE).read_text().replace('"epoch": 2', '"epoch": 4')
+        (root / checkpoint_name(RUN, STAGE, 2) / MANIFEST_FILE)
+        .read_text()
+        .replace('"epoch": 2', '"epoch": 4')
     )
     found = latest(tmp_path, RUN, STAGE)
     assert found is not None and found.epoch == 2
@@ -163,7 +169,9 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path: Pat
     assert not any(p.name.startswith((".tmp-", ".old-")) for p in root.iterdir())
 
 
-def test_a_checkpoint_whose_hash_does_not_match_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_whose_hash_does_not_match_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _, opt = _trained(epochs=1)
     _write(tmp_path, opt, keep=5)
     _train(opt._module, opt, torch.Generator().manual_seed(1), 1)
@@ -192,7 +200,9 @@ def test_a_checkpoint_whose_hash_does_not_match_is_skipped(tmp_path: Path, caplo
         (lambda m: [m], "invalid manifest"),
     ],
 )
-def test_foreign_or_inconsistent_manifests_are_refused(tmp_path: Path, edit: Any, reason: str) -> None:
+def test_foreign_or_inconsistent_manifests_are_refused(
+    tmp_path: Path, edit: Any, reason: str
+) -> None:
     _, opt = _trained(epochs=1)
     path = _write(tmp_path, opt)
     manifest = json.loads((path / MANIFEST_FILE).read_text())
@@ -202,7 +212,9 @@ def test_foreign_or_inconsistent_manifests_are_refused(tmp_path: Path, edit: Any
     assert latest(tmp_path, RUN, STAGE) is None
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(manifest=st.binary(max_size=300), state=st.binary(max_size=300))
 def test_random_bytes_never_crash_the_reader(tmp_path: Path, manifest: bytes, state: bytes) -> None:
     path = tmp_path / CHECKPOINTS_DIR / checkpoint_name(RUN, STAGE, 1)
@@ -244,7 +256,9 @@ def test_keep_prunes_older_checkpoints_of_this_stage_only(tmp_path: Path) -> Non
     assert other_stage.exists() and other_run.exists()
 
 
-def test_rewriting_an_epoch_keeps_identical_bytes_and_replaces_different_ones(tmp_path: Path) -> None:
+def test_rewriting_an_epoch_keeps_identical_bytes_and_replaces_different_ones(
+    tmp_path: Path,
+) -> None:
     _, opt = _trained(epochs=1)
     path = _write(tmp_path, opt)
     inode = (path / STATE_FILE).stat().st_ino
@@ -268,7 +282,11 @@ def test_a_checkpoint_of_another_shape_is_refused_and_changes_nothing(tmp_path: 
         ({k: v for k, v in tensors.items() if k != name}, meta, "missing"),
         ({**tensors, "model.extra.weight": torch.zeros(2)}, meta, "unexpected"),
         (tensors, {"param_groups": meta["param_groups"][:1]}, "param_groups"),
-        (tensors, {"param_groups": [dict(g, lr=float("nan")) for g in meta["param_groups"]]}, "finite"),
+        (
+            tensors,
+            {"param_groups": [dict(g, lr=float("nan")) for g in meta["param_groups"]]},
+            "finite",
+        ),
         (tensors, {"param_groups": [dict(g, betas=[0.9]) for g in meta["param_groups"]]}, "items"),
         (tensors, {"param_groups": [dict(g, amsgrad=1) for g in meta["param_groups"]]}, "amsgrad"),
         (tensors, {}, "param_groups"),
@@ -323,7 +341,11 @@ def test_checkpointer_writes_in_the_background_and_resumes(tmp_path: Path) -> No
     assert writer.due(0.0, 2)
     epoch, tensors, meta = opt.export_state()
     writer.submit(0.0, epoch, tensors, meta).result(timeout=30)
-    assert writer.status() == {"checkpoint_epoch": 2, "checkpoints_written": 1, "checkpoint_failures": 0}
+    assert writer.status() == {
+        "checkpoint_epoch": 2,
+        "checkpoints_written": 1,
+        "checkpoint_failures": 0,
+    }
     assert not writer.due(0.5, 3)
     writer.close()
 

@@ -20,7 +20,9 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize("command", [[], ["join"], ["status"], ["leave"], ["config"]])
-def test_help_teaches_usage_with_examples(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_teaches_usage_with_examples(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
     assert exit_info.value.code == 0
@@ -31,13 +33,23 @@ def test_help_teaches_usage_with_examples(command: list[str], capsys: pytest.Cap
 @pytest.mark.parametrize(
     ("config_text", "flags", "expected"),
     [
-        ("[dht]\nprot = 31337\n", [], "wanswarm: config error: dht.prot: unknown key; allowed: host, port"),
-        ("[node]\nshutdown_timeout = 'soon'\n", [], "node.shutdown_timeout: must be a finite number (got 'soon')"),
+        (
+            "[dht]\nprot = 31337\n",
+            [],
+            "wanswarm: config error: dht.prot: unknown key; allowed: host, port",
+        ),
+        (
+            "[node]\nshutdown_timeout = 'soon'\n",
+            [],
+            "node.shutdown_timeout: must be a finite number (got 'soon')",
+        ),
         ("", ["--dht-port", "70000"], "dht.port: must be ≤ 65535 (got 70000) [from --dht-port]"),
         ("[dht\n", [], "invalid TOML"),
     ],
 )
-def test_config_errors_exit_2_with_one_line(tmp_path: Path, config_text: str, flags: list[str], expected: str) -> None:
+def test_config_errors_exit_2_with_one_line(
+    tmp_path: Path, config_text: str, flags: list[str], expected: str
+) -> None:
     path = tmp_path / "node.toml"
     path.write_text(config_text)
     result = _run("join", "--config", str(path), "--state-dir", str(tmp_path / "state"), *flags)
@@ -57,14 +69,18 @@ def test_no_daemon_exits_1_with_a_clear_message(command: str) -> None:
     finally:
         state_dir.rmdir()
     assert result.returncode == 1
-    assert result.stderr.startswith(f"wanswarm: no daemon is running (nothing listens on {state_dir}/control.sock")
+    assert result.stderr.startswith(
+        f"wanswarm: no daemon is running (nothing listens on {state_dir}/control.sock"
+    )
     assert "Traceback" not in result.stderr
 
 
 def test_config_prints_defaults_and_effective_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "--defaults"]) == 0
     assert capsys.readouterr().out == render_template(NodeConfig)
-    assert main(["config", "--state-dir", "/tmp/x", "--set", "dht.port=5", "--host", "127.0.0.1"]) == 0
+    assert (
+        main(["config", "--state-dir", "/tmp/x", "--set", "dht.port=5", "--host", "127.0.0.1"]) == 0
+    )
     out = capsys.readouterr().out
     assert "[dht]\nhost = \"127.0.0.1\"\nport = 5\n" in out
     assert 'state_dir = "/tmp/x"' in out and 'socket = "/tmp/x/control.sock"' in out

@@ -74,7 +74,8 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     flags = [parse_assignment("dht.port=3000")]
     config = load_config(file=path, environ=env, overrides=flags)
     assert config.dht.port == 3000
-    assert config.dht.host == "127.0.0.1" and config.node.run == "from-file"  # untouched keys survive
+    # untouched keys survive
+    assert config.dht.host == "127.0.0.1" and config.node.run == "from-file"
     typed = [Override("dht.port", 4000, "--dht-port", raw=False)]
     assert load_config(file=path, environ=env, overrides=[*flags, *typed]).dht.port == 4000
 
@@ -113,13 +114,28 @@ def test_config_is_frozen() -> None:
         ("[dht]\nprot = 1\n", {}, "dht.prot: unknown key; allowed: host, port, initial_peers"),
         ("[dhtt]\n", {}, "dhtt: unknown section; allowed: node, dht, control"),
         ("[dht]\nport = 'x'\n", {}, "dht.port: must be an integer (got 'x')"),
-        ("", {"WANSWARM__DHT__PORT": "70000"},
-         "dht.port: must be ≤ 65535 (got 70000) [from WANSWARM__DHT__PORT]"),
+        (
+            "",
+            {"WANSWARM__DHT__PORT": "70000"},
+            "dht.port: must be ≤ 65535 (got 70000) [from WANSWARM__DHT__PORT]",
+        ),
         ("[log]\nformat = 'xml'\n", {}, "log.format: must be one of 'text' or 'json' (got 'xml')"),
-        ("[node]\nrun = 'a.b'\n", {}, "node.run: must match ^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$ (got 'a.b')"),
+        (
+            "[node]\nrun = 'a.b'\n",
+            {},
+            "node.run: must match ^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$ (got 'a.b')",
+        ),
         ("[dht]\nhost = 'localhost'\n", {}, "dht.host: must be an IPv4 or IPv6 address"),
-        ("[dht]\ninitial_peers = ['/ip4/1.2.3.4/tcp/1']\n", {}, "dht.initial_peers: each entry must be a multiaddr"),
-        ("[node]\ndrain_grace = 40\n", {}, "node: drain_grace (40.0) must be shorter than shutdown_timeout"),
+        (
+            "[dht]\ninitial_peers = ['/ip4/1.2.3.4/tcp/1']\n",
+            {},
+            "dht.initial_peers: each entry must be a multiaddr",
+        ),
+        (
+            "[node]\ndrain_grace = 40\n",
+            {},
+            "node: drain_grace (40.0) must be shorter than shutdown_timeout",
+        ),
         ("[dht]\nport = -1\n", {}, "dht.port: must be ≥ 0 (got -1)"),
         ("[prober]\ntimeout = 20\n", {}, "lower prober.timeout or raise prober.period"),
     ],
@@ -146,7 +162,10 @@ def test_file_problems_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_assignment("dht.port")
     with pytest.raises(ConfigError, match="dht.port: is a value, not a section"):
-        load_config(environ=ENV, overrides=[parse_assignment("dht.port=1"), parse_assignment("dht.port.x=2")])
+        load_config(
+            environ=ENV,
+            overrides=[parse_assignment("dht.port=1"), parse_assignment("dht.port.x=2")],
+        )
 
 
 @given(st.integers(min_value=-(2**40), max_value=2**40))
@@ -155,5 +174,8 @@ def test_port_range_is_enforced_exactly(port: int) -> None:
     if 0 <= port <= 65535:
         assert load_config(environ=ENV, overrides=override).dht.port == port
     else:
-        with pytest.raises(ConfigError, match=r"^dht\.port: must be [≤≥] (65535|0) \(got -?\d+\) \[from --set dht\.port\]$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^dht\.port: must be [≤≥] (65535|0) \(got -?\d+\) \[from --set dht\.port\]$",
+        ):
             load_config(environ=ENV, overrides=override)

@@ -8,7 +8,7 @@ import random
 import pytest
 from wanswarm.node.config.node_config import NodeSection
 from wanswarm.node.errors import DhtError, ProbeError
-from wanswarm.node.membership.peers import PeerTable
+from wanswarm.node.membership.peers import PeerTable, ServerPeer
 from wanswarm.node.membership.prober import Prober, ProberConfig, choose_targets
 from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, ServerRecord
 from wanswarm.node.membership.tracker import Membership
@@ -48,7 +48,8 @@ def test_announce_read_and_withdraw() -> None:
         changes = await b.refresh()
         assert changes.joined == (IDS[0],) and changes.left == ()
         peer = b.table.get(IDS[0])
-        assert peer is not None and peer.stage == 1 and peer.record.quic == QuicAddress(host="127.0.0.1", port=4433)
+        assert peer is not None and peer.stage == 1
+        assert peer.record.quic == QuicAddress(host="127.0.0.1", port=4433)
         assert (await a.refresh()).joined == (IDS[1],)
         assert IDS[0] not in a.table  # never lists itself
 
@@ -127,7 +128,10 @@ def test_announce_loop_reacts_to_changes_at_once() -> None:
 
 def test_peer_table_publishes_measured_rtts_and_keeps_reports() -> None:
     table = PeerTable(IDS[0], rtt_window=60)
-    servers = {pid: (ServerRecord(peer_id=pid, state="online", stage=i), 2e9) for i, pid in enumerate(IDS[1:4])}
+    servers = {
+        pid: (ServerRecord(peer_id=pid, state="online", stage=i), 2e9)
+        for i, pid in enumerate(IDS[1:4])
+    }
     report = RttRecord(peer_id=IDS[1], rtts={IDS[2]: RttEntry(srtt_ms=7.0, min_ms=5.0)})
     table.apply(servers, {IDS[1]: report}, now=0.0, wall_now=1e9)
     table.on_rtt_sample(IDS[1], 0.010, now=1.0)
@@ -143,11 +147,39 @@ def test_peer_table_publishes_measured_rtts_and_keeps_reports() -> None:
     assert list(table.by_stage()) == [0, 1, 2]
 
 
+def test_servers_lists_reachable_stage_servers_by_state_stage_and_run() -> None:
+    table = PeerTable(IDS[0])
+    run_a, run_b = "0123456789abcdef", "fedcba9876543210"
+    quic = QuicAddress(host="10.0.0.1", port=4000)
+    unassigned, trainer_only = Identity.generate().peer_id, Identity.generate().peer_id
+    records = [
+        ServerRecord(peer_id=IDS[1], state="online", stage=1, quic=quic, run_id=run_a),
+        ServerRecord(peer_id=IDS[2], state="joining", stage=0, quic=quic, run_id=run_a),
+        ServerRecord(peer_id=IDS[3], state="draining", stage=1, quic=quic, run_id=run_b),
+        ServerRecord(peer_id=IDS[4], state="online", stage=1),  # no QUIC address
+        ServerRecord(peer_id=unassigned, state="online", quic=quic),  # no stage claimed yet
+        ServerRecord(peer_id=trainer_only, state="online", stage=2, quic=quic, server=False),
+    ]
+    table.apply({r.peer_id: (r, 2e9) for r in records}, {}, now=0.0, wall_now=1e9)
+
+    def ids(servers: list[ServerPeer]) -> list[str]:
+        return [s.peer.peer_id for s in servers]
+
+    assert ids(table.servers()) == [IDS[2], *sorted([IDS[1], IDS[3]])]  # by stage, then id
+    assert [(s.stage, s.quic, s.record.state) for s in table.servers()][0] == (0, quic, "joining")
+    assert ids(table.servers(("joining", "online"))) == [IDS[2], IDS[1]]
+    assert ids(table.servers(("online",), stage=1, run_id=run_a)) == [IDS[1]]
+    assert ids(table.servers(stage=1, run_id=run_b)) == [IDS[3]]
+    assert table.servers(("online",), stage=0) == []
+
+
 def test_choose_targets_prefers_neighbouring_stages() -> None:
     table = PeerTable(IDS[0])
     stages = {IDS[1]: 0, IDS[2]: 1, IDS[3]: 2, IDS[4]: 5, IDS[5]: None}
-    table.apply({p: (ServerRecord(peer_id=p, state="online", stage=s), 2e9) for p, s in stages.items()},
-                {}, now=0.0, wall_now=1e9)
+    records = {
+        p: (ServerRecord(peer_id=p, state="online", stage=s), 2e9) for p, s in stages.items()
+    }
+    table.apply(records, {}, now=0.0, wall_now=1e9)
     for seed in range(20):
         chosen = choose_targets(table.peers(), own_stage=1, limit=3, rng=random.Random(seed))
         assert set(chosen) == {IDS[1], IDS[2], IDS[3]}
@@ -170,11 +202,14 @@ class FakeSource:
 
 def test_probe_round_records_samples_failures_and_timeouts() -> None:
     table = PeerTable(IDS[0])
-    table.apply({p: (ServerRecord(peer_id=p, state="online"), 2e9) for p in IDS[1:4]}, {}, now=0.0, wall_now=1e9)
+    records = {p: (ServerRecord(peer_id=p, state="online"), 2e9) for p in IDS[1:4]}
+    table.apply(records, {}, now=0.0, wall_now=1e9)
     source = FakeSource()
     samples: list[str] = []
-    prober = Prober(ProberConfig(period=1.0, timeout=0.05), source, table, lambda: None, random.Random(1),
-                    clock=lambda: 5.0, on_sample=lambda peer, rtt: samples.append(peer))
+    prober = Prober(
+        ProberConfig(period=1.0, timeout=0.05), source, table, lambda: None, random.Random(1),
+        clock=lambda: 5.0, on_sample=lambda peer, rtt: samples.append(peer),
+    )
     results = asyncio.run(prober.probe_round())
     assert results == {IDS[1]: 0.004, IDS[2]: None, IDS[3]: None}
     assert samples == [IDS[1]]

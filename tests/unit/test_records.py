@@ -32,8 +32,13 @@ def _server(peer_id: str = ALICE.peer_id, **fields: object) -> ServerRecord:
 
 
 def test_round_trip() -> None:
-    record = _server(stage=2, throughput=1234.5, queue=3, quic=QuicAddress(host="203.0.113.7", port=4433),
-                     version="0.1.0")
+    record = _server(
+        stage=2,
+        throughput=1234.5,
+        queue=3,
+        quic=QuicAddress(host="203.0.113.7", port=4433),
+        version="0.1.0",
+    )
     assert decode_record(ServerRecord, encode_record(record)) == record
     rtt = RttRecord(peer_id=ALICE.peer_id, rtts={BOB.peer_id: RttEntry(srtt_ms=12.5, min_ms=10.0)})
     assert decode_record(RttRecord, encode_record(rtt)) == rtt
@@ -133,7 +138,9 @@ def _signed(identity: Identity, value: bytes, subkey: object = None, key: bytes 
             expiration: float = 1e9) -> DHTRecord:
     """What the DHT stores after identity's node signed a record (or an attacker's attempt)."""
     validator = hivemind_dht.OwnedRecordValidator("demo", identity)
-    record = DHTRecord(key, SER.dumps(identity.peer_id if subkey is None else subkey), SER.dumps(value), expiration)
+    record = DHTRecord(
+        key, SER.dumps(identity.peer_id if subkey is None else subkey), SER.dumps(value), expiration
+    )
     return dataclasses.replace(record, value=validator.sign_value(record))
 
 
@@ -157,10 +164,14 @@ def test_validator_refuses_forgeries_and_junk() -> None:
         dataclasses.replace(good, expiration_time=good.expiration_time + 1),  # extended
         dataclasses.replace(good, value=good.value[:-1] + bytes([good.value[-1] ^ 1])),  # tampered
         dataclasses.replace(good, key=RTT),  # replayed under another key (and wrong schema)
-        _signed(BOB, encode_record(_server(peer_id=ALICE.peer_id))),  # names Alice under Bob's sub-key
+        _signed(
+            BOB, encode_record(_server(peer_id=ALICE.peer_id))
+        ),  # names Alice under Bob's sub-key
         _signed(ALICE, b"not json"),
         _signed(ALICE, encode_record(RttRecord(peer_id=ALICE.peer_id))),  # rtt schema under servers
-        DHTRecord(SERVERS, SER.dumps(ALICE.peer_id), SER.dumps(encode_record(_server())), 1e9),  # unsigned
+        DHTRecord(
+            SERVERS, SER.dumps(ALICE.peer_id), SER.dumps(encode_record(_server())), 1e9
+        ),  # unsigned
         DHTRecord(SERVERS, DHTProtocol.IS_REGULAR_VALUE, good.value, 1e9),  # no sub-key
         DHTRecord(SERVERS, SER.dumps(12345), good.value, 1e9),  # sub-key that is no peer id
         DHTRecord(SERVERS, b"\xc1", good.value, 1e9),  # sub-key that is not msgpack
@@ -176,13 +187,17 @@ def test_validator_passes_newer_versions_and_other_keys() -> None:
     assert validator.validate(_signed(ALICE, newer))  # stored; readers skip it
     other = DHTRecord(DHTID.generate(source="demo_stage0").to_bytes(), b"sub", b"\x01", 1e9)
     assert validator.validate(other)
-    assert validator.sign_value(other) == other.value and validator.strip_value(other) == other.value
+    assert (
+        validator.sign_value(other) == other.value and validator.strip_value(other) == other.value
+    )
     # a node signs only its own sub-keys
     theirs = DHTRecord(SERVERS, SER.dumps(ALICE.peer_id), b"v", 1e9)
     assert validator.sign_value(theirs) == b"v"
 
 
-def test_validator_judges_a_record_once_and_remembers_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validator_judges_a_record_once_and_remembers_refusals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     validator = hivemind_dht.OwnedRecordValidator("demo", BOB)
     good = _signed(ALICE, encode_record(_server()))
     tampered = dataclasses.replace(good, value=good.value[:-1] + bytes([good.value[-1] ^ 1]))

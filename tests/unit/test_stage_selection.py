@@ -14,11 +14,11 @@ import hypothesis.strategies
 import pydantic
 import pytest
 from wanswarm.node.config.sections import RebalanceConfig
+from wanswarm.node.membership.records import ServerState
 from wanswarm.node.stage.selection import (
     MAX_STAGE_CLAIM_BYTES,
     RebalancePolicy,
-    ServerInfo,
-    ServerState,
+    ServerLoad,
     StageClaim,
     bottleneck,
     choose_stage,
@@ -33,7 +33,9 @@ from wanswarm.node.stage.selection import (
     stage_totals,
 )
 
-ONLINE, JOINING, DRAINING = ServerState.ONLINE, ServerState.JOINING, ServerState.DRAINING
+ONLINE: ServerState = "online"
+JOINING: ServerState = "joining"
+DRAINING: ServerState = "draining"
 
 
 def lognormal_peers(n: int, seed: int) -> list[float]:
@@ -41,11 +43,11 @@ def lognormal_peers(n: int, seed: int) -> list[float]:
     return [rng.lognormvariate(0.0, 0.7) for _ in range(n)]
 
 
-def join_in_turn(throughputs: list[float], n_stages: int, seed: int) -> list[ServerInfo]:
+def join_in_turn(throughputs: list[float], n_stages: int, seed: int) -> list[ServerLoad]:
     rng = random.Random(seed)
-    servers: list[ServerInfo] = []
+    servers: list[ServerLoad] = []
     for i, t in enumerate(throughputs):
-        servers.append(ServerInfo(f"p{i}", choose_stage(servers, n_stages, t, rng), t, ONLINE))
+        servers.append(ServerLoad(f"p{i}", choose_stage(servers, n_stages, t, rng), t, ONLINE))
     return servers
 
 
@@ -64,11 +66,11 @@ def test_heterogeneous_joiners_balance_throughput() -> None:
 
 def test_choose_stage_rules() -> None:
     servers = [
-        ServerInfo("a", 0, 5.0),
-        ServerInfo("b", 1, 2.0),
-        ServerInfo("c", 1, 9.0, DRAINING),  # leaving: not counted
-        ServerInfo("d", 2, 3.0, JOINING),  # loading: counted
-        ServerInfo("e", 7, 9.0),  # unknown stage: ignored
+        ServerLoad("a", 0, 5.0),
+        ServerLoad("b", 1, 2.0),
+        ServerLoad("c", 1, 9.0, DRAINING),  # leaving: not counted
+        ServerLoad("d", 2, 3.0, JOINING),  # loading: counted
+        ServerLoad("e", 7, 9.0),  # unknown stage: ignored
     ]
     assert stage_totals(servers, 3) == [5.0, 2.0, 3.0]
     assert choose_stage(servers, 3, 1.0, random.Random(0)) == 1
@@ -97,16 +99,16 @@ def simultaneous_join(
     starts 3 servers short, so joiners that all read the same records all pick it."""
     rng = random.Random(seed)
     existing = [
-        ServerInfo(f"e{k}.{i}", k, 1.0)
+        ServerLoad(f"e{k}.{i}", k, 1.0)
         for k in range(n_stages)
         for i in range(10 - 3 * (k == n_stages - 1))
     ]
     starts = sorted((join_backoff(rng, max_backoff), i) for i in range(n))
-    joined: list[tuple[float, ServerInfo]] = []
+    joined: list[tuple[float, ServerLoad]] = []
     for at, i in starts:
         visible = existing + [s for t, s in joined if t + latency <= at]
         stage = choose_stage(visible, n_stages, 1.0, rng)
-        joined.append((at, ServerInfo(f"j{i}", stage, 1.0, JOINING)))
+        joined.append((at, ServerLoad(f"j{i}", stage, 1.0, JOINING)))
     return [sum(s.stage == k for _, s in joined) for k in range(n_stages)]
 
 
@@ -138,8 +140,8 @@ def test_policy_validation_says_what_to_change() -> None:
 
 
 def run_rounds(
-    servers: list[ServerInfo], n_stages: int, policy: RebalancePolicy, rounds: int
-) -> tuple[list[ServerInfo], list[int], list[float]]:
+    servers: list[ServerLoad], n_stages: int, policy: RebalancePolicy, rounds: int
+) -> tuple[list[ServerLoad], list[int], list[float]]:
     """Every round each server asks for its decision on the same view; movers load for a round."""
     moves_per_round, bottlenecks = [], []
     for _ in range(rounds):
@@ -149,9 +151,9 @@ def run_rounds(
         # Each server decides on its own from the same view: the planned ones move, others stay.
         for s in servers[:5] + [s for s in servers if s.peer_id in moved]:
             assert rebalance_decision(servers, n_stages, s.peer_id, policy) == moved.get(s.peer_id)
-        loaded = [ServerInfo(s.peer_id, s.stage, s.throughput, ONLINE) for s in servers]
+        loaded = [ServerLoad(s.peer_id, s.stage, s.throughput, ONLINE) for s in servers]
         servers = [
-            ServerInfo(s.peer_id, moved[s.peer_id].to_stage, s.throughput, JOINING)
+            ServerLoad(s.peer_id, moved[s.peer_id].to_stage, s.throughput, JOINING)
             if s.peer_id in moved
             else s
             for s in loaded
@@ -170,7 +172,7 @@ def test_rebalancing_converges_without_oscillation() -> None:
     throughputs = lognormal_peers(300, seed=4)
     # A badly skewed start: one server in each of stages 1..4, everyone else in stage 0.
     servers = [
-        ServerInfo(f"p{i}", i if i < n_stages else 0, t, ONLINE) for i, t in enumerate(throughputs)
+        ServerLoad(f"p{i}", i if i < n_stages else 0, t, ONLINE) for i, t in enumerate(throughputs)
     ]
     policy = RebalancePolicy(period_s=60.0, load_s=10.0, min_gain=0.01, max_moves=32)
     servers, moves, bottlenecks = run_rounds(servers, n_stages, policy, rounds=40)
@@ -190,18 +192,18 @@ def test_settled_swarm_stays_put_under_repeated_checks() -> None:
 
 def test_never_takes_a_stages_last_server() -> None:
     # Stage 1 has one huge server; stage 0 is starved but nobody may leave stage 1.
-    servers = [ServerInfo("big", 1, 100.0), ServerInfo("small", 0, 1.0)]
+    servers = [ServerLoad("big", 1, 100.0), ServerLoad("small", 0, 1.0)]
     assert plan_rebalance(servers, 2, RebalancePolicy()).moves == ()
     # An empty stage is filled from a stage that keeps at least one online server.
-    servers = [ServerInfo(f"p{i}", 0, 1.0) for i in range(4)] + [ServerInfo("j", 0, 1.0, JOINING)]
+    servers = [ServerLoad(f"p{i}", 0, 1.0) for i in range(4)] + [ServerLoad("j", 0, 1.0, JOINING)]
     plan = plan_rebalance(servers, 2, RebalancePolicy())
     assert [m.to_stage for m in plan.moves] == [1, 1]
     assert plan.bottleneck_before == 0.0 and plan.bottleneck_after == 2.0
 
 
 def test_loading_cost_can_veto_a_move() -> None:
-    servers = [ServerInfo(f"a{i}", 0, 1.0) for i in range(10)] + [
-        ServerInfo(f"b{i}", 1, 1.0) for i in range(14)
+    servers = [ServerLoad(f"a{i}", 0, 1.0) for i in range(10)] + [
+        ServerLoad(f"b{i}", 1, 1.0) for i in range(14)
     ]
     free = plan_rebalance(servers, 2, RebalancePolicy(load_s=0.0, min_gain=0.15))
     assert (
@@ -215,7 +217,7 @@ def test_loading_cost_can_veto_a_move() -> None:
 
 
 def test_equal_servers_one_mover_per_gap() -> None:
-    servers = [ServerInfo(f"p{i}", 0, 1.0) for i in range(3)] + [ServerInfo("q", 1, 1.0)]
+    servers = [ServerLoad(f"p{i}", 0, 1.0) for i in range(3)] + [ServerLoad("q", 1, 1.0)]
     policy = RebalancePolicy(load_s=0.0, min_gain=0.0)
     plan = plan_rebalance(servers, 2, policy)  # totals [3, 1] -> [2, 2]
     assert len(plan.moves) == 1 and plan.bottleneck_after == 2.0
@@ -230,7 +232,7 @@ def test_equal_servers_one_mover_per_gap() -> None:
 
 
 def test_plan_move_is_the_servers_own_entry() -> None:
-    servers = [ServerInfo(f"p{i}", 0, 1.0) for i in range(3)] + [ServerInfo("q", 1, 1.0)]
+    servers = [ServerLoad(f"p{i}", 0, 1.0) for i in range(3)] + [ServerLoad("q", 1, 1.0)]
     policy = RebalancePolicy(load_s=0.0, min_gain=0.0)
     plan = plan_rebalance(servers, 2, policy)
     (move,) = plan.moves
@@ -286,7 +288,7 @@ def test_stage_claim_from_random_bytes_never_raises(raw: bytes) -> None:
 
 
 def test_stage_claim_file_is_written_atomically(tmp_path: Path) -> None:
-    from wanswarm.node.swarm_node import STAGE_CLAIM_FILE, read_stage_claim, write_stage_claim
+    from wanswarm.node.stage.placement import STAGE_CLAIM_FILE, read_stage_claim, write_stage_claim
 
     assert read_stage_claim(tmp_path) is None
     write_stage_claim(tmp_path, RUN_ID, 1)
@@ -313,7 +315,7 @@ def test_rebalance_section_is_a_policy_with_daemon_fields() -> None:
 
 
 # ------------------------------------------------------------------- the daemon's loop
-# ServerComponent with a fake stage server (no model, no hivemind) over a real Membership
+# placement.ServerComponent with a fake stage server (no model, no hivemind) over a real Membership
 # and PeerTable fed by hand: what a move announces, in which order, and a leave mid-move.
 
 FAKE_PEERS = {  # peer id -> (stage, throughput); with ours (25 at stage 0) the plan moves us to 1
@@ -350,12 +352,12 @@ class _FakeStageServer:
     built: ClassVar[list[_FakeStageServer]] = []
     move_built: ClassVar[asyncio.Event | None] = None  # set when the second server is built
     hang_at_stage: ClassVar[int | None] = None
-    owner: ClassVar[Any] = None  # the ServerComponent, asked for own_info while loading
+    owner: ClassVar[Any] = None  # the ServerComponent, asked for its online server while loading
 
     def __init__(self, spec: Any, stage: int, config: Any, **kwargs: Any) -> None:
         self.stage, self.state, self.throughput, self.queue_len = stage, "joining", 0.0, 0
         self.events: list[str] = []
-        self.own_info_while_loading: object = "unset"
+        self.online_while_loading: object = "unset"
         self.loading = asyncio.Event()
         _FakeStageServer.built.append(self)
         if len(_FakeStageServer.built) == 2 and _FakeStageServer.move_built is not None:
@@ -363,7 +365,7 @@ class _FakeStageServer:
 
     async def start(self, ctx: Any) -> None:
         ctx.membership.update(stage=self.stage, queue=0)
-        self.own_info_while_loading = _FakeStageServer.owner.own_info()
+        self.online_while_loading = _FakeStageServer.owner.online_server()
         self.loading.set()
         if self.stage == _FakeStageServer.hang_at_stage:
             await asyncio.Event().wait()  # a download that never ends (until cancelled)
@@ -382,17 +384,19 @@ class _FakeStageServer:
         return {"stage": self.stage, "state": self.state}
 
 
-def _component_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalance: Any) -> tuple[Any, Any, _FakeStore]:
-    from wanswarm.node import swarm_node
+def _component_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalance: Any
+) -> tuple[Any, Any, _FakeStore]:
     from wanswarm.node.component import ComponentContext
     from wanswarm.node.config.node_config import load_config, parse_assignment
     from wanswarm.node.config.runspec import default_run_spec
     from wanswarm.node.membership.peers import PeerTable
     from wanswarm.node.membership.records import QuicAddress, ServerRecord
     from wanswarm.node.membership.tracker import Membership
+    from wanswarm.node.stage import placement
     from wanswarm.transport.identity import Identity
 
-    monkeypatch.setattr(swarm_node, "StageServer", _FakeStageServer)
+    monkeypatch.setattr(placement, "StageServer", _FakeStageServer)
     monkeypatch.setattr(_FakeStageServer, "built", [])
     settings = {"period_s": 0.05, "jitter": 0.0, "load_s": 0.01, "min_gain": 0.05, **rebalance}
     assignments = [f"node.state_dir={tmp_path}", "node.join_backoff=0"]
@@ -402,15 +406,20 @@ def _component_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalanc
     identity = Identity.generate()
     table = PeerTable(identity.peer_id)
     records = {
-        pid: (ServerRecord(peer_id=pid, state="online", stage=stage, throughput=t), 4e9)
-        for pid, (stage, t) in FAKE_PEERS.items()
+        pid: (ServerRecord(peer_id=pid, state="online", stage=stage, throughput=t,
+                           quic=QuicAddress(host="127.0.0.1", port=10 + i)), 4e9)
+        for i, (pid, (stage, t)) in enumerate(FAKE_PEERS.items())
     }
     table.apply(records, {}, now=0.0, wall_now=0.0)
     store = _FakeStore()
     membership = Membership(store, config.node, identity.peer_id, table, random.Random(0))
     endpoint = SimpleNamespace(endpoint=SimpleNamespace(peer_id=identity.peer_id),
                                announced=QuicAddress(host="127.0.0.1", port=9))
-    component = swarm_node.ServerComponent(config, spec, endpoint, random.Random(0))  # type: ignore[arg-type]
+    component = placement.ServerComponent(
+        spec, endpoint, random.Random(0),  # type: ignore[arg-type]
+        config=config.stage_server, averaging=config.averaging, rebalance=config.rebalance,
+        pinned_stage=config.node.stage, join_backoff=config.node.join_backoff,
+    )
     monkeypatch.setattr(_FakeStageServer, "owner", component)
     tasks: list[asyncio.Task[Any]] = []
 
@@ -419,8 +428,8 @@ def _component_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **rebalanc
         return tasks[-1]
 
     ctx = ComponentContext(identity=identity, run="demo", state_dir=tmp_path, peers=table,
-                           membership=membership, spawn=spawn, dht=SimpleNamespace(hivemind_dht=None))
-    swarm_node.write_stage_claim(tmp_path, spec.run_id, 0)  # resume at stage 0, no back-off
+                           membership=membership, spawn=spawn, dht=None)  # type: ignore[arg-type]
+    placement.write_stage_claim(tmp_path, spec.run_id, 0)  # resume at stage 0, no back-off
     return component, ctx, store
 
 
@@ -437,28 +446,34 @@ async def _start_online(component: Any, ctx: Any) -> None:
     await ctx.membership.announce()
 
 
-def test_daemon_moves_when_the_plan_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from wanswarm.node.swarm_node import read_stage_claim
+def test_daemon_moves_when_the_plan_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wanswarm.node.stage.placement import read_stage_claim
+    from wanswarm.node.swarm_node import own_server_info
 
     component, ctx, store = _component_world(tmp_path, monkeypatch)
 
     async def scenario() -> None:
         await _start_online(component, ctx)
         (old,) = _FakeStageServer.built
-        assert old.stage == 0 and old.own_info_while_loading is None
-        assert component.own_info() is not None
+        assert old.stage == 0 and old.online_while_loading is None
+        assert component.online_server() is old
         assert _FakeStageServer.move_built is not None
         await _wait(_FakeStageServer.move_built)
         new = _FakeStageServer.built[1]
         await _wait(new.loading)
-        assert new.own_info_while_loading is None  # no server of ours between the stages
+        assert new.online_while_loading is None  # no server of ours between the stages
         # the move's last step: announce online (it counts the move before it waits again)
         await store.wait_published("online", 1)
         assert component.status()["moves"] == 1
-        assert component.own_info() is not None and component.own_info().state == "online"
+        assert component.online_server() is new and new.state == "online"
+        own = own_server_info(component.endpoint, component)
+        assert own is not None and own[0] == 1 and own[1].port == 9 and own[1].state == "online"
         await component.drain(asyncio.get_running_loop().time() + 5)
         await component.close()
-        assert old.events == ["drain", "close"] and new.stage == 1 and new.events == ["drain", "close"]
+        assert old.events == ["drain", "close"]
+        assert new.stage == 1 and new.events == ["drain", "close"]
 
     asyncio.run(scenario())
     status = component.status()
@@ -469,10 +484,16 @@ def test_daemon_moves_when_the_plan_names_it(tmp_path: Path, monkeypatch: pytest
     assert move["total_s"] >= move["load_s"] >= 0.0
     assert resume_stage(read_stage_claim(tmp_path), component.spec.run_id, 3) == 1
     # published in order: joining at 0, online, draining at 0, joining at 1, online at 1
-    assert store.states == [("joining", 0), ("online", 0), ("draining", 0), ("joining", 1), ("online", 1)]
+    assert store.states == [
+        ("joining", 0), ("online", 0), ("draining", 0), ("joining", 1), ("online", 1)
+    ]
 
 
-def test_leave_during_a_move_closes_what_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leave_during_a_move_closes_what_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wanswarm.node.swarm_node import own_server_info
+
     component, ctx, store = _component_world(tmp_path, monkeypatch)
     monkeypatch.setattr(_FakeStageServer, "hang_at_stage", 1)
 
@@ -482,6 +503,7 @@ def test_leave_during_a_move_closes_what_it_holds(tmp_path: Path, monkeypatch: p
         await _wait(_FakeStageServer.move_built)
         old, new = _FakeStageServer.built
         await _wait(new.loading)  # loading stage 1 when the leave comes
+        assert own_server_info(component.endpoint, component) is None  # nothing to route to
         ctx.membership.set_state("draining")  # the daemon's leave path, then its drain and close
         await component.drain(asyncio.get_running_loop().time() + 5)
         await component.close()
@@ -494,13 +516,15 @@ def test_leave_during_a_move_closes_what_it_holds(tmp_path: Path, monkeypatch: p
     assert store.states[-1] == ("joining", 1)  # nothing announced after the leave began
 
 
-def test_pinned_server_does_not_rebalance_unless_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinned_server_does_not_rebalance_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from wanswarm.node.config.node_config import load_config, parse_assignment
 
     component, _, _ = _component_world(tmp_path, monkeypatch)
     pinned = load_config(environ={}, overrides=[parse_assignment(f"node.state_dir={tmp_path}"),
                                                 parse_assignment("node.stage=0")])
-    component.config = pinned
+    component.pinned_stage, component.rebalance = pinned.node.stage, pinned.rebalance
     assert component.status()["rebalance"]["enabled"] is False
-    component.config = pinned.model_copy(update={"rebalance": pinned.rebalance.model_copy(update={"move_pinned": True})})
+    component.rebalance = pinned.rebalance.model_copy(update={"move_pinned": True})
     assert component.status()["rebalance"]["enabled"] is True

@@ -87,7 +87,10 @@ def test_plan_groups_small_tensors_and_splits_large_ones() -> None:
 def test_plan_skips_empty_tensors_and_handles_empty_state() -> None:
     assert plan_chunks([], 16) == [] and plan_chunks([0, 0], 16) == []
     chunks = plan_chunks([0, 8, 0, 0, 8, 0], 12)
-    assert [c.segments for c in chunks] == [(Segment(1, 0, 8), Segment(4, 0, 4)), (Segment(4, 4, 8),)]
+    assert [c.segments for c in chunks] == [
+        (Segment(1, 0, 8), Segment(4, 0, 4)),
+        (Segment(4, 4, 8),),
+    ]
     with pytest.raises(ValueError):
         plan_chunks([4], 0)
     with pytest.raises(ValueError):

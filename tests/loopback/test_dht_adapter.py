@@ -1,4 +1,9 @@
-"""The DHT adapter against real hivemind DHT processes: identity, typed records, ping, join failure."""
+"""The DHT adapter against real hivemind DHT processes: identity, typed records, ping, join
+failure.
+
+Loopback tier: each adapter forks its hivemind DHT process (and libp2p daemon) on 127.0.0.1
+from this one test process; no wanswarm daemon runs.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, S
 from wanswarm.node.service.statedir import load_identity
 
 dht_module = pytest.importorskip("wanswarm.node.membership.dht")
-pytestmark = pytest.mark.slow
 
 CONFIG = DhtConfig(host="127.0.0.1", bootstrap_timeout=20, rpc_timeout=3, request_timeout=5)
 
@@ -29,14 +33,19 @@ def test_two_nodes_share_typed_records_and_ping(tmp_path: Path) -> None:
         addrs = asyncio.run(first.visible_maddrs())
         # the key file is hivemind's identity: the DHT's peer id is the node's peer id
         assert addrs and all(addr.endswith(f"/p2p/{alice.peer_id}") for addr in addrs)
-        second = dht_module.Dht.spawn(CONFIG.model_copy(update={"initial_peers": tuple(addrs)}), "demo", bob, bob_key)
+        joining = CONFIG.model_copy(update={"initial_peers": tuple(addrs)})
+        second = dht_module.Dht.spawn(joining, "demo", bob, bob_key)
         try:
             async def scenario() -> None:
                 await second.wait_ready()
                 expiration = time.time() + 30
-                server = ServerRecord(peer_id=bob.peer_id, state="online", stage=1, throughput=3.5,
-                                      quic=QuicAddress(host="127.0.0.1", port=4433), version="0.1.0")
-                rtt = RttRecord(peer_id=bob.peer_id, rtts={alice.peer_id: RttEntry(srtt_ms=1.5, min_ms=1.0)})
+                server = ServerRecord(
+                    peer_id=bob.peer_id, state="online", stage=1, throughput=3.5,
+                    quic=QuicAddress(host="127.0.0.1", port=4433), version="0.1.0",
+                )
+                rtt = RttRecord(
+                    peer_id=bob.peer_id, rtts={alice.peer_id: RttEntry(srtt_ms=1.5, min_ms=1.0)}
+                )
                 assert await second.publish(server, rtt, expiration)
                 read = await first.read_membership()
                 assert read.servers[bob.peer_id] == (server, pytest.approx(expiration))
@@ -51,10 +60,10 @@ def test_two_nodes_share_typed_records_and_ping(tmp_path: Path) -> None:
             asyncio.run(scenario())
         finally:
             if second.is_alive():
-                second.hivemind_dht.shutdown()
+                second.shutdown_blocking()
     finally:
         if first.is_alive():
-            first.hivemind_dht.shutdown()
+            first.shutdown_blocking()
     assert not first.is_alive() and not second.is_alive()
 
 
@@ -65,11 +74,12 @@ def test_unreachable_initial_peers_fail_the_join_clearly(tmp_path: Path) -> None
         port = sock.getsockname()[1]  # closed again: nobody listens there
     identity, key = load_identity(tmp_path)
     ghost, _ = load_identity(tmp_path / "ghost")
-    config = CONFIG.model_copy(update={"initial_peers": (f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost.peer_id}",)})
+    ghost_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost.peer_id}"
+    config = CONFIG.model_copy(update={"initial_peers": (ghost_addr,)})
     node = dht_module.Dht.spawn(config, "demo", identity, key)
     try:
         with pytest.raises(JoinError, match="none of the initial peers answered"):
             asyncio.run(node.wait_ready())
     finally:
         if node.is_alive():
-            node.hivemind_dht.shutdown()
+            node.shutdown_blocking()
