@@ -24,16 +24,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
 
 from wanswarm.node.control import ControlClient
 from wanswarm.node.errors import ControlError
 from wanswarm.node.status import StatusReport
 
-T = TypeVar("T")
+from tests.waiting import wait_for
 
 # Timings that make membership converge in a second or two on loopback.
 FAST: tuple[str, ...] = (
@@ -55,19 +54,6 @@ NO_TRAINING: tuple[str, ...] = ("--set", "node.server=false", "--set", "node.tra
 WANSWARM = [sys.executable, "-m", "wanswarm.node.cli"]
 
 
-def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2,
-             explain: Callable[[], str] = lambda: "") -> T:
-    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{explain()}")
-        time.sleep(interval)
-
-
 def short_tmpdir(prefix: str = "wsw-") -> Path:
     """A fresh directory with a short path (pytest's tmp_path is too long for Unix sockets)."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
@@ -76,7 +62,8 @@ def short_tmpdir(prefix: str = "wsw-") -> Path:
 class DaemonProcess:
     """One ``wanswarm join`` subprocess and its state dir."""
 
-    def __init__(self, name: str, state_dir: Path, args: Sequence[str], env: Mapping[str, str] | None = None):
+    def __init__(self, name: str, state_dir: Path, args: Sequence[str],
+                 env: Mapping[str, str] | None = None):
         self.name = name
         self.state_dir = state_dir
         self.args = list(args)
@@ -120,9 +107,12 @@ class DaemonProcess:
     def wait_online(self, timeout: float = 60.0) -> StatusReport:
         def online() -> StatusReport | None:
             if not self.running():
-                raise AssertionError(f"{self.name} exited with {self.proc and self.proc.returncode}\n{self.log_tail()}")
+                returncode = self.proc and self.proc.returncode
+                raise AssertionError(f"{self.name} exited with {returncode}\n{self.log_tail()}")
             report = self.status()
-            return report if report is not None and report.state == "online" and report.dht_addrs else None
+            if report is not None and report.state == "online" and report.dht_addrs:
+                return report
+            return None
 
         return wait_for(online, timeout, f"{self.name} to be online", explain=self.log_tail)
 
@@ -140,7 +130,9 @@ class DaemonProcess:
     def leave(self, timeout: float = 30.0) -> int:
         """``wanswarm leave``; returns the daemon's exit status once it has exited."""
         result = self.cli("leave", timeout=timeout + 10)
-        assert result.returncode == 0, f"wanswarm leave failed: {result.stdout}{result.stderr}\n{self.log_tail()}"
+        assert result.returncode == 0, (
+            f"wanswarm leave failed: {result.stdout}{result.stderr}\n{self.log_tail()}"
+        )
         return self.wait_exit(timeout)
 
     def terminate(self, timeout: float = 30.0) -> int:
@@ -154,7 +146,9 @@ class DaemonProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout}s\n{self.log_tail()}") from None
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout}s\n{self.log_tail()}"
+            ) from None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -182,7 +176,8 @@ class LocalSwarm:
             raise
         return self
 
-    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def start(self) -> None:
@@ -214,7 +209,9 @@ class LocalSwarm:
             if any(r is None for r in reports):
                 return False
             ids = {r.peer_id for r in reports if r is not None}
-            return all({p.peer_id for p in r.peers} >= ids - {r.peer_id} for r in reports if r is not None)
+            return all(
+                {p.peer_id for p in r.peers} >= ids - {r.peer_id} for r in reports if r is not None
+            )
 
         wait_for(converged, timeout, "every daemon to list every other", explain=self.explain)
 

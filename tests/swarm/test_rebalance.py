@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 from wanswarm.node.config.runspec import default_run_spec
 
-from tests.swarm.helpers import FAST, DaemonProcess, LocalSwarm, wait_for
+from tests.swarm.helpers import FAST, DaemonProcess, LocalSwarm
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -128,12 +129,15 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         c1 = add(swarm, "c1", addrs, *NO_TRAINER, "--set", "node.stage=2")
         for node in (b1, c0, c1):
             node.wait_online(timeout=120)
-        movers = [add(swarm, f"a{i}", addrs, *NO_TRAINER, *MOVABLE, "--set", "node.stage=0") for i in range(3)]
+        movers = [
+            add(swarm, f"a{i}", addrs, *NO_TRAINER, *MOVABLE, "--set", "node.stage=0")
+            for i in range(3)
+        ]
         for node in movers:
             node.wait_online(timeout=120)
 
-        wait_for(lambda: completed(c0) >= 2, 150, "the trainer to complete micro-batches", interval=1.0,
-                 explain=swarm.explain)
+        wait_for(lambda: completed(c0) >= 2, 150, "the trainer to complete micro-batches",
+                 interval=1.0, explain=swarm.explain)
         layout = {n.name: server(n).get("stage") for n in swarm.nodes}
         assert layout == {"b0": 1, "b1": 1, "c0": 2, "c1": 2, "a0": 0, "a1": 0, "a2": 0}, layout
         assert all(server(n).get("moves") == 0 for n in swarm.nodes), "a move before the kill"
@@ -142,13 +146,15 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         killed_at = time.time()
 
         def moved() -> DaemonProcess | None:
-            done = [n for n in movers if server(n).get("stage") == 1 and server(n).get("state") == "online"]
+            done = [n for n in movers
+                    if server(n).get("stage") == 1 and server(n).get("state") == "online"]
             return done[0] if len(done) == 1 else None
 
         # b1's record expires within record_ttl; then the next check of every stage-0 server
         # (each at most period * (1 + jitter) away) names one of them; plus its load.
         bound = RECORD_TTL_S + 2 * PERIOD_S * (1 + JITTER) + 30
-        mover = wait_for(moved, bound, "a stage-0 server to serve stage 1", interval=0.5, explain=swarm.explain)
+        mover = wait_for(moved, bound, "a stage-0 server to serve stage 1", interval=0.5,
+                         explain=swarm.explain)
         seen_at = time.time()
         status = cli_status(mover)
         assert status is not None and status["stage"] == 1, status
@@ -160,11 +166,13 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         # it downloaded stage 1's state from the surviving replica before announcing online
         moved_server = status["components"]["stage_server"]
         assert moved_server["resumed_from"] == "peers", moved_server
-        assert moved_server["state_download"] is not None and moved_server["state_download"]["donors"] == 1, moved_server
+        download = moved_server["state_download"]
+        assert download is not None and download["donors"] == 1, moved_server
         log.info(
-            "kill -> move began %.1fs, kill -> online %.1fs (seen by polling after %.1fs); move took "
-            "%.1fs: drain %.1fs, close %.1fs, load %.1fs",
-            move["at_unix"] - killed_at, move["at_unix"] + move["total_s"] - killed_at, seen_at - killed_at,
+            "kill -> move began %.1fs, kill -> online %.1fs (seen by polling after %.1fs); "
+            "move took %.1fs: drain %.1fs, close %.1fs, load %.1fs",
+            move["at_unix"] - killed_at, move["at_unix"] + move["total_s"] - killed_at,
+            seen_at - killed_at,
             move["total_s"], move["drain_s"], move["close_s"], move["load_s"],
         )
         # exactly one server moved, and stage 0 kept the other two
@@ -172,8 +180,8 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
 
         # training goes on, and the moved server takes part of stage 1's work
         after = completed(c0)
-        wait_for(lambda: completed(c0) >= after + 4, 90, "training to continue after the move", interval=1.0,
-                 explain=swarm.explain)
+        wait_for(lambda: completed(c0) >= after + 4, 90, "training to continue after the move",
+                 interval=1.0, explain=swarm.explain)
         # the trainer sees the moved server as an online server of stage 1 (whether the trainer
         # then routes work to it within a bound is not asserted: under CI load the moved
         # server got no micro-batch within 90 s in 2 of 6 runs, an open bug of the issue)
@@ -182,7 +190,9 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         def listed() -> bool:
             report = c0.status()
             return report is not None and any(
-                p.peer_id == mover_id and p.stage == 1 and p.state == "online" for p in report.peers)
+                p.peer_id == mover_id and p.stage == 1 and p.state == "online"
+                for p in report.peers
+            )
 
         wait_for(listed, 60, "the trainer to list the moved server at stage 1", interval=1.0,
                  explain=swarm.explain)
@@ -194,7 +204,9 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
 
 def test_a_restarted_server_claims_its_stage_again() -> None:
     # rebalancing off: with one stage empty the plan would move a server of the doubled stage
-    swarm = LocalSwarm(0, extra_args=(*FAST, *TRAINING, *NO_TRAINER, "--set", "rebalance.enabled=false"), env=ENV)
+    swarm = LocalSwarm(
+        0, extra_args=(*FAST, *TRAINING, *NO_TRAINER, "--set", "rebalance.enabled=false"), env=ENV
+    )
     try:
         first = add(swarm, "p0", [], "--set", "node.stage=0")
         first.wait_online(timeout=90)
@@ -211,7 +223,8 @@ def test_a_restarted_server_claims_its_stage_again() -> None:
         # empty stage, so only the remembered claim brings it back to `stage`
         second = add(swarm, "p1", addrs, "--set", f"node.stage={stage}")
         second_id = second.wait_online(timeout=120).peer_id
-        wait_for(lambda: second_id in first.peers(), 30, "the first server to list the second", explain=swarm.explain)
+        wait_for(lambda: second_id in first.peers(), 30, "the first server to list the second",
+                 explain=swarm.explain)
 
         restarted = DaemonProcess("x", roamer.state_dir, roamer.args, ENV).start()
         swarm.nodes.append(restarted)

@@ -1,8 +1,9 @@
 """The swarm trains: real daemons as subprocesses, the default tiny run, bounded waits.
 
 - ``wanswarm demo --json`` on a small token budget exits 0 and validation loss falls;
-- one swarm (stage 1 served twice, pinned with node.stage; a pure trainer) checks that killing a middle replica
-  (SIGKILL) does not stop training and loses or doubles no micro-batch. It runs the
+- one swarm (stage 1 served twice, pinned with node.stage; a pure trainer) checks that
+  killing a middle replica (SIGKILL) does not stop training and loses or doubles no
+  micro-batch. It runs the
   product's default averaging (delayed updates): a blocking step would hold the surviving
   replica's device thread for the averaging timeout while it waits for the dead peer.
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm.helpers import FAST, NO_TRAINING, WANSWARM, LocalSwarm, wait_for
+from tests.swarm.helpers import FAST, NO_TRAINING, WANSWARM, LocalSwarm
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -42,7 +44,8 @@ def test_demo_json_validation_loss_falls() -> None:
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1, result.stdout
     out = json.loads(lines[0])
-    assert set(out) >= {"val_loss_start", "val_loss_end", "tokens", "tokens_per_s", "daemons", "stages"}
+    assert set(out) >= {"val_loss_start", "val_loss_end", "tokens", "tokens_per_s", "daemons",
+                        "stages"}
     assert out["daemons"] == 3
     assert out["tokens"] >= 25000 or out["elapsed_s"] >= 90
     assert out["val_loss_end"] < out["val_loss_start"], out
@@ -59,8 +62,9 @@ def test_kill_middle_replica_training_continues() -> None:
         no_trainer = ("--set", "node.trainer=false")
         first = swarm.add("s0", (), extra_args=(*no_trainer, "--set", "node.stage=0"))
         addrs = first.status().dht_addrs
-        mid_a = swarm.add("s1a", addrs, wait=False, extra_args=(*no_trainer, "--set", "node.stage=1"))
-        mid_b = swarm.add("s1b", addrs, wait=False, extra_args=(*no_trainer, "--set", "node.stage=1"))
+        stage1 = (*no_trainer, "--set", "node.stage=1")
+        mid_a = swarm.add("s1a", addrs, wait=False, extra_args=stage1)
+        mid_b = swarm.add("s1b", addrs, wait=False, extra_args=stage1)
         last = swarm.add("s2", addrs, wait=False, extra_args=(*no_trainer, "--set", "node.stage=2"))
         trainer = swarm.add("t", addrs, wait=False, extra_args=("--set", "node.server=false"))
         for node in (mid_a, mid_b, last, trainer):
@@ -73,11 +77,11 @@ def test_kill_middle_replica_training_continues() -> None:
             return _component(node, "stage_server").get("applied", 0)
 
         # both middle replicas take work (their parameter equality after a collaborative
-        # step is checked deterministically in tests/unit/test_averaging.py: across
+        # step is checked deterministically in tests/loopback/test_averaging.py: across
         # processes, an epoch that one replica ends before its tracker sees the other is
         # stepped with local gradients by hivemind, so equality here depends on timing)
-        wait_for(lambda: served_by(mid_a) > 0 and served_by(mid_b) > 0, 150, "both stage-1 replicas to serve",
-                 interval=1.0, explain=swarm.explain)
+        wait_for(lambda: served_by(mid_a) > 0 and served_by(mid_b) > 0, 150,
+                 "both stage-1 replicas to serve", interval=1.0, explain=swarm.explain)
 
         # SIGKILL one middle replica: training goes on through the other
         before = completed()
@@ -90,8 +94,9 @@ def test_kill_middle_replica_training_continues() -> None:
         t1 = _component(trainer, "trainer")
         applied0, applied2 = served_by(first), served_by(last)
         t2 = _component(trainer, "trainer")
-        assert t1["micro_batches"]["completed"] <= applied0 <= t2["micro_batches"]["started"], (t1, applied0, t2)
-        assert t1["micro_batches"]["completed"] <= applied2 <= t2["micro_batches"]["started"], (t1, applied2, t2)
+        completed1, started2 = t1["micro_batches"]["completed"], t2["micro_batches"]["started"]
+        assert completed1 <= applied0 <= started2, (t1, applied0, t2)
+        assert completed1 <= applied2 <= started2, (t1, applied2, t2)
         assert t2["micro_batches"]["failed"] == 0, t2
         assert mid_a.running() and trainer.running()
     finally:

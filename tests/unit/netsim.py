@@ -6,10 +6,10 @@ delay). Receivers ACK every packet at once; ACKs return after the reverse propag
 delay, never lost or queued. Each sender behaves as aioquic's does: it sends while
 ``bytes_in_flight + size <= congestion_window``, paced at the controller's
 ``pacing_rate`` by ``wanswarm.transport.pacing.Pacer`` (what the QUIC adapter paces
-with; aioquic's own pacer cannot pace below the ACK rate); it declares a packet lost when a packet sent 3 later is ACKed or when
-it is older than 9/8 of the RTT behind an ACKed one (RFC 9002 §6.1), and everything in
-flight after a probe timeout with no ACK at all; a loss spanning three PTOs is persistent
-congestion (RFC 9002 §7.6).
+with; aioquic's own pacer cannot pace below the ACK rate); it declares a packet lost when a
+packet sent 3 later is ACKed or when it is older than 9/8 of the RTT behind an ACKed one
+(RFC 9002 §6.1), and everything in flight after a probe timeout with no ACK at all; a loss
+spanning three PTOs is persistent congestion (RFC 9002 §7.6).
 
 ``RenoController`` mirrors aioquic's NewReno (slow start, halve once per recovery
 period, +1 packet per window), paced at window / smoothed RTT as aioquic paces it.

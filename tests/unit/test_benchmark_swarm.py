@@ -67,7 +67,10 @@ def test_spec_variant_differs_only_in_codecs(tmp_path: Path, codec: str) -> None
     loaded = load_run_spec(path)
     assert loaded == variant
     assert loaded.codecs.forward_activations == loaded.codecs.backward_gradients == codec
-    assert set(differing_fields(base, loaded)) <= {"codecs.forward_activations", "codecs.backward_gradients"}
+    assert set(differing_fields(base, loaded)) <= {
+        "codecs.forward_activations",
+        "codecs.backward_gradients",
+    }
     assert (loaded.run_id == base.run_id) == (codec == base.codecs.forward_activations == "int8")
     assert loaded.run_id in path.name
 
@@ -83,8 +86,10 @@ def test_toml_writer_values_and_refusals() -> None:
                           "t": {"u": {"v": -2}}, "inf": float("inf")})
     import tomllib
 
-    assert tomllib.loads(text) == {"a": 1e-8, "b": [0.9, 0.95], "c": 'say "hi"\n', "d": True, "odd key": 3,
-                                   "t": {"u": {"v": -2}}, "inf": float("inf")}
+    assert tomllib.loads(text) == {
+        "a": 1e-8, "b": [0.9, 0.95], "c": 'say "hi"\n', "d": True, "odd key": 3,
+        "t": {"u": {"v": -2}}, "inf": float("inf"),
+    }
     with pytest.raises(bench.BenchmarkError, match="t.x is None"):
         bench.to_toml({"t": {"x": None}})
     with pytest.raises(bench.BenchmarkError, match="cannot write"):
@@ -101,7 +106,8 @@ def traffic_of(spec: RunSpec, micro_batches: int, carried: int = 0) -> dict[str,
     ids = B * T * 8
     fwd = parse_codec(spec.codecs.forward_activations).payload_nbytes(B * T * C, torch.float32)
     bwd = parse_codec(spec.codecs.backward_gradients).payload_nbytes(B * T * C, torch.float32)
-    # forward: ids -> stage 0 -> y0 back; y_{s-1} -> stage s -> y_s back; y_{S-2} + targets -> stage S-1
+    # forward: ids -> stage 0 -> y0 back; y_{s-1} -> stage s -> y_s back;
+    # y_{S-2} + targets -> stage S-1
     # backward: grad -> stage s (S-2..0), dL/dx back from every stage but 0
     sent = ids + (S - 2) * fwd + (fwd + ids) + (S - 1) * bwd
     received = (S - 1) * fwd + (S - 1) * bwd
@@ -120,7 +126,11 @@ def test_wire_bytes_count_boundary_tensors_only(codec: str) -> None:
     spec, _ = bench.spec_variant(default_run_spec(), codec)
     ideal = bench.ideal_bytes_per_token(spec)
     B, T, C = spec.batch.micro_batch_size, spec.model.seq_len, spec.model.d_model
-    expected = {"none": 4 * C * 4, "int8": 4 * (C + 4 * C // 64), "int4": 4 * (C // 2 + 4 * C // 64)}[codec]
+    expected = {
+        "none": 4 * C * 4,
+        "int8": 4 * (C + 4 * C // 64),
+        "int4": 4 * (C // 2 + 4 * C // 64),
+    }[codec]
     assert ideal == pytest.approx(expected + 4 * 8 / (B * T))  # plus each payload's 8-byte header
     figures = bench.wire_figures(traffic_of(spec, micro_batches=50), spec)
     assert figures["wire_bytes_per_token"] == pytest.approx(ideal, abs=0.05)
@@ -140,7 +150,9 @@ def test_wire_figures_without_tokens_or_boundaries() -> None:
     spec = default_run_spec()
     assert bench.wire_figures({**traffic_of(spec, 0)}, spec) == {
         "wire_bytes_per_token": None, "quic_bytes_per_token": None}
-    one_stage = RunSpec.model_validate({"name": "one", "model": {"n_layers": 2}, "stages": {"blocks_per_stage": [2]}})
+    one_stage = RunSpec.model_validate(
+        {"name": "one", "model": {"n_layers": 2}, "stages": {"blocks_per_stage": [2]}}
+    )
     assert bench.ideal_bytes_per_token(one_stage) is None
 
 
@@ -175,11 +187,15 @@ def figures(spec: RunSpec, *, tokens_per_s: float, val: float, micro_batches: in
 CURVE = [(0, 5.6), (20_000, 3.0), (40_000, 2.5), (60_000, 2.3)]
 
 
-def results_of(spec: RunSpec, rows: dict[tuple[str, str], tuple[float, float]]) -> list[dict[str, Any]]:
+def results_of(
+    spec: RunSpec, rows: dict[tuple[str, str], tuple[float, float]]
+) -> list[dict[str, Any]]:
     out = []
     for (profile, codec), (tps, val) in rows.items():
         variant, _ = bench.spec_variant(spec, codec)
-        out.append(bench.summarize(profile, codec, figures(variant, tokens_per_s=tps, val=val), variant))
+        out.append(
+            bench.summarize(profile, codec, figures(variant, tokens_per_s=tps, val=val), variant)
+        )
     return out
 
 
@@ -210,7 +226,9 @@ def test_targets_are_marked_met_and_missed() -> None:
 def test_failed_configuration_is_reported_not_fatal() -> None:
     spec = default_run_spec()
     results = results_of(spec, {("lan", "int8"): (2000.0, 2.9)})
-    results.append(bench.failed_row("wan", "int8", "daemon 3 exited with status 1; its log ends:\n  boom"))
+    results.append(
+        bench.failed_row("wan", "int8", "daemon 3 exited with status 1; its log ends:\n  boom")
+    )
     bench.match_reference(results, CURVE)
     targets = bench.check_targets(results)
     assert {t["target"]: t["met"] for t in targets}["wan tokens/s >= 70% of lan (int8)"] is None
@@ -245,7 +263,9 @@ def test_report_table_and_json_line() -> None:
         assert set(row) >= {"profile", "codec", "tokens_per_s", "wire_bytes_per_token", "val_loss"}
     assert decoded["meta"]["run_id"] == spec.run_id and decoded["meta"]["tokens"] == 40_000
     assert "--quick" not in text
-    quick = bench.build_report(bench.parse_options(["--quick"]), spec, report["reference"], CURVE, results)
+    quick = bench.build_report(
+        bench.parse_options(["--quick"]), spec, report["reference"], CURVE, results
+    )
     assert "(--quick: a smoke test" in bench.format_report(quick)
 
 
@@ -278,7 +298,9 @@ def test_configurations_get_their_spec_profile_and_seeds(tmp_path: Path) -> None
     assert results[2]["error"].startswith("timed out") and results[2]["val_loss"] is None
     assert results[3]["val_loss"] == 3.0 and results[3]["wire_bytes_per_token"] is not None
     first = fake.calls[0]
-    assert (first.wan, first.replicas, first.tokens, first.eval_windows) == ("lan", 1, bench.QUICK_TOKENS, 16)
+    assert (first.wan, first.replicas, first.tokens, first.eval_windows) == (
+        "lan", 1, bench.QUICK_TOKENS, 16
+    )
     assert first.data_seed == 7 and first.extra == ("trainer.request_timeout_s=60",)
     assert first.label == "[lan/none]" and first.progress_period_s == 5.0
     assert fake.calls[0].run_spec == fake.calls[2].run_spec != fake.calls[1].run_spec
@@ -315,7 +337,8 @@ def test_main_trains_the_reference_and_ends_with_the_json_line(
     assert reference["curve"][-1][0] == -(-reach // step) * step and reference["tokens"] == 2 * step
     assert [t for t, _ in reference["curve"]] == list(range(0, reference["curve"][-1][0] + 1, step))
     assert reference["update_lag"] == bench.DEFAULT_UPDATE_LAG and reference["tokens_per_s"] > 0
-    assert reference["val_loss"] != reference["val_loss_in_flight"]  # read with the last update landed
+    # read with the last update landed
+    assert reference["val_loss"] != reference["val_loss_in_flight"]
     assert reference["curve"][-1][1] != reference["curve"][-2][1]
     assert [r["codec"] for r in report["results"]] == ["int8", "int4"] * 2
     assert all(r["reference_val_loss"] is not None for r in report["results"])
@@ -341,7 +364,9 @@ def test_defaults_and_quick() -> None:
     delayed = bench.parse_options(["--set", "averaging.delayed_updates=true"])
     assert delayed.update_lag == bench.DEFAULT_UPDATE_LAG
     assert bench.parse_options(["--set", "averaging.delayed_updates=false"]).update_lag == 0.0
-    assert bench.parse_options(["--set", "averaging.delayed_updates=true", "--update-lag", "0.3"]).update_lag == 0.3
+    assert bench.parse_options(
+        ["--set", "averaging.delayed_updates=true", "--update-lag", "0.3"]
+    ).update_lag == 0.3
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -379,8 +404,12 @@ def test_demo_sums_traffic_over_its_daemons(tmp_path: Path) -> None:
 
     def status(tokens: int, hops: dict[str, int], out: int) -> dict[str, Any]:
         return {"components": {
-            "trainer": {"tokens": tokens, "payload_bytes": {"sent": 10 * tokens, "received": 20 * tokens},
-                        "hops": hops, "retried_hops": 1, "cache_misses": 2, "micro_batches": {"failed": 3}},
+            "trainer": {
+                "tokens": tokens,
+                "payload_bytes": {"sent": 10 * tokens, "received": 20 * tokens},
+                "hops": hops, "retried_hops": 1, "cache_misses": 2,
+                "micro_batches": {"failed": 3},
+            },
             "endpoint": {"bytes_out": out, "bytes_in": out - 1},
         }}
 
@@ -390,9 +419,9 @@ def test_demo_sums_traffic_over_its_daemons(tmp_path: Path) -> None:
         cast(Any, SimpleNamespace(status={})),  # not polled yet
     ]
     assert demo.traffic() == {
-        "tokens": 3072, "payload_bytes_sent": 30720, "payload_bytes_received": 61440, "hops": [12, 12, 6],
-        "retried_hops": 2, "cache_misses": 4, "failed_micro_batches": 6, "quic_bytes_out": 1200,
-        "quic_bytes_in": 1198,
+        "tokens": 3072, "payload_bytes_sent": 30720, "payload_bytes_received": 61440,
+        "hops": [12, 12, 6], "retried_hops": 2, "cache_misses": 4, "failed_micro_batches": 6,
+        "quic_bytes_out": 1200, "quic_bytes_in": 1198,
     }
 
 

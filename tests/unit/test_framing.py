@@ -136,7 +136,8 @@ def test_datagram_tensors_are_not_on_the_stream() -> None:
     datagram = _spec(transport="datagram", transfer_id=3, symbol_size=1024, block_symbols=64)
     obj = _header_obj(tensors=[datagram, _spec()])
     events = _decode_all(_raw_header(obj) + bytes(8 + 24))
-    assert [type(e).__name__ for e in events] == ["HeaderReceived", "PayloadReceived", "StreamEnded"]
+    names = [type(e).__name__ for e in events]
+    assert names == ["HeaderReceived", "PayloadReceived", "StreamEnded"]
     payload = events[1]
     assert isinstance(payload, PayloadReceived) and payload.index == 1
 

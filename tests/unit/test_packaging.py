@@ -8,7 +8,11 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CODE_FOLDERS = {"node": "wanswarm.node", "transport": "wanswarm.transport", "kernels": "wanswarm.kernels"}
+CODE_FOLDERS = {
+    "node": "wanswarm.node",
+    "transport": "wanswarm.transport",
+    "kernels": "wanswarm.kernels",
+}
 
 
 def _pyproject() -> dict:
@@ -27,7 +31,9 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
             dotted = ".".join([name, *relative.parts])
             if dotted not in listed:
                 missing.append(dotted)
-    assert not missing, f"add these packages to [tool.setuptools] packages in pyproject.toml: {missing}"
+    assert not missing, (
+        f"add these packages to [tool.setuptools] packages in pyproject.toml: {missing}"
+    )
 
 
 def test_console_script_points_at_the_cli() -> None:
@@ -39,7 +45,9 @@ def test_importing_the_daemon_does_not_import_triton() -> None:
         "import sys, wanswarm.node, wanswarm.node.cli, wanswarm.node.daemon\n"
         "print('triton' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False", "wanswarm.node.daemon imported triton"
 
@@ -50,6 +58,8 @@ def test_status_path_does_not_import_hivemind_or_torch() -> None:
         "import sys, wanswarm.node.cli\n"
         "print(sorted(m for m in ('hivemind', 'torch', 'triton') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

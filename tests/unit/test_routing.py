@@ -268,7 +268,11 @@ def test_load_spreads_in_proportion_to_throughput() -> None:
 
 
 def test_a_dead_peer_is_routed_around() -> None:
-    peers = [Candidate("dead", 1000.0, rtt_s=0.01), Candidate("a", 20.0, rtt_s=0.01), Candidate("b", 20.0, rtt_s=0.01)]
+    peers = [
+        Candidate("dead", 1000.0, rtt_s=0.01),
+        Candidate("a", 20.0, rtt_s=0.01),
+        Candidate("b", 20.0, rtt_s=0.01),
+    ]
     router = _router(ban_base_s=1.0, ban_max_s=30.0)
     done, attempts, elapsed = _simulate(
         router, peers, dead=frozenset({"dead"}), hops=2000, in_flight=8, timeout=0.5

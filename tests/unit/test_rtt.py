@@ -73,7 +73,9 @@ def test_min_rtt_of_the_estimator_uses_its_window() -> None:
         max_size=60,
     )
 )
-def test_windowed_min_is_a_recent_sample_between_true_min_and_latest(steps: list[tuple[float, float]]) -> None:
+def test_windowed_min_is_a_recent_sample_between_true_min_and_latest(
+    steps: list[tuple[float, float]],
+) -> None:
     window = 10.0
     win = WindowedMin(window)
     now, history = 0.0, []

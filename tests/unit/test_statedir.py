@@ -32,7 +32,9 @@ def test_one_daemon_per_state_dir(tmp_path: Path) -> None:
     first, second = StateDirLock(tmp_path), StateDirLock(tmp_path)
     first.acquire()
     try:
-        with pytest.raises(StateDirError, match=f"pid {os.getpid()}.*wanswarm leave --state-dir {tmp_path}"):
+        with pytest.raises(
+            StateDirError, match=f"pid {os.getpid()}.*wanswarm leave --state-dir {tmp_path}"
+        ):
             second.acquire()
     finally:
         first.release()

@@ -1,6 +1,10 @@
 """benchmarks/transport.py on plain loopback (no emulator, no child processes): every
 variant moves a small payload intact, the loopback measurement runs, and the report's
-last line is the JSON object of the documented shape."""
+last line is the JSON object of the documented shape.
+
+Loopback tier: the variants are real QUIC servers and clients on 127.0.0.1 in this
+process. The cell statistics and target checks below need no network; they stay beside the
+run whose report they judge."""
 
 from __future__ import annotations
 
@@ -43,7 +47,9 @@ async def _variants_on_loopback() -> list[Any]:
             target = (bench.HOST, servers.port(variant, bench.MIB))
             await bench.run_transfers(
                 cell,
-                lambda v=variant, t=target: bench.make_client(v, t, servers.peer_id, bench.MIB, config),
+                lambda v=variant, t=target: bench.make_client(
+                    v, t, servers.peer_id, bench.MIB, config
+                ),
                 payload,
                 REPEATS,
                 max_failures=1,

@@ -1,10 +1,15 @@
-"""Averaging: replicas of a stage step together through real hivemind Optimizers on a local DHT.
+"""Averaging: replicas of a stage step together through real hivemind Optimizers on local DHTs.
 
 Two replicas of the last stage train on different data, each stepping from its own
 "device" thread; after the collaboration's first epoch their parameters are identical
 and differ from the initial ones; a third replica that joins afterwards downloads the
 same state. A replica that no micro-batch reaches joins a synchronous step through
 ``step_if_due``. The solo LocalOptimizer is checked against a hand-written AdamW loop.
+
+Loopback tier: the hivemind DHTs listen on 127.0.0.1 (each forks its DHT process and a
+libp2p daemon) inside this one test process. The solo-optimizer and config tests here need
+no network; they stay beside the collaborative ones because they share the run spec and
+check the same export/import contract.
 """
 
 from __future__ import annotations
@@ -14,10 +19,17 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
-from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.config.runspec import (
+    BatchSpec,
+    ModelSpec,
+    OptimizerSpec,
+    RunSpec,
+    StagesSpec,
+)
 from wanswarm.node.stage.averaging import (
     AveragingConfig,
     AveragingError,
@@ -28,6 +40,8 @@ from wanswarm.node.stage.averaging import (
 )
 from wanswarm.node.training.model import build_stage, param_groups
 
+from tests.waiting import wait_for
+
 SPEC = RunSpec(
     name="avgtest",
     model=ModelSpec(d_model=16, n_heads=2, n_layers=2, seq_len=8),
@@ -37,8 +51,23 @@ SPEC = RunSpec(
 )
 # four micro-batches per epoch, for the idle-replica test
 SPEC4 = SPEC.model_copy(update={"batch": BatchSpec(micro_batch_size=2, target_batch_size=8)})
+# how long a replica may take to see the other's progress through the DHT
+SEE_PEER_TIMEOUT_S = 30.0
 STAGE = 1  # the last stage: activations in, loss out
 B, T, C = SPEC.batch.micro_batch_size, SPEC.model.seq_len, SPEC.model.d_model
+
+
+class _Host:
+    """Builds hivemind Optimizers over a raw hivemind DHT, as membership.dht.Dht does over its
+    own (the OptimizerHost that CollaborativeOptimizer takes)."""
+
+    def __init__(self, dht: Any) -> None:
+        self._dht = dht
+
+    def hivemind_optimizer(self, **options: Any) -> Any:
+        import hivemind
+
+        return hivemind.Optimizer(dht=self._dht, **options)
 
 
 def _accumulate(module: torch.nn.Module, gen: torch.Generator) -> None:
@@ -95,7 +124,9 @@ def test_collaborative_optimizer_refuses_worker_threads() -> None:
 
     def build() -> None:
         try:
-            CollaborativeOptimizer(build_stage(SPEC, STAGE), SPEC, STAGE, dht=None, config=AveragingConfig())
+            CollaborativeOptimizer(
+                build_stage(SPEC, STAGE), SPEC, STAGE, dht=None, config=AveragingConfig()
+            )
         except AveragingError as exc:
             errors.append(exc)
 
@@ -111,10 +142,19 @@ def _daemon_sigint(signum: int, frame: object) -> None:
 
 # hivemind's libp2p daemon wrapper still calls importlib.resources.path (in the DHT process),
 # and its DHT/P2P clients in this process leave an event loop and control sockets to the
-# garbage collector after shutdown; we collect them inside the test (see the end) so that
+# garbage collector after shutdown; each test collects them itself (see the ends) so that
 # only these two narrow filters apply to them.
-@pytest.mark.filterwarnings(r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning")
-@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__):pytest.PytestUnraisableExceptionWarning")
+HIVEMIND_PATH_WARNING = pytest.mark.filterwarnings(
+    r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning"
+)
+HIVEMIND_UNRAISABLE_WARNING = pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__)"
+    r":pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
     hivemind = pytest.importorskip("hivemind")
@@ -130,15 +170,20 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
     optimizers: list[CollaborativeOptimizer] = []
     try:
         dht_b = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht_a.get_visible_maddrs()
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
         )
         dhts.append(dht_b)
         initial = [p.detach().clone() for p in build_stage(SPEC, STAGE).parameters()]
         replicas = [build_stage(SPEC, STAGE) for _ in range(2)]
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
-            optimizers = [CollaborativeOptimizer(m, SPEC, STAGE, d, config) for m, d in zip(replicas, dhts, strict=False)]
-            assert signal.getsignal(signal.SIGINT) is _daemon_sigint  # hivemind set SIG_IGN; restored
+            optimizers = [
+                CollaborativeOptimizer(m, SPEC, STAGE, _Host(d), config)
+                for m, d in zip(replicas, dhts, strict=False)
+            ]
+            # hivemind set SIG_IGN; restored
+            assert signal.getsignal(signal.SIGINT) is _daemon_sigint
         finally:
             signal.signal(signal.SIGINT, previous)
 
@@ -147,14 +192,14 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
 
         def device_thread(module: torch.nn.Module, opt: CollaborativeOptimizer, seed: int) -> None:
             gen = torch.Generator().manual_seed(seed)
-            tick = threading.Event()  # never set: a bounded wait between looks at the tracker
             # half an epoch each; then both wait until each tracker has seen the other, as
             # micro-batches arriving at network pace would let them, so that the epoch ends
-            # for both replicas within one matchmaking window
+            # for both replicas within one matchmaking window (the tracker's view comes from
+            # the DHT and announces nothing: it is polled)
             _accumulate(module, gen)
             opt.step(B)
-            while opt.num_peers < 2 and time.monotonic() < deadline:
-                tick.wait(0.05)
+            wait_for(lambda: opt.num_peers >= 2, SEE_PEER_TIMEOUT_S,
+                     "this replica's tracker to see the other replica", interval=0.05)
             both_visible.wait()
             while opt.local_epoch < 1 and time.monotonic() < deadline:
                 _accumulate(module, gen)
@@ -162,21 +207,26 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             opt.flush()  # apply the delayed (background) update
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
-            runs = [pool.submit(device_thread, m, o, seed) for seed, (m, o) in enumerate(zip(replicas, optimizers, strict=False))]
+            runs = [
+                pool.submit(device_thread, m, o, seed)
+                for seed, (m, o) in enumerate(zip(replicas, optimizers, strict=False))
+            ]
             for run in runs:
                 run.result(timeout=60)  # re-raises what failed on that thread
         assert [o.local_epoch for o in optimizers] == [1, 1]
-        for p, q, p0 in zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=False):
+        pairs = zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=False)
+        for p, q, p0 in pairs:
             assert torch.equal(p, q)
             assert not torch.equal(p, p0)
 
         # a replica joining now downloads the stage's state before serving
         dht_c = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht_a.get_visible_maddrs()
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
         )
         dhts.append(dht_c)
         newcomer = build_stage(SPEC, STAGE)
-        optimizers.append(CollaborativeOptimizer(newcomer, SPEC, STAGE, dht_c, config))
+        optimizers.append(CollaborativeOptimizer(newcomer, SPEC, STAGE, _Host(dht_c), config))
         assert optimizers[2].load_state_from_peers()
         assert optimizers[2].local_epoch == 1
         for p, q in zip(replicas[0].parameters(), newcomer.parameters(), strict=False):
@@ -190,9 +240,8 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         gc.collect()
 
 
-# same filters as above (hivemind's DHT clients)
-@pytest.mark.filterwarnings(r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning")
-@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__):pytest.PytestUnraisableExceptionWarning")
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> None:
     """Replica A gets every micro-batch of the epoch and blocks in the all-reduce; replica B
@@ -214,27 +263,32 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
     optimizers: list[CollaborativeOptimizer] = []
     try:
         dhts.append(hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht_a.get_visible_maddrs()
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
         ))
         initial = [p.detach().clone() for p in build_stage(SPEC4, STAGE).parameters()]
         replicas = [build_stage(SPEC4, STAGE) for _ in range(2)]
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
-            optimizers = [CollaborativeOptimizer(m, SPEC4, STAGE, d, config) for m, d in zip(replicas, dhts, strict=True)]
+            optimizers = [
+                CollaborativeOptimizer(m, SPEC4, STAGE, _Host(d), config)
+                for m, d in zip(replicas, dhts, strict=True)
+            ]
         finally:
             signal.signal(signal.SIGINT, previous)
         busy, idle = optimizers
         deadline = time.monotonic() + 60.0
         both_visible = threading.Barrier(2, timeout=30.0)
-        tick = threading.Event()  # never set: a bounded wait between checks
 
-        def first_micro_batch(module: torch.nn.Module, opt: CollaborativeOptimizer, gen: torch.Generator) -> None:
+        def first_micro_batch(
+            module: torch.nn.Module, opt: CollaborativeOptimizer, gen: torch.Generator
+        ) -> None:
             # one micro-batch each (a quarter of the epoch), then both wait until each sees
             # the other's progress: a replica counts its peers from what the DHT reports
             _accumulate(module, gen)
             opt.step(B)
-            while opt.num_peers < 2 and time.monotonic() < deadline:
-                tick.wait(0.05)
+            wait_for(lambda: opt.num_peers >= 2, SEE_PEER_TIMEOUT_S,
+                     "this replica's tracker to see the other replica", interval=0.05)
             both_visible.wait()
 
         def busy_thread() -> None:
@@ -242,7 +296,8 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
             first_micro_batch(replicas[0], busy, gen)
             while busy.local_epoch < 1 and time.monotonic() < deadline:
                 _accumulate(replicas[0], gen)
-                busy.step(B)  # the epoch's last one blocks in the all-reduce until the idle one joins
+                # the epoch's last one blocks in the all-reduce until the idle one joins
+                busy.step(B)
             busy.flush()  # apply the background parameter averaging that follows the step
 
         def idle_thread() -> None:
@@ -250,7 +305,9 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
             first_micro_batch(replicas[1], idle, gen)
             while idle.local_epoch < 1 and time.monotonic() < deadline:
                 idle.step_if_due()  # what the stage server's check job calls
-                tick.wait(0.1)
+                # the check job's period (StageServerConfig.step_check_period_s): the cadence
+                # under test, not a synchronisation
+                time.sleep(0.1)
             idle.flush()
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
@@ -260,7 +317,8 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
         assert [o.local_epoch for o in optimizers] == [1, 1]
         assert idle.idle_steps == 1 and busy.idle_steps == 0
         assert idle.failed_rounds_dropped == 0 and busy.failed_rounds_dropped == 0
-        for p, q, p0 in zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=True):
+        pairs = zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=True)
+        for p, q, p0 in pairs:
             assert torch.equal(p, q)
             assert not torch.equal(p, p0)
     finally:
@@ -272,8 +330,14 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
         gc.collect()
 
 
-def _state_equal(a: tuple[int, dict[str, torch.Tensor], dict[str, object]], b: tuple[int, dict[str, torch.Tensor], dict[str, object]]) -> bool:
-    return a[0] == b[0] and a[2] == b[2] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+State = tuple[int, dict[str, torch.Tensor], dict[str, object]]
+
+
+def _state_equal(a: State, b: State) -> bool:
+    return (
+        a[0] == b[0] and a[2] == b[2] and a[1].keys() == b[1].keys()
+        and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    )
 
 
 def test_local_optimizer_export_then_import_restores_the_state_exactly() -> None:
@@ -294,9 +358,8 @@ def test_local_optimizer_export_then_import_restores_the_state_exactly() -> None
         assert torch.equal(p, saved[1][f"model.{name}"])
 
 
-# the same two filters as the two-replica test, for the same reasons (hivemind's DHT clients)
-@pytest.mark.filterwarnings(r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning")
-@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <(socket\.socket|function BaseEventLoop\.__del__):pytest.PytestUnraisableExceptionWarning")
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_collaborative_optimizer_export_then_import_restores_the_state_exactly() -> None:
     hivemind = pytest.importorskip("hivemind")
@@ -305,7 +368,7 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
     opt: CollaborativeOptimizer | None = None
     try:
         module = build_stage(SPEC, STAGE)
-        opt = CollaborativeOptimizer(module, SPEC, STAGE, dht, config)
+        opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
         collab = opt
         deadline = time.monotonic() + 45.0
         gen = torch.Generator().manual_seed(0)
@@ -321,7 +384,8 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
             device.submit(train_to, 1).result(timeout=60)
             saved = device.submit(collab.export_state).result(timeout=30)
             assert saved[0] == 1
-            device.submit(train_to, 2).result(timeout=60)  # perturb: parameters, moments, steps, epoch
+            # perturb: parameters, moments, steps, epoch
+            device.submit(train_to, 2).result(timeout=60)
             assert not _state_equal(saved, device.submit(collab.export_state).result(timeout=30))
 
             device.submit(collab.import_state, *saved).result(timeout=30)
@@ -345,9 +409,10 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
                 _accumulate(solo_module, solo_gen)
                 solo.step(B)
             device.submit(collab.import_state, *solo.export_state()).result(timeout=30)
-            assert _state_equal(solo.export_state(), device.submit(collab.export_state).result(timeout=30))
+            exported = device.submit(collab.export_state).result(timeout=30)
+            assert _state_equal(solo.export_state(), exported)
 
-            # a newer checkpoint: the tracker reports it, so the replica counts as being at epoch 5
+            # a newer checkpoint: the tracker reports it, so the replica counts as at epoch 5
             device.submit(collab.import_state, 5, saved[1], saved[2]).result(timeout=30)
             assert inner.local_epoch == 5 and inner.tracker.local_progress.epoch == 5
             assert inner.tracker.global_epoch == 5 and collab.is_synchronized()

@@ -1,4 +1,7 @@
-"""sd_notify over a real AF_UNIX datagram socket (a path and an abstract name)."""
+"""sd_notify over a real AF_UNIX datagram socket (a path and an abstract name).
+
+Loopback tier: a real socket in this one test process; each receive is bounded by the
+socket's timeout."""
 
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ def test_ready_status_watchdog_stopping(listener: tuple[socket.socket, str]) -> 
     notifier = notifier_from_env({"NOTIFY_SOCKET": path})
     assert notifier is not None and notifier.watchdog_interval is None
     assert notifier.ready("online: 2 peers")
-    assert sock.recv(4096).decode().split("\n") == ["READY=1", "STATUS=online: 2 peers", f"MAINPID={os.getpid()}"]
+    assert sock.recv(4096).decode().split("\n") == [
+        "READY=1", "STATUS=online: 2 peers", f"MAINPID={os.getpid()}"
+    ]
     assert notifier.watchdog()
     assert sock.recv(4096) == b"WATCHDOG=1"
     assert notifier.status("draining")
@@ -59,7 +64,9 @@ def test_watchdog_interval_is_half_of_watchdog_usec(listener: tuple[socket.socke
     assert notifier_from_env({**env, "WATCHDOG_USEC": "junk"}).watchdog_interval is None  # type: ignore[union-attr]
 
 
-def test_a_dead_socket_is_reported_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_dead_socket_is_reported_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     notifier = notifier_from_env({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
     assert notifier is not None
     assert notifier.ready("x") is False
