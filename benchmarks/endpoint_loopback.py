@@ -76,6 +76,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--algorithm", default="wanswarm", help="wanswarm, reno or cubic")
     parser.add_argument("--fec", choices=["on", "off"], default="on")
-    parser.add_argument("--profile", default=None, help="a WAN emulator profile (lan, home, wan, bad)")
+    parser.add_argument(
+        "--profile", default=None, help="a WAN emulator profile (lan, home, wan, bad)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     uvloop.run(main(parser.parse_args()))

@@ -155,11 +155,13 @@ def to_toml(data: dict[str, Any], _prefix: str = "") -> str:
 
 
 def spec_variant(spec: RunSpec, codec: str) -> tuple[RunSpec, str]:
-    """The spec with both wire codecs set to ``codec``, and its TOML text (which parses back to it)."""
+    """The spec with both wire codecs set to ``codec``, and its TOML text (which parses back to
+    it)."""
     raw = spec.model_dump(mode="json")
     raw["codecs"] = {"forward_activations": codec, "backward_gradients": codec}
     text = (
-        f"# {spec.name} with codecs {codec} (benchmarks/swarm.py); everything else as run {spec.run_id}\n"
+        f"# {spec.name} with codecs {codec} (benchmarks/swarm.py); "
+        f"everything else as run {spec.run_id}\n"
         + to_toml(raw)
     )
     variant = parse_run_spec(text, f"<{spec.name} with codec {codec}>")
@@ -177,7 +179,8 @@ def write_spec_variant(spec: RunSpec, codec: str, directory: Path) -> tuple[RunS
 
 
 def ideal_bytes_per_token(spec: RunSpec) -> float | None:
-    """Codec payload per token per boundary: activation and gradient, each in and out of the trainer."""
+    """Codec payload per token per boundary: activation and gradient, each in and out of the
+    trainer."""
     boundaries = spec.n_stages - 1
     if boundaries < 1:
         return None
@@ -192,11 +195,15 @@ def wire_figures(training: dict[str, Any], spec: RunSpec) -> dict[str, float | N
     """Per-token, per-boundary bytes from the training phase's traffic (``Demo.traffic`` deltas)."""
     boundaries = spec.n_stages - 1
     hops = training["hops"]
-    micro_batches = sum(hops) / (2 * spec.n_stages - 1)  # S forward hops and S - 1 backward ones each
+    micro_batches = sum(hops) / (
+        2 * spec.n_stages - 1
+    )  # S forward hops and S - 1 backward ones each
     tokens = micro_batches * spec.batch.micro_batch_size * spec.model.seq_len
     if tokens <= 0 or boundaries < 1:
         return {"wire_bytes_per_token": None, "quic_bytes_per_token": None}
-    ids = (hops[0] / 2 + hops[-1]) * spec.batch.micro_batch_size * spec.model.seq_len * TOKEN_ID_BYTES
+    ids = (
+        (hops[0] / 2 + hops[-1]) * spec.batch.micro_batch_size * spec.model.seq_len * TOKEN_ID_BYTES
+    )
     payload = training["payload_bytes_sent"] + training["payload_bytes_received"] - ids
     return {
         "wire_bytes_per_token": round(payload / tokens / boundaries, 1),
@@ -229,8 +236,14 @@ def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) 
 
 
 def failed_row(profile: str, codec: str, error: str) -> dict[str, Any]:
-    return {"profile": profile, "codec": codec, "tokens_per_s": None, "wire_bytes_per_token": None,
-            "val_loss": None, "error": error}
+    return {
+        "profile": profile,
+        "codec": codec,
+        "tokens_per_s": None,
+        "wire_bytes_per_token": None,
+        "val_loss": None,
+        "error": error,
+    }
 
 
 def curve_at(curve: Sequence[tuple[int, float]], tokens: float) -> float | None:
@@ -246,7 +259,8 @@ def curve_at(curve: Sequence[tuple[int, float]], tokens: float) -> float | None:
 
 
 def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, float]]) -> None:
-    """Add the reference's val loss at each swarm's evaluation (mean of tokens before and after it)."""
+    """Add the reference's val loss at each swarm's evaluation (mean of tokens before and after
+    it)."""
     for row in results:
         if row.get("val_loss") is None:
             continue
@@ -254,7 +268,9 @@ def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, fl
         ref = curve_at(curve, at)
         row["reference_tokens"] = round(at)
         row["reference_val_loss"] = _round(ref, 4)
-        row["val_loss_vs_reference"] = None if ref is None else round(row["val_loss"] / ref - 1.0, 4)
+        row["val_loss_vs_reference"] = (
+            None if ref is None else round(row["val_loss"] / ref - 1.0, 4)
+        )
 
 
 def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -268,17 +284,27 @@ def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ratio = None
         if lan["tokens_per_s"] and wan["tokens_per_s"] is not None:
             ratio = round(wan["tokens_per_s"] / lan["tokens_per_s"], 3)
-        targets.append({"target": f"wan tokens/s >= {THROUGHPUT_TARGET:.0%} of lan ({codec})",
-                        "value": ratio, "threshold": THROUGHPUT_TARGET,
-                        "met": None if ratio is None else ratio >= THROUGHPUT_TARGET})
+        targets.append(
+            {
+                "target": f"wan tokens/s >= {THROUGHPUT_TARGET:.0%} of lan ({codec})",
+                "value": ratio,
+                "threshold": THROUGHPUT_TARGET,
+                "met": None if ratio is None else ratio >= THROUGHPUT_TARGET,
+            }
+        )
     for r in results:
         tolerance = VAL_LOSS_TOLERANCE.get(_codec_name(r["codec"]))
         if tolerance is None:
             continue
         excess = r.get("val_loss_vs_reference")
-        targets.append({"target": f"val loss <= reference + {tolerance:.0%} ({r['profile']}/{r['codec']})",
-                        "value": excess, "threshold": tolerance,
-                        "met": None if excess is None else excess <= tolerance})
+        targets.append(
+            {
+                "target": f"val loss <= reference + {tolerance:.0%} ({r['profile']}/{r['codec']})",
+                "value": excess,
+                "threshold": tolerance,
+                "met": None if excess is None else excess <= tolerance,
+            }
+        )
     return targets
 
 
@@ -304,16 +330,21 @@ def format_report(report: dict[str, Any]) -> str:
     """The human table: every configuration beside the reference, then the target checks."""
     meta, ref = report["meta"], report["reference"]
     lines = [
-        f"swarm benchmark: run {meta['run']} ({meta['stages']} stages x {meta['replicas']} replicas, "
+        f"swarm benchmark: run {meta['run']} "
+        f"({meta['stages']} stages x {meta['replicas']} replicas, "
         f"{meta['tokens']} tokens per configuration, {meta['eval_windows']} validation windows); "
-        f"reference: one process, {meta['reference_threads']} thread(s), update lag {meta['update_lag']}",
+        f"reference: one process, {meta['reference_threads']} thread(s), "
+        f"update lag {meta['update_lag']}",
         "",
         f"{'config':<14} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
         f"{'QUIC B/tok':>10} {'val loss':>8} {'ref val':>8} {'vs ref':>7}",
     ]
     ref_tps = ref.get("tokens_per_s")
-    lines.append(f"{'reference':<14} {_num(ref.get('tokens'), 'd'):>8} {_num(ref_tps, '.0f'):>7} {'1.00':>6} "
-                 f"{'-':>10} {'-':>7} {'-':>10} {_num(ref.get('val_loss'), '.4f'):>8} {'-':>8} {'-':>7}")
+    lines.append(
+        f"{'reference':<14} {_num(ref.get('tokens'), 'd'):>8} {_num(ref_tps, '.0f'):>7} "
+        f"{'1.00':>6} "
+        f"{'-':>10} {'-':>7} {'-':>10} {_num(ref.get('val_loss'), '.4f'):>8} {'-':>8} {'-':>7}"
+    )
     for r in report["results"]:
         name = f"{r['profile']}/{r['codec']}"
         if r.get("error"):
@@ -322,27 +353,37 @@ def format_report(report: dict[str, Any]) -> str:
         speed = r["tokens_per_s"] / ref_tps if ref_tps and r["tokens_per_s"] is not None else None
         vs = r.get("val_loss_vs_reference")
         lines.append(
-            f"{name:<14} {r['tokens']:>8d} {_num(r['tokens_per_s'], '.0f'):>7} {_num(speed, '.2f'):>6} "
-            f"{_num(r['wire_bytes_per_token'], '.1f'):>10} {_num(r.get('ideal_bytes_per_token'), '.1f'):>7} "
+            f"{name:<14} {r['tokens']:>8d} {_num(r['tokens_per_s'], '.0f'):>7} "
+            f"{_num(speed, '.2f'):>6} "
+            f"{_num(r['wire_bytes_per_token'], '.1f'):>10} "
+            f"{_num(r.get('ideal_bytes_per_token'), '.1f'):>7} "
             f"{_num(r.get('quic_bytes_per_token'), '.1f'):>10} {_num(r['val_loss'], '.4f'):>8} "
-            f"{_num(r.get('reference_val_loss'), '.4f'):>8} {_num(None if vs is None else 100 * vs, '+.1f'):>6}%"
+            f"{_num(r.get('reference_val_loss'), '.4f'):>8} "
+            f"{_num(None if vs is None else 100 * vs, '+.1f'):>6}%"
         )
     lines += [
         "",
-        "wire B/tok: trainer payload bytes across stage boundaries per token per boundary (token ids and "
-        "targets excluded); ideal: the codec's payload for 4 crossings per boundary; QUIC B/tok: UDP bytes "
-        "sent by every endpoint per token per boundary; ref val: the reference's curve at the swarm's "
-        "tokens during its final evaluation.",
+        "wire B/tok: trainer payload bytes across stage boundaries per token per boundary "
+        "(token ids and targets excluded); ideal: the codec's payload for 4 crossings per "
+        "boundary; QUIC B/tok: UDP bytes sent by every endpoint per token per boundary; "
+        "ref val: the reference's curve at the swarm's tokens during its final evaluation.",
         "",
         "targets",
     ]
     if meta.get("quick"):
-        lines.append("  (--quick: a smoke test of the benchmark; a few steps on one replica say little about them)")
+        lines.append(
+            "  (--quick: a smoke test of the benchmark; "
+            "a few steps on one replica say little about them)"
+        )
     if not report["targets"]:
         lines.append("  (none measurable: needs lan and wan, or codec int8/int4)")
     for t in report["targets"]:
         value = t["value"]
-        shown = "-" if value is None else (f"{value:.2f}" if "tokens/s" in t["target"] else f"{100 * value:+.1f}%")
+        shown = (
+            "-"
+            if value is None
+            else (f"{value:.2f}" if "tokens/s" in t["target"] else f"{100 * value:+.1f}%")
+        )
         verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
         lines.append(f"  {t['target']:<48} {shown:>8}  {verdict}")
     return "\n".join(lines)
@@ -381,39 +422,105 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(f"Time: every configuration costs start-up, two evaluations and shutdown (about 75 s with 3 "
-                f"daemons, about 200 s with 6, on a loaded 2-core machine) plus its tokens at the swarm's rate "
-                f"(1-2k tokens/s there). The defaults ({DEFAULT_TOKENS} tokens, 6 configurations, "
-                f"{DEFAULT_REPLICAS} replicas) should take 35-45 minutes there, --quick ({QUICK_TOKENS} tokens, "
-                f"{QUICK_REPLICAS} replica, {QUICK_EVAL_WINDOWS} validation windows) about 10 (95 s per "
-                f"configuration measured under load); --profiles/--codecs choose fewer configurations."),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "Time: every configuration costs start-up, two evaluations and shutdown "
+            "(about 75 s with 3 daemons, about 200 s with 6, on a loaded 2-core machine) "
+            "plus its tokens at the swarm's rate (1-2k tokens/s there). "
+            f"The defaults ({DEFAULT_TOKENS} tokens, 6 configurations, {DEFAULT_REPLICAS} "
+            "replicas) should take 35-45 minutes there, "
+            f"--quick ({QUICK_TOKENS} tokens, {QUICK_REPLICAS} replica, "
+            f"{QUICK_EVAL_WINDOWS} validation windows) about 10 "
+            "(95 s per configuration measured under load); "
+            "--profiles/--codecs choose fewer configurations."
+        ),
     )
-    parser.add_argument("--tokens", type=int, default=None,
-                        help=f"training tokens per configuration, the same for all and for the reference "
-                             f"(default {DEFAULT_TOKENS}; --quick {QUICK_TOKENS})")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: fewer tokens, one replica, fewer validation windows (explicit flags win)")
-    parser.add_argument("--profiles", default="lan,wan", help=f"WAN profiles, of {sorted(PROFILES)} (default lan,wan)")
-    parser.add_argument("--codecs", default="none,int8,int4",
-                        help="wire codecs for activations and gradients, e.g. none,int8,int4,int8:b128 (default none,int8,int4)")
-    parser.add_argument("--replicas", type=int, default=None,
-                        help=f"daemons per stage (default {DEFAULT_REPLICAS}; --quick {QUICK_REPLICAS})")
-    parser.add_argument("--eval-windows", type=int, default=None,
-                        help=f"validation windows, swarm and reference (default {DEFAULT_EVAL_WINDOWS}; --quick {QUICK_EVAL_WINDOWS})")
-    parser.add_argument("--update-lag", type=float, default=None,
-                        help="reference's delayed-update model, fraction of a step (default 0: the demo's "
-                             f"daemons step synchronously; {DEFAULT_UPDATE_LAG} with --set averaging.delayed_updates=true)")
-    parser.add_argument("--reference-threads", type=int, default=1, help="torch threads of the reference (default 1)")
-    parser.add_argument("--data-seed", type=int, default=0,
-                        help="reference data seed; swarm trainer i uses this + i (default 0)")
-    parser.add_argument("--max-train-s", type=float, default=900.0,
-                        help="stop a configuration's training after this long even below --tokens (default 900)")
-    parser.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines on stderr (default 5)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="a config setting for every daemon (repeatable), as for 'wanswarm demo'")
-    parser.add_argument("--spec", type=Path, default=None, help="base run spec TOML (default: the embedded tiny run)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help=f"training tokens per configuration, the same for all and for the reference "
+        f"(default {DEFAULT_TOKENS}; --quick {QUICK_TOKENS})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: fewer tokens, one replica, fewer validation windows "
+        "(explicit flags win)",
+    )
+    parser.add_argument(
+        "--profiles",
+        default="lan,wan",
+        help=f"WAN profiles, of {sorted(PROFILES)} (default lan,wan)",
+    )
+    parser.add_argument(
+        "--codecs",
+        default="none,int8,int4",
+        help="wire codecs for activations and gradients, e.g. none,int8,int4,int8:b128 "
+        "(default none,int8,int4)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help=f"daemons per stage (default {DEFAULT_REPLICAS}; --quick {QUICK_REPLICAS})",
+    )
+    parser.add_argument(
+        "--eval-windows",
+        type=int,
+        default=None,
+        help=f"validation windows, swarm and reference (default {DEFAULT_EVAL_WINDOWS}; "
+        f"--quick {QUICK_EVAL_WINDOWS})",
+    )
+    parser.add_argument(
+        "--update-lag",
+        type=float,
+        default=None,
+        help="reference's delayed-update model, fraction of a step (default 0: the demo's "
+        f"daemons step synchronously; {DEFAULT_UPDATE_LAG} with "
+        "--set averaging.delayed_updates=true)",
+    )
+    parser.add_argument(
+        "--reference-threads",
+        type=int,
+        default=1,
+        help="torch threads of the reference (default 1)",
+    )
+    parser.add_argument(
+        "--data-seed",
+        type=int,
+        default=0,
+        help="reference data seed; swarm trainer i uses this + i (default 0)",
+    )
+    parser.add_argument(
+        "--max-train-s",
+        type=float,
+        default=900.0,
+        help="stop a configuration's training after this long even below --tokens (default 900)",
+    )
+    parser.add_argument(
+        "--progress-s",
+        type=float,
+        default=5.0,
+        help="seconds between progress lines on stderr (default 5)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config setting for every daemon (repeatable), as for 'wanswarm demo'",
+    )
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help="base run spec TOML (default: the embedded tiny run)",
+    )
+    parser.add_argument(
+        "--json-only", action="store_true", help="print only the JSON line on stdout"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
     return parser
 
@@ -421,10 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_options(argv: Sequence[str] | None = None) -> Options:
     """Parsed and checked arguments; BenchmarkError says what to change."""
     args = build_parser().parse_args(argv)
-    tokens = args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
-    replicas = args.replicas if args.replicas is not None else (QUICK_REPLICAS if args.quick else DEFAULT_REPLICAS)
-    windows = args.eval_windows if args.eval_windows is not None else (
-        QUICK_EVAL_WINDOWS if args.quick else DEFAULT_EVAL_WINDOWS)
+    tokens = (
+        args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    )
+    replicas = (
+        args.replicas
+        if args.replicas is not None
+        else (QUICK_REPLICAS if args.quick else DEFAULT_REPLICAS)
+    )
+    windows = (
+        args.eval_windows
+        if args.eval_windows is not None
+        else (QUICK_EVAL_WINDOWS if args.quick else DEFAULT_EVAL_WINDOWS)
+    )
     if tokens < 1 or replicas < 1 or windows < 1:
         raise BenchmarkError("--tokens, --replicas and --eval-windows must be >= 1")
     if args.reference_threads < 1 or args.data_seed < 0:
@@ -449,19 +565,39 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             raise BenchmarkError(str(exc)) from None
         if override.path == "averaging.delayed_updates":
             delayed = str(override.value).strip().lower() not in ("false", "0", "no", "off")
-    lag = args.update_lag if args.update_lag is not None else (DEFAULT_UPDATE_LAG if delayed else 0.0)
+    lag = (
+        args.update_lag if args.update_lag is not None else (DEFAULT_UPDATE_LAG if delayed else 0.0)
+    )
     if not 0.0 <= lag <= 1.0:
         raise BenchmarkError(f"--update-lag must be in [0, 1], got {lag}")
-    return Options(tokens, profiles, codecs, replicas, windows, lag, args.reference_threads, args.data_seed,
-                   args.max_train_s, args.progress_s, tuple(args.set), args.spec, args.json_only, args.keep,
-                   args.quick)
+    return Options(
+        tokens,
+        profiles,
+        codecs,
+        replicas,
+        windows,
+        lag,
+        args.reference_threads,
+        args.data_seed,
+        args.max_train_s,
+        args.progress_s,
+        tuple(args.set),
+        args.spec,
+        args.json_only,
+        args.keep,
+        args.quick,
+    )
 
 
 # ---- running ------------------------------------------------------------------------------
 
 
-def run_configurations(opts: Options, spec: RunSpec, directory: Path,
-                       swarm: Callable[[DemoOptions, TextIO], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def run_configurations(
+    opts: Options,
+    spec: RunSpec,
+    directory: Path,
+    swarm: Callable[[DemoOptions, TextIO], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Every (profile, codec) on a swarm of its own (``run_swarm`` unless ``swarm`` is given)."""
     swarm = run_swarm if swarm is None else swarm
     results: list[dict[str, Any]] = []
@@ -471,9 +607,17 @@ def run_configurations(opts: Options, spec: RunSpec, directory: Path,
             variant, path = variants[codec]
             label = f"[{profile}/{codec}]"
             options = DemoOptions(
-                replicas=opts.replicas, duration_s=opts.max_train_s, tokens=opts.tokens, wan=profile,
-                keep=opts.keep, eval_windows=opts.eval_windows, extra=opts.sets, run_spec=path,
-                data_seed=opts.data_seed, progress_period_s=opts.progress_s, label=label,
+                replicas=opts.replicas,
+                duration_s=opts.max_train_s,
+                tokens=opts.tokens,
+                wan=profile,
+                keep=opts.keep,
+                eval_windows=opts.eval_windows,
+                extra=opts.sets,
+                run_spec=path,
+                data_seed=opts.data_seed,
+                progress_period_s=opts.progress_s,
+                label=label,
             )
             began = time.monotonic()
             try:
@@ -484,14 +628,18 @@ def run_configurations(opts: Options, spec: RunSpec, directory: Path,
                 continue
             row = summarize(profile, codec, figures, variant)
             results.append(row)
-            _progress(f"{label} done in {time.monotonic() - began:.0f}s: {row['tokens_per_s']} tok/s, "
-                      f"val loss {row['val_loss']}, {row['wire_bytes_per_token']} B/token/boundary")
+            _progress(
+                f"{label} done in {time.monotonic() - began:.0f}s: {row['tokens_per_s']} tok/s, "
+                f"val loss {row['val_loss']}, {row['wire_bytes_per_token']} B/token/boundary"
+            )
             if row["interrupted"]:
                 raise KeyboardInterrupt
     return results
 
 
-def run_reference(opts: Options, spec: RunSpec, tokens: int) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+def run_reference(
+    opts: Options, spec: RunSpec, tokens: int
+) -> tuple[dict[str, Any], list[tuple[int, float]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(opts.reference_threads)
     step_tokens = spec.batch.target_batch_size * spec.model.seq_len
@@ -501,16 +649,31 @@ def run_reference(opts: Options, spec: RunSpec, tokens: int) -> tuple[dict[str, 
         nonlocal last
         if time.monotonic() - last >= opts.progress_s:
             last = time.monotonic()
-            _progress(f"[reference] step {point.step}  {point.tokens} tokens  val {point.val_loss:.4f}  "
-                      f"{point.train_seconds:.0f}s of training")
+            _progress(
+                f"[reference] step {point.step}  {point.tokens} tokens  val {point.val_loss:.4f}  "
+                f"{point.train_seconds:.0f}s of training"
+            )
 
     try:
-        result = train_reference(spec, tokens, opts.data_seed, log_every=step_tokens, on_point=show,
-                                 update_lag=opts.update_lag, val_windows=opts.eval_windows, landed_val=True)
+        result = train_reference(
+            spec,
+            tokens,
+            opts.data_seed,
+            log_every=step_tokens,
+            on_point=show,
+            update_lag=opts.update_lag,
+            val_windows=opts.eval_windows,
+            landed_val=True,
+        )
     finally:
         torch.set_num_threads(threads)
-    curve = [(p.tokens, p.val_loss if p.val_loss_landed is None else p.val_loss_landed) for p in result.curve]
-    at_budget = next(i for i, p in enumerate(result.curve) if p.tokens >= opts.tokens or p is result.curve[-1])
+    curve = [
+        (p.tokens, p.val_loss if p.val_loss_landed is None else p.val_loss_landed)
+        for p in result.curve
+    ]
+    at_budget = next(
+        i for i, p in enumerate(result.curve) if p.tokens >= opts.tokens or p is result.curve[-1]
+    )
     return {
         "tokens_per_s": round(result.tokens_per_second, 1),
         "val_loss": round(curve[at_budget][1], 4),  # the last update landed
@@ -523,17 +686,29 @@ def run_reference(opts: Options, spec: RunSpec, tokens: int) -> tuple[dict[str, 
     }, curve
 
 
-def build_report(opts: Options, spec: RunSpec, reference: dict[str, Any], curve: Sequence[tuple[int, float]],
-                 results: list[dict[str, Any]]) -> dict[str, Any]:
+def build_report(
+    opts: Options,
+    spec: RunSpec,
+    reference: dict[str, Any],
+    curve: Sequence[tuple[int, float]],
+    results: list[dict[str, Any]],
+) -> dict[str, Any]:
     match_reference(results, curve)
     return {
         "reference": reference,
         "results": results,
         "targets": check_targets(results),
         "meta": {
-            "run": spec.name, "run_id": spec.run_id, "stages": spec.n_stages, "replicas": opts.replicas,
-            "tokens": opts.tokens, "eval_windows": opts.eval_windows, "update_lag": opts.update_lag,
-            "reference_threads": opts.reference_threads, "data_seed": opts.data_seed, "sets": list(opts.sets),
+            "run": spec.name,
+            "run_id": spec.run_id,
+            "stages": spec.n_stages,
+            "replicas": opts.replicas,
+            "tokens": opts.tokens,
+            "eval_windows": opts.eval_windows,
+            "update_lag": opts.update_lag,
+            "reference_threads": opts.reference_threads,
+            "data_seed": opts.data_seed,
+            "sets": list(opts.sets),
             "quick": opts.quick,
         },
     }
@@ -557,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = run_configurations(opts, spec, Path(tmp))
         measured = [r["tokens_at_eval_end"] for r in results if r.get("val_loss") is not None]
         reach = max([opts.tokens, *measured])
-        _progress(f"[reference] training {reach} tokens (the most any swarm reached, at least --tokens)")
+        _progress(
+            f"[reference] training {reach} tokens (the most any swarm reached, at least --tokens)"
+        )
         reference, curve = run_reference(opts, spec, reach)
     except KeyboardInterrupt:
         _progress("interrupted")
