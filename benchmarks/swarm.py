@@ -87,7 +87,8 @@ from wanswarm.node.config.runspec import (
     parse_run_spec,
 )
 from wanswarm.node.errors import NodeError
-from wanswarm.node.tools.demo import DemoError, DemoOptions, run_swarm
+from wanswarm.node.tools.demo import DemoOptions, run_swarm
+from wanswarm.node.tools.demo_daemons import DemoError
 from wanswarm.node.tools.reference_training import CurvePoint, train_reference
 from wanswarm.transport.codecs import parse_codec
 from wanswarm.transport.errors import CodecError

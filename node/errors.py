@@ -19,8 +19,8 @@ statuses: ``ConfigError`` is 2 (a usage error), everything else 1. The tree::
     ├── CheckpointError              a stage checkpoint that does not fit the stage (checkpoint.py)
     ├── StateTransferError           no donor could serve the stage's state (state_plan.py)
     ├── BadReply                     a server's reply broke the protocol (protocol.py)
-    ├── HopFailed                    a hop failed on every attempt (trainer.py)
-    ├── DemoError                    the demo swarm could not start or lost a daemon (demo.py)
+    ├── HopFailed                    a hop failed on every attempt (hops.py)
+    ├── DemoError                    the demo swarm did not start or lost a daemon (demo_daemons.py)
     ├── LabError                     the network lab could not be built or used (netlab.py)
     └── ControlError                 the control socket (``wanswarm status`` / ``leave``)
         ├── DaemonNotRunning         nothing listens on the control socket

@@ -27,7 +27,9 @@ from .config.runspec import RunSpec, RunSpecError, default_run_spec, load_run_sp
 from .endpoint import EndpointComponent
 from .errors import JoinError
 from .stage.placement import ServerComponent
-from .training.trainer import ServerInfo, Trainer, TrainerConfig, servers_from_peers
+from .training.servers import ServerInfo, servers_from_peers
+from .training.trainer import Trainer
+from .training.trainer_config import TrainerConfig
 
 
 def run_spec_of(config: NodeConfig) -> RunSpec:

@@ -42,6 +42,10 @@ packet_number)``) and reports sends, ACKs, losses and expiries by key. The contr
 keeps the per-packet state that rate sampling needs and is the authority on
 ``bytes_in_flight``. See congestion_adapter.py for the adapter and congestion_control.py for
 how aioquic runs and paces it.
+
+The controller stays one module, past 600 lines, because the model, the congestion signals
+and the state machine read and write one set of per-packet and per-round state on every ACK:
+split apart, that state would become an interface between them.
 """
 
 from __future__ import annotations

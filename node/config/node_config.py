@@ -31,8 +31,8 @@ from ..logs import LogConfig
 from ..membership.prober import ProberConfig
 from ..metrics import MetricsConfig
 from ..stage.averaging import AveragingConfig
-from ..stage.server import StageServerConfig
-from ..training.trainer import TrainerConfig
+from ..stage.server_config import StageServerConfig
+from ..training.trainer_config import TrainerConfig
 from .layers import (
     ENV_PREFIX,
     Override,

@@ -1,4 +1,4 @@
-"""How a stage's replicas step together: the hivemind.Optimizer adapter (and a solo twin).
+"""How a stage's replicas step together: the hivemind.Optimizer adapter.
 
 Every server of stage ``s`` accumulates gradients from the micro-batches it serves; when the
 whole collaboration of that stage has accumulated ``target_batch_size`` samples, the
@@ -43,21 +43,15 @@ for the replicas).
 
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
-``OptimizerSpec.lr_multiplier(local_epoch)``.
+``OptimizerSpec.lr_multiplier(local_epoch)``. The AdamW, the schedule and the
+:class:`~.optimizer.StageOptimizer` contract this class keeps are optimizer.py's, shared with
+the solo ``LocalOptimizer``.
 
-``LocalOptimizer`` is the same contract for a stage with no peers to average with (a solo
-run, the in-process pipeline and tests): it accumulates to ``target_batch_size`` and steps.
-
-Checkpoints. ``export_state`` returns the stage's state as named CPU tensors (the module's
-state_dict and the optimizer's state, named as in checkpoint.py) plus JSON-able optimizer
-metadata; ``import_state`` installs such a state, all or nothing: names, shapes, dtypes and
-param_groups are checked first (``CheckpointError``), then parameters, optimizer state,
-hyperparameters, the lr schedule and the epoch are set. Both optimizers number parameters
-the same way (torch's state_dict order over ``param_groups``), so either reads the other's
-checkpoints. The hivemind side mirrors ``hivemind.Optimizer.load_state_from_peers``: the
-offloaded main parameters and optimizer state are written under the averager's lock, copied
-into the served module, and the tracker reports the imported epoch so that the replica
-counts (and shares its state) as being at that epoch.
+Checkpoints. ``export_state`` and ``import_state`` behave as optimizer.py describes, on
+hivemind's offloaded main parameters and optimizer state. ``import_state`` mirrors
+``hivemind.Optimizer.load_state_from_peers``: those tensors are written under the
+averager's lock, copied into the served module, and the tracker reports the imported epoch
+so that the replica counts (and shares its state) as being at that epoch.
 """
 
 from __future__ import annotations
@@ -66,7 +60,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
 from functools import partial
 from typing import Any, Literal, Protocol
 
@@ -74,10 +67,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from ..config.runspec import OptimizerSpec, RunSpec
+from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..training.model import param_groups
-from .checkpoint import (
+from .optimizer import make_adamw, make_schedule, set_schedule_epoch
+from .state_tensors import (
     MODEL_PREFIX,
     check_fits,
     checked_epoch,
@@ -201,228 +195,9 @@ class OptimizerHost(Protocol):
         """A ``hivemind.Optimizer`` on this DHT; ``options`` are its arguments but ``dht``."""
 
 
-class StageOptimizer(Protocol):
-    """What a stage server needs from its optimizer. Every method runs on the device thread."""
-
-    def step(self, batch_size: int) -> None:
-        """``batch_size`` samples' gradients were added to ``.grad``: take them (and clear them)."""
-
-    def step_if_due(self) -> bool:
-        """Called periodically while no micro-batch arrives: take the collaboration's epoch step
-        if it is due (a synchronous all-reduce needs every replica, busy or not); True if
-        this replica stepped."""
-
-    def load_state_from_peers(self) -> bool:
-        """Download the stage's state from its peers; False if there was nobody to ask."""
-
-    @property
-    def local_epoch(self) -> int:
-        """Optimizer steps taken (the collaboration's epoch this replica is at)."""
-
-    @property
-    def samples_accumulated(self) -> int:
-        """Samples accumulated by this replica in the current epoch."""
-
-    @property
-    def num_peers(self) -> int:
-        """Replicas of the stage that reported progress recently (this one included)."""
-
-    def is_synchronized(self) -> bool:
-        """Whether this replica is at the collaboration's epoch (or one behind)."""
-
-    def flush(self) -> None:
-        """Wait for background averaging or steps and apply their results."""
-
-    def shutdown(self) -> None:
-        """Leave the collaboration; the optimizer is unusable afterwards."""
-
-    def background_busy(self) -> bool:
-        """Whether a background averaging round or delayed step is still running (so that
-        ``export_state`` would wait for it)."""
-
-    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-        """``(epoch, tensors, meta)``: the stage's state as private CPU copies (see
-        checkpoint.py)."""
-
-    def import_state(
-        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-    ) -> None:
-        """Install a state from ``export_state`` (possibly another replica's); ``CheckpointError``
-        before anything changes when it does not fit."""
-
-
-# ---------------------------------------------------------------------------- shared parts
-
-
-class ClippedAdamW(torch.optim.AdamW):
-    """AdamW that clips the global gradient norm of all its parameters before each step."""
-
-    def __init__(self, params: Iterable[Any], *, max_grad_norm: float, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self.max_grad_norm = max_grad_norm
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        if self.max_grad_norm > 0:
-            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
-        return super().step(closure)
-
-
-def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
-    """AdamW for one stage with its state already initialized, without changing parameters.
-
-    hivemind needs optimizer state tensors up front (it averages and ships them) and would
-    otherwise create them with a real zero-gradient step, which applies weight decay once.
-    We create them with a step at lr = 0 and reset the step counters, which leaves both the
-    parameters and Adam's bias correction exactly as if no step had happened.
-    """
-    opt = ClippedAdamW(groups, max_grad_norm=spec.grad_clip, **spec.adamw_kwargs())
-    saved = []
-    for group in opt.param_groups:
-        saved.append(group["lr"])
-        group["lr"] = 0.0
-        for p in group["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    torch.optim.AdamW.step(opt)  # unclipped: the gradients are zero anyway
-    for group, lr in zip(opt.param_groups, saved, strict=False):
-        group["lr"] = lr
-        for p in group["params"]:
-            opt.state[p]["step"].zero_()
-    return opt
-
-
-def make_schedule(
-    spec: OptimizerSpec, opt: torch.optim.Optimizer
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup then cosine or constant: step k (0-based) runs at lr * lr_multiplier(k)."""
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, spec.lr_multiplier)
-    # hivemind fast-forwards the schedule to the epoch of a downloaded state before any
-    # optimizer step of this process; torch would warn that the schedule "skipped" its first
-    # value, which is exactly what we want there (the state did take those steps elsewhere)
-    opt._opt_called = True  # type: ignore[attr-defined]
-    return schedule
-
-
-def set_schedule_epoch(schedule: Any, opt: torch.optim.Optimizer, epoch: int) -> None:
-    """Put a LambdaLR at ``epoch`` as if it had stepped once per epoch (hivemind's convention,
-    ``_update_scheduler``), keeping the learning rates already in ``opt.param_groups``."""
-    schedule.last_epoch = epoch
-    schedule._step_count = epoch + 1
-    schedule._last_lr = [group["lr"] for group in opt.param_groups]
-
-
 def averaging_run_id(spec: RunSpec, stage: int) -> str:
     """hivemind run id of a stage's collaboration: ``{name}_{run_id}_stage{s}`` (no dots)."""
     return f"{spec.name}_{spec.run_id}_stage{stage}"
-
-
-# ---------------------------------------------------------------------------- solo
-
-
-class LocalOptimizer:
-    """A stage's optimizer with nobody to average with: accumulate, then step (same contract).
-
-    Accumulation mirrors hivemind's GradientAverager: each micro-batch's gradient is added
-    with weight ``batch_size / first_batch_size`` and the sum is divided by the number of
-    micro-batches, so one step sees the mean gradient of ``target_batch_size`` samples.
-    """
-
-    def __init__(self, module: nn.Module, spec: RunSpec) -> None:
-        self._module = module
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._target = spec.batch.target_batch_size
-        self._opt = make_adamw(spec.optimizer, param_groups(module, spec.optimizer.weight_decay))
-        for p in self._params:
-            p.grad = None  # make_adamw left zero gradients behind
-        self._schedule = make_schedule(spec.optimizer, self._opt)
-        self._acc = [torch.zeros_like(p) for p in self._params]
-        self._samples = 0
-        self._times = 0
-        self._anchor: int | None = None
-        self._epoch = 0
-
-    @torch.no_grad()
-    def step(self, batch_size: int) -> None:
-        if self._anchor is None:
-            self._anchor = batch_size
-        alpha = batch_size / self._anchor
-        for p, acc in zip(self._params, self._acc, strict=False):
-            if p.grad is not None:
-                acc.add_(p.grad, alpha=alpha)
-                p.grad = None
-        self._samples += batch_size
-        self._times += 1
-        if self._samples < self._target:
-            return
-        for p, acc in zip(self._params, self._acc, strict=False):
-            p.grad = acc.div_(self._times)
-        self._opt.step()
-        self._schedule.step()
-        self._epoch += 1
-        for p, acc in zip(self._params, self._acc, strict=False):
-            p.grad = None
-            acc.zero_()
-        self._samples = self._times = 0
-        self._anchor = None
-
-    def step_if_due(self) -> bool:
-        return False  # no peers: its own micro-batches complete each epoch
-
-    def load_state_from_peers(self) -> bool:
-        return False
-
-    @property
-    def local_epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def samples_accumulated(self) -> int:
-        return self._samples
-
-    @property
-    def num_peers(self) -> int:
-        return 1
-
-    def is_synchronized(self) -> bool:
-        return True
-
-    def flush(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-    def background_busy(self) -> bool:
-        return False
-
-    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-        live = module_tensors(self._module) | optimizer_tensors(self._opt)
-        return self._epoch, snapshot(live), optimizer_meta(self._opt)
-
-    @torch.no_grad()
-    def import_state(
-        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-    ) -> None:
-        epoch = checked_epoch(epoch)
-        live = module_tensors(self._module) | optimizer_tensors(self._opt)
-        check_fits(live, tensors)
-        groups = checked_param_groups(self._opt, meta)
-        for name, tensor in live.items():
-            tensor.copy_(tensors[name])
-        for group, values in zip(self._opt.param_groups, groups, strict=True):
-            group.update(values)
-        set_schedule_epoch(self._schedule, self._opt, epoch)
-        self._epoch = epoch
-        for p, acc in zip(self._params, self._acc, strict=True):
-            p.grad = None
-            acc.zero_()  # gradients accumulated toward the old epoch do not carry over
-        self._samples = self._times = 0
-        self._anchor = None
-
-
-# ---------------------------------------------------------------------------- hivemind
 
 
 def _compression(name: CompressionName) -> Any:

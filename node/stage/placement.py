@@ -49,7 +49,8 @@ from .selection import (
     plan_rebalance,
     resume_stage,
 )
-from .server import StageServer, StageServerConfig
+from .server import StageServer
+from .server_config import StageServerConfig
 
 log = get_logger(__name__)
 

@@ -12,7 +12,7 @@ donors, a donor that fails part-way is replaced without losing the chunks alread
 verified) and installs it with ``import_state`` before it announces ``online``. When no
 donor is known, or the download fails, it falls back to hivemind's own
 ``load_state_from_peers`` (one donor at a time), which also covers peers that are in the
-averaging group but not yet in our peer table. The checkpoint decision (checkpoint.py)
+averaging group but not yet in our peer table. The checkpoint decision (checkpointer.py)
 comes after either.
 """
 
@@ -26,8 +26,9 @@ from typing import Any
 
 from ...transport.endpoint import PeerAddress
 from ..logs import get_logger
-from .averaging import AveragingError, StageOptimizer
+from .averaging import AveragingError
 from .checkpoint import CheckpointError
+from .optimizer import StageOptimizer
 from .state_donor import (
     StateDonor,
 )

@@ -21,6 +21,10 @@ this process and returns the figures as a dict instead of an exit status (what
 ``benchmarks/swarm.py`` calls): the ``--json`` line's fields plus the traffic of the training
 phase (trainer payload bytes and hops, QUIC bytes of every endpoint) and the tokens the
 trainers had completed when the final evaluation ended (they keep training while it runs).
+
+This module runs that sequence; the daemons' processes (settings, WAN emulators, polling,
+stopping) are demo_daemons.py's, and the figures read from their statuses (totals, traffic,
+the per-stage table) are demo_figures.py's.
 """
 
 from __future__ import annotations
@@ -32,27 +36,23 @@ import math
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..config.runspec import RunSpecError
-from ..control import ControlClient
 from ..errors import NodeError
 from ..logs import get_logger
+from . import demo_figures
+from .demo_daemons import DemoDaemon, DemoError, check_alive, spawn_daemon, stop_daemons
 
 log = get_logger(__name__)
 
 PROGRESS_PERIOD_S = 2.0  # status polls
 PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
 STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
-SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
-DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see _spawn_daemon)
 # Training time of the default demo: start-up, two evaluations and shutdown took 86 s more
 # (6 daemons, 2 idle cores), so the whole demo stays under 10 minutes with a minute to spare;
 # the validation loss passed 2.5 after about 340 s of training (docs/tiny_run.md).
@@ -68,10 +68,6 @@ JSON_FIELDS = (
     "elapsed_s",
     "epoch",
 )
-
-
-class DemoError(NodeError):
-    """The demo swarm could not start or lost its daemons."""
 
 
 @dataclass(frozen=True)
@@ -97,26 +93,6 @@ class DemoOptions:
     label: str = ""  # prefix of every line written (e.g. a benchmark's configuration)
 
 
-@dataclass
-class _Node:
-    index: int
-    state_dir: Path
-    proc: subprocess.Popen[bytes]
-    log_file: Path
-    emulator: subprocess.Popen[bytes] | None = None
-    status: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def client(self) -> ControlClient:
-        return ControlClient(self.state_dir / "control.sock", timeout=5.0)
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Demo:
     def __init__(self, options: DemoOptions, out: TextIO = sys.stdout) -> None:
         from ..config.runspec import default_run_spec, load_run_spec
@@ -132,7 +108,7 @@ class Demo:
             raise DemoError(str(exc)) from None
         self.n_daemons = options.replicas * self.spec.n_stages
         self.root = Path(tempfile.mkdtemp(prefix="wanswarm-demo-", dir=options.root))
-        self.nodes: list[_Node] = []
+        self.nodes: list[DemoDaemon] = []
         self.stop = asyncio.Event()
         self.tty = out.isatty() and not options.json and options.progress_period_s is None
         self.traffic_start: dict[str, Any] = {}  # traffic() when training starts (set by train)
@@ -157,120 +133,23 @@ class Demo:
 
     # ---- processes ----------------------------------------------------------------
 
-    def _spawn_daemon(self, index: int, initial: list[str]) -> _Node:
-        state_dir = self.root / f"node{index}"
-        state_dir.mkdir(mode=0o700)
-        log_file = self.root / f"node{index}.log"
-        emulator = None
-        quic_port = 0
-        sets = [
-            f"node.shutdown_timeout={SHUTDOWN_TIMEOUT_S}",
-            # the layout is known here: daemon i serves stage i mod S, so every stage gets its
-            # replicas and all daemons but the first start at once (no claim to wait for)
-            f"node.stage={index % self.spec.n_stages}",
-            "node.record_ttl=15",
-            "node.membership_period=5",
-            # micro-batches in flight over the whole swarm make gradients stale by about
-            # (in flight / micro-batches per step) epochs: one per trainer keeps that small
-            f"trainer.max_in_flight={DEMO_MAX_IN_FLIGHT}",
-            "trainer.request_timeout_s=15",  # loopback: a hop that takes longer is stuck
-            # each trainer completes only ~100 micro-batches in the demo: a slower average would
-            # show the loss of minutes ago in the progress line
-            "trainer.loss_ewma_alpha=0.2",
-            "averaging.matchmaking_time=2",  # loopback: peers answer at once
-            # Synchronous steps: the demo's few, large-lr steps lose more to one epoch of
-            # staleness (delayed updates: val loss 2.99 after 237k tokens) than the swarm loses
-            # to the all-reduce stall (2.70 after 209k tokens, single-process reference 2.57);
-            # docs/tiny_run.md has the figures.
-            "averaging.delayed_updates=false",
-            # on a loaded machine a peer's chunk can take seconds; dropping it from the round
-            # would leave the replicas with different averages
-            "averaging.next_chunk_timeout=10",
-            # parameters are averaged every 5th epoch: the gradient all-reduce already keeps the
-            # replicas together, and each averaging round costs DHT matchmaking on 2 shared cores
-            "averaging.average_state_every=5",
-        ]
-        if self.spec_path is not None:
-            sets.append(f"node.run_spec={self.spec_path}")
-        if self.options.data_seed is not None:
-            sets.append(f"trainer.data_seed={self.options.data_seed + index}")
-        if self.options.wan is not None:
-            quic_port = _free_udp_port()
-            emulator = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "wanswarm.transport.wan",
-                    "--profile",
-                    self.options.wan,
-                    "--target",
-                    f"127.0.0.1:{quic_port}",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--seed",
-                    str(index),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            assert emulator.stdout is not None
-            line = emulator.stdout.readline().decode()  # its first line: the bound address
-            try:
-                host, _, port = json.loads(line)["address"].rpartition(":")
-            except (ValueError, KeyError) as exc:
-                emulator.kill()
-                raise DemoError(f"WAN emulator did not start: {line!r}") from exc
-            sets += [f"node.announce_host={host}", f"node.announce_port={port}"]
-        cmd = [
-            sys.executable,
-            "-m",
-            "wanswarm.node.cli",
-            "join",
-            "--state-dir",
-            str(state_dir),
-            "--host",
-            "127.0.0.1",
-            "--dht-port",
-            "0",
-            "--quic-port",
-            str(quic_port),
-            "--run",
-            "demo",
-        ]
-        for item in [*sets, *self.options.extra]:
-            cmd += ["--set", item]
-        if initial:
-            cmd += ["--initial-peers", *initial]
-        # one compute thread per daemon: several daemons share the machine's cores
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        with open(log_file, "wb") as sink:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=env,
-            )
-        node = _Node(index, state_dir, proc, log_file, emulator)
-        self.nodes.append(node)
-        return node
+    def _spawn_daemon(self, index: int, initial: list[str]) -> DemoDaemon:
+        daemon = spawn_daemon(
+            self.root,
+            index,
+            initial,
+            n_stages=self.spec.n_stages,
+            spec_path=self.spec_path,
+            data_seed=self.options.data_seed,
+            wan=self.options.wan,
+            extra=self.options.extra,
+        )
+        self.nodes.append(daemon)
+        return daemon
 
-    async def _poll(self, node: _Node) -> dict[str, Any] | None:
-        if node.proc.poll() is not None:
-            return None
-        try:
-            report = await asyncio.to_thread(lambda: node.client.status())
-        except NodeError:
-            return None
-        node.status = report.model_dump(mode="json")
-        return node.status
+    def _statuses(self) -> list[dict[str, Any]]:
+        """Every daemon's last polled status (``{}`` before its first answer)."""
+        return [n.status for n in self.nodes]
 
     async def _until(self, what: str, check: Any, timeout: float) -> Any:
         """Poll ``check()`` (async, returns a value or None) until it answers; DemoError on
@@ -278,7 +157,7 @@ class Demo:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            self._check_alive()
+            check_alive(self.nodes)
             value = await check()
             if value is not None:
                 return value
@@ -288,16 +167,6 @@ class Demo:
                 raise DemoError("interrupted")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), 0.5)
-
-    def _check_alive(self) -> None:
-        for node in self.nodes:
-            code = node.proc.poll()
-            if code is not None:
-                tail = node.log_file.read_text(errors="replace").strip().splitlines()[-5:]
-                raise DemoError(
-                    f"daemon {node.index} exited with status {code}; its log ends:\n  "
-                    + "\n  ".join(tail)
-                )
 
     async def start_swarm(self) -> None:
         wan = f" behind WAN emulators ({self.options.wan})" if self.options.wan else ""
@@ -309,7 +178,7 @@ class Demo:
         first = self._spawn_daemon(0, [])
 
         async def bootstrap() -> list[str] | None:
-            status = await self._poll(first)
+            status = await first.poll()
             return status["dht_addrs"] if status and status["dht_addrs"] else None
 
         initial = await self._until("the first daemon's DHT", bootstrap, STARTUP_TIMEOUT_S)
@@ -320,7 +189,7 @@ class Demo:
         self.say(f"swarm online: stages {stages}")
 
     async def _all_online(self) -> bool | None:
-        statuses = await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        statuses = await asyncio.gather(*(n.poll() for n in self.nodes))
         if any(s is None or s["state"] != "online" for s in statuses):
             return None
         served = {
@@ -332,50 +201,9 @@ class Demo:
         return True if served >= set(range(self.spec.n_stages)) else None
 
     async def shutdown(self) -> None:
-        for node in self.nodes:
-            if node.proc.poll() is None:
-                node.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 15
-        for node in self.nodes:
-            left = max(0.1, deadline - time.monotonic())
-            try:
-                await asyncio.to_thread(node.proc.wait, left)
-            except subprocess.TimeoutExpired:
-                self.say(f"daemon {node.index} did not leave in time: killing it")
-                node.proc.kill()
-                await asyncio.to_thread(node.proc.wait, 10)
-            if node.emulator is not None and node.emulator.poll() is None:
-                node.emulator.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(node.emulator.wait, 10)
-                except subprocess.TimeoutExpired:
-                    node.emulator.kill()
+        await stop_daemons(self.nodes, self.say)
 
     # ---- evaluation ---------------------------------------------------------------
-
-    def _servers(self) -> dict[int, list[Any]]:
-        from ..training.trainer import ServerInfo
-
-        out: dict[int, list[Any]] = {}
-        for node in self.nodes:
-            status = node.status
-            server = status.get("components", {}).get("stage_server", {})
-            addr = status.get("quic_addr")
-            if not server or addr is None or node.proc.poll() is not None:
-                continue
-            host, _, port = addr.rpartition(":")
-            out.setdefault(server["stage"], []).append(
-                ServerInfo(
-                    peer_id=status["peer_id"],
-                    host=host.strip("[]"),
-                    port=int(port),
-                    throughput=server["throughput"],
-                    queue_len=server["queue"],
-                    state=server["state"],
-                    rtt=None,
-                )
-            )
-        return out
 
     async def evaluate(self) -> float:
         """Mean validation loss (nats/byte) through the swarm, from a client of our own."""
@@ -383,12 +211,15 @@ class Demo:
         from ...transport.endpoint import Endpoint
         from ...transport.identity import Identity
         from ..training.data import validation_set
-        from ..training.trainer import Trainer, TrainerConfig
+        from ..training.trainer import Trainer
+        from ..training.trainer_config import TrainerConfig
 
-        await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        await asyncio.gather(*(n.poll() for n in self.nodes))
         inputs, targets = await asyncio.to_thread(validation_set, self.spec)
         n = min(self.options.eval_windows, int(inputs.shape[0]))
-        servers = self._servers()
+        servers = demo_figures.stage_servers(
+            [daemon.status for daemon in self.nodes if daemon.proc.poll() is None]
+        )
         async with Endpoint(
             Identity.generate(), TransportConfig(host="127.0.0.1", port=0)
         ) as endpoint:
@@ -407,57 +238,10 @@ class Demo:
 
     # ---- training -----------------------------------------------------------------
 
-    def _totals(self) -> dict[str, Any]:
-        trainers = [
-            n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status
-        ]
-        servers = [
-            n.status.get("components", {}).get("stage_server", {}) for n in self.nodes if n.status
-        ]
-        losses = [t["loss_ewma"] for t in trainers if t.get("loss_ewma") is not None]
-        return {
-            "tokens": sum(t.get("tokens", 0) for t in trainers),
-            "tokens_per_s": sum(t.get("tokens_per_s", 0.0) for t in trainers),
-            "loss": sum(losses) / len(losses) if losses else None,
-            "epoch": max((s.get("epoch", 0) for s in servers), default=0),
-            "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in trainers),
-            "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
-        }
-
     def traffic(self) -> dict[str, Any]:
-        """Cumulative traffic counters summed over the daemons (from their last polled status).
-
-        Trainer payload bytes count the encoded tensors of every successful hop, both
-        directions, as the trainers' status reports them; hops are successful hops per stage;
-        QUIC bytes are UDP payload bytes of every daemon's endpoint (trainer and server
-        traffic, FEC repair symbols, retransmissions, acknowledgements and pings included).
-        """
-        trainers = [
-            n.status.get("components", {}).get("trainer", {}) for n in self.nodes if n.status
-        ]
-        endpoints = [
-            n.status.get("components", {}).get("endpoint", {}) for n in self.nodes if n.status
-        ]
-        hops = [0] * self.spec.n_stages
-        for t in trainers:
-            for stage, count in t.get("hops", {}).items():
-                if 0 <= int(stage) < len(hops):
-                    hops[int(stage)] += int(count)
-        return {
-            "tokens": sum(t.get("tokens", 0) for t in trainers),
-            "payload_bytes_sent": sum(t.get("payload_bytes", {}).get("sent", 0) for t in trainers),
-            "payload_bytes_received": sum(
-                t.get("payload_bytes", {}).get("received", 0) for t in trainers
-            ),
-            "hops": hops,
-            "retried_hops": sum(t.get("retried_hops", 0) for t in trainers),
-            "cache_misses": sum(t.get("cache_misses", 0) for t in trainers),
-            "failed_micro_batches": sum(
-                t.get("micro_batches", {}).get("failed", 0) for t in trainers
-            ),
-            "quic_bytes_out": sum(e.get("bytes_out") or 0 for e in endpoints),
-            "quic_bytes_in": sum(e.get("bytes_in") or 0 for e in endpoints),
-        }
+        """Cumulative traffic counters summed over the daemons, from their last polled status
+        (``demo_figures.traffic``)."""
+        return demo_figures.traffic(self._statuses(), self.spec.n_stages)
 
     async def train(self) -> tuple[float, int]:
         """Show progress until the budget, the duration or a stop; (seconds, tokens at the start).
@@ -465,23 +249,17 @@ class Demo:
         ``self.traffic_start`` and ``self.traffic_end`` hold ``traffic()`` at both ends.
         """
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        await asyncio.gather(*(n.poll() for n in self.nodes))
         started = loop.time()
         last_line = -math.inf
-        base = self._totals()["tokens"]
+        base = demo_figures.totals(self._statuses())["tokens"]
         self.traffic_start = self.traffic()
         while not self.stop.is_set():
-            self._check_alive()
-            await asyncio.gather(*(self._poll(n) for n in self.nodes))
-            t = self._totals()
+            check_alive(self.nodes)
+            await asyncio.gather(*(n.poll() for n in self.nodes))
+            t = demo_figures.totals(self._statuses())
             elapsed = loop.time() - started
-            loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
-            line = (
-                f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
-                f"{t['tokens'] / 1e3:>7.0f}k tokens  "
-                f"{t['completed']} micro-batches ({t['failed']} failed)  "
-                f"{elapsed:>5.0f}s / {self.options.duration_s:.0f}s"
-            )
+            line = demo_figures.progress_line(t, elapsed, self.options.duration_s)
             if self.tty:
                 self.out.write(
                     "\r"
@@ -501,44 +279,9 @@ class Demo:
         if self.tty:
             self.out.write("\n")
         elapsed = loop.time() - started
-        await asyncio.gather(*(self._poll(n) for n in self.nodes))
+        await asyncio.gather(*(n.poll() for n in self.nodes))
         self.traffic_end = self.traffic()
         return elapsed, base
-
-    def stage_table(self) -> list[dict[str, Any]]:
-        rows = []
-        for stage in range(self.spec.n_stages):
-            members = [n for n in self.nodes if n.status.get("stage") == stage]
-            ids = {n.status["peer_id"] for n in members}
-            rtts = [
-                p["rtt_ms"]
-                for n in self.nodes
-                for p in n.status.get("peers", [])
-                if p["peer_id"] in ids and p.get("rtt_ms") is not None
-            ]
-            comp = [n.status.get("components", {}) for n in members]
-            rows.append(
-                {
-                    "stage": stage,
-                    "peers": len(members),
-                    "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
-                    "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
-                    "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
-                    # device-thread seconds, summed over the stage's servers: running requests, and
-                    # inside the optimizer, from requests or the periodic step check (a synchronous
-                    # step waits there for the all-reduce)
-                    "compute_s": round(
-                        sum(c.get("stage_server", {}).get("compute_s", 0.0) for c in comp), 1
-                    ),
-                    "optimizer_s": round(
-                        sum(c.get("stage_server", {}).get("optimizer_s", 0.0) for c in comp), 1
-                    ),
-                    "epoch": max(
-                        (c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0
-                    ),
-                }
-            )
-        return rows
 
     async def measure(self) -> dict[str, Any]:
         """Start the swarm, evaluate, train, evaluate again; the figures (DemoError on failure).
@@ -550,41 +293,18 @@ class Demo:
         val_start = await self.evaluate()
         self.say(f"validation loss at start: {val_start:.3f} nats/byte")
         elapsed, start_tokens = await self.train()
-        totals = self._totals()
+        totals = demo_figures.totals(self._statuses())
         val_end = await self.evaluate()
-        tokens_at_eval_end = self._totals()[
-            "tokens"
-        ]  # evaluate() polled: trainers went on meanwhile
+        # evaluate() polled: trainers went on meanwhile
+        tokens_at_eval_end = demo_figures.totals(self._statuses())["tokens"]
         self.say(
             f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
             f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}"
         )
-        rows = self.stage_table()
-        self.say(
-            f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} "
-            f"{'device s':>9} {'in step s':>9} {'epoch':>6}"
-        )
-        for r in rows:
-            rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
-            self.say(
-                f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} "
-                f"{_bytes(r['bytes_sent']):>12} "
-                f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}"
-            )
-        self.say(
-            "(device s: seconds the stage's servers ran requests, summed; in step s: seconds "
-            "inside the optimizer, from requests and from the periodic step check, where a "
-            "synchronous step waits for the stage's all-reduce)"
-        )
-        start, end = self.traffic_start, self.traffic_end
-        training = {
-            key: (
-                [b - a for a, b in zip(start[key], end[key], strict=True)]
-                if isinstance(start[key], list)
-                else end[key] - start[key]
-            )
-            for key in start
-        }
+        rows = demo_figures.stage_rows(self._statuses(), self.spec.n_stages)
+        for line in demo_figures.stage_table(rows):
+            self.say(line)
+        training = demo_figures.traffic_delta(self.traffic_start, self.traffic_end)
         return {
             # the fields of the --json line
             "val_loss_start": round(val_start, 4),
@@ -654,14 +374,6 @@ class Demo:
         self.say("\ninterrupted: stopping")
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)
-
-
 def run_demo(options: DemoOptions) -> int:
     """Run the demo to the end; returns the exit status (0 done, 1 failure, 130 interrupted)."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -679,4 +391,4 @@ def run_swarm(options: DemoOptions, out: TextIO = sys.stderr) -> dict[str, Any]:
     return asyncio.run(Demo(options, out).run_to_result())
 
 
-__all__ = ["JSON_FIELDS", "Demo", "DemoError", "DemoOptions", "run_demo", "run_swarm"]
+__all__ = ["JSON_FIELDS", "Demo", "DemoOptions", "run_demo", "run_swarm"]

@@ -14,6 +14,7 @@ check the same export/import contract.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import signal
 import threading
@@ -34,10 +35,9 @@ from wanswarm.node.stage.averaging import (
     AveragingConfig,
     AveragingError,
     CollaborativeOptimizer,
-    LocalOptimizer,
     averaging_run_id,
-    make_adamw,
 )
+from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
 from wanswarm.node.training.model import build_stage, param_groups
 
 from tests.waiting import wait_for
@@ -134,6 +134,21 @@ def test_collaborative_optimizer_refuses_worker_threads() -> None:
     t.start()
     t.join(timeout=10)
     assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+@pytest.fixture(autouse=True)
+def _close_default_loop() -> Any:
+    """hivemind's MPFuture calls ``asyncio.get_event_loop()`` in this thread, which outside a
+    running loop creates and installs a default loop that nothing closes: close it after each
+    test, so that its sockets do not reach the garbage collector at the end of the session."""
+    yield
+    try:
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        return
+    asyncio.set_event_loop(None)
+    if not loop.is_running():
+        loop.close()
 
 
 def _daemon_sigint(signum: int, frame: object) -> None:

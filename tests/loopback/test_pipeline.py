@@ -31,10 +31,13 @@ from wanswarm.node.config.runspec import (
     RunSpec,
     StagesSpec,
 )
-from wanswarm.node.stage.averaging import LocalOptimizer
-from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.stage.optimizer import LocalOptimizer
+from wanswarm.node.stage.server import StageServer
+from wanswarm.node.stage.server_config import StageServerConfig
 from wanswarm.node.training.data import TrainStream, validation_set
-from wanswarm.node.training.trainer import ServerInfo, Trainer, TrainerConfig
+from wanswarm.node.training.servers import ServerInfo
+from wanswarm.node.training.trainer import Trainer
+from wanswarm.node.training.trainer_config import TrainerConfig
 from wanswarm.transport.config import TransportConfig
 from wanswarm.transport.endpoint import Endpoint
 from wanswarm.transport.identity import Identity

@@ -21,7 +21,8 @@ from wanswarm.node.config.runspec import (
     load_run_spec,
     parse_run_spec,
 )
-from wanswarm.node.tools.demo import JSON_FIELDS, Demo, DemoError, DemoOptions
+from wanswarm.node.tools.demo import JSON_FIELDS, Demo, DemoOptions
+from wanswarm.node.tools.demo_daemons import DemoError
 from wanswarm.transport.codecs import parse_codec
 
 from tests.benchmark_loader import load_benchmark

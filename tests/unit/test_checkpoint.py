@@ -20,21 +20,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
 from wanswarm.node.errors import NodeError
-from wanswarm.node.stage.averaging import LocalOptimizer
 from wanswarm.node.stage.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
     STATE_FILE,
-    Checkpointer,
     CheckpointError,
-    CheckpointSchedule,
     checkpoint_name,
     latest,
     list_checkpoints,
     read_checkpoint,
-    resume_source,
     write_checkpoint,
 )
+from wanswarm.node.stage.checkpointer import Checkpointer, CheckpointSchedule, resume_source
+from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.training.model import build_stage
 
 SPEC = RunSpec(

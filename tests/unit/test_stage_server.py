@@ -28,10 +28,11 @@ from wanswarm.node.protocol import (
     Kind,
     to_header,
 )
-from wanswarm.node.stage.averaging import LocalOptimizer
 from wanswarm.node.stage.checkpoint import list_checkpoints
 from wanswarm.node.stage.memory import AppliedLog, InputCache
-from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.stage.optimizer import LocalOptimizer
+from wanswarm.node.stage.server import StageServer
+from wanswarm.node.stage.server_config import StageServerConfig
 from wanswarm.node.stage.throughput import THROUGHPUT_CACHE
 from wanswarm.node.training.model import build_full_model
 from wanswarm.transport.codecs import decode

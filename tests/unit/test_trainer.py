@@ -23,11 +23,14 @@ import torch
 from wanswarm.node.config.runspec import BatchSpec, CodecsSpec, ModelSpec, RunSpec, StagesSpec
 from wanswarm.node.membership.peers import PeerTable
 from wanswarm.node.membership.records import QuicAddress, ServerRecord
-from wanswarm.node.stage.averaging import LocalOptimizer
-from wanswarm.node.stage.server import StageServer, StageServerConfig
+from wanswarm.node.stage.optimizer import LocalOptimizer
+from wanswarm.node.stage.server import StageServer
+from wanswarm.node.stage.server_config import StageServerConfig
 from wanswarm.node.training.model import build_full_model
 from wanswarm.node.training.routing import RouterConfig
-from wanswarm.node.training.trainer import ServerInfo, Trainer, TrainerConfig, servers_from_peers
+from wanswarm.node.training.servers import ServerInfo, servers_from_peers
+from wanswarm.node.training.trainer import Trainer
+from wanswarm.node.training.trainer_config import TrainerConfig
 from wanswarm.transport.codecs import CodecSpec, EncodedTensor, encode
 from wanswarm.transport.endpoint import Handler, PathStats, PeerAddress, Request, Response
 from wanswarm.transport.errors import ConnectError, ProtocolError, RemoteError, RequestTimeout

@@ -1,0 +1,350 @@
+"""The stage's jobs: what a stage server computes on its device thread, and what it counts.
+
+One method per request kind, each run as one job of the device queue (device_queue.py):
+
+- ``forward`` (no grad): runs the stage on ``x`` and, unless asked not to, keeps ``x`` in a
+  bounded cache keyed by ``(trainer, micro_batch)`` so that the backward can reference it
+  instead of resending it;
+- ``forward_loss`` (last stage): loss and ``dL/dx`` in one round trip, accumulating the
+  parameter gradients;
+- ``backward`` (stateless): recomputes the forward from the carried or cached ``x``
+  (``cache_miss`` if the reference is gone: the trainer resends), accumulates the parameter
+  gradients and returns ``dL/dx`` (nothing on stage 0);
+- ``eval_loss`` (last stage, no grad).
+
+Every job checks its tensors against the stage's contract before computing on them.
+
+Idempotency: the jobs remember which ``(trainer, micro_batch, stage)`` they applied (a
+bounded log). A duplicate ``backward``/``forward_loss`` (a retry after a lost reply)
+returns the cached reply when it is still held, else recomputes ``dL/dx`` without touching
+the parameter gradients. Gradients of the backward leg are encoded with the run's backward
+codec through error feedback keyed by ``(trainer, stage, "grad_input")``; activations with
+the forward codec.
+
+After each applied micro-batch the job calls ``optimizer.step(batch_size)`` (the averaging
+adapter): it steps when the stage's collaboration reaches ``target_batch_size``. With a
+checkpointer, a checkpoint that is due is taken right after that call (never on a
+half-updated state; the checkpointer's writer thread does the disk work).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...transport.codecs import CodecSpec, encode, parse_codec
+from ...transport.endpoint import Response
+from ...transport.error_feedback import ErrorFeedback
+from ...transport.tensors import Sendable
+from ..config.runspec import RunSpec
+from ..logs import get_logger
+from ..protocol import (
+    BackwardReply,
+    BackwardRequest,
+    ErrorCode,
+    EvalLossRequest,
+    EvalReply,
+    ForwardLossRequest,
+    ForwardReply,
+    ForwardRequest,
+    HopId,
+    LossReply,
+    StageContract,
+    refuse,
+    to_header,
+)
+from ..training.model import StageModule
+from .checkpointer import Checkpointer
+from .memory import AppliedLog, InputCache
+from .optimizer import StageOptimizer
+from .server_config import StageServerConfig
+
+log = get_logger(__name__)
+
+
+@dataclass
+class StageServerCounters:
+    """What the server did since start (the device thread and the event loop write disjoint
+    fields)."""
+
+    forward: int = 0
+    forward_loss: int = 0
+    backward: int = 0
+    eval_loss: int = 0
+    info: int = 0
+    applied: int = 0  # micro-batches whose gradients were accumulated
+    samples_accumulated: int = 0
+    duplicates: int = 0  # retried hops answered without accumulating again
+    cache_misses: int = 0
+    expired: int = 0  # dropped before running: out of budget or abandoned
+    failed: int = 0  # refused (bad_request) or failed (internal) on the device
+    busy: int = 0  # event loop: refused because the queue was full
+    refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
+    compute_s: float = 0.0
+    # device thread: inside the optimizer (accumulating; at an epoch's end, a synchronous
+    # step also waits there for the stage's all-reduce, and every queued request with it)
+    optimizer_s: float = 0.0
+    optimizer_max_s: float = 0.0
+    idle_steps: int = 0  # epoch steps joined by the periodic check, no micro-batch at hand
+    export_failures: int = 0  # device thread: the state could not be exported for a checkpoint
+
+
+class StageJobs:
+    """The device-thread work of one stage (see the module docstring). Call its methods on
+    the device thread, or while no job runs.
+
+    ``queue_len`` is the number of jobs queued or running, this one included (replies
+    report the others)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        config: StageServerConfig,
+        *,
+        contract: StageContract,
+        module: StageModule,
+        optimizer: StageOptimizer,
+        device: torch.device,
+        counters: StageServerCounters,
+        checkpoints: Checkpointer | None,
+        clock: Callable[[], float],
+        queue_len: Callable[[], int],
+    ) -> None:
+        self.config = config
+        self.contract = contract
+        self.stage = contract.stage
+        self.module = module
+        self.optimizer = optimizer
+        self.device = device
+        self.counters = counters
+        self.clock = clock
+        self.forward_codec: CodecSpec = parse_codec(spec.codecs.forward_activations)
+        self.backward_codec: CodecSpec = parse_codec(spec.codecs.backward_gradients)
+        self.digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
+        self._checkpoints = checkpoints
+        self._queue_len = queue_len
+        self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
+        self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
+        self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
+
+    @property
+    def cached_inputs(self) -> int:
+        """Forward inputs held for backward references."""
+        return len(self._cache)
+
+    def applied_keys(self) -> frozenset[Hashable]:
+        """``(trainer, micro_batch, stage)`` of the micro-batches applied here (recent ones)."""
+        return self._applied.keys()
+
+    def _reply_fields(self, started: float) -> dict[str, Any]:
+        return {
+            "queue_len": max(0, self._queue_len() - 1),
+            "epoch": self.optimizer.local_epoch,
+            "compute_s": max(0.0, time.perf_counter() - started),
+        }
+
+    # ---- the request kinds ----------------------------------------------------------
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        self.contract.check_input(x)
+        return x.to(self.device)
+
+    def forward(self, msg: ForwardRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 1, "forward")
+        x = self._input(tensors[0])
+        with torch.no_grad():
+            y = self.module(x)  # (B, T, C)
+        cached = msg.keep_input and self._cache.put(
+            (msg.hop.trainer, msg.hop.micro_batch), x, self.clock()
+        )
+        self.counters.forward += 1
+        out = encode(y, self.forward_codec)
+        return Response(
+            to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out]
+        )
+
+    def forward_loss(self, msg: ForwardLossRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 2, "forward_loss")
+        x = self._input(tensors[0])
+        batch, length = int(x.shape[0]), int(x.shape[1])
+        self.contract.check_targets(tensors[1], batch, length)
+        targets = tensors[1].to(self.device)
+        key = msg.hop.key
+        self.counters.forward_loss += 1
+        if key in self._applied:
+            return self._duplicate(
+                key, started, lambda: self._loss_and_grad(x, targets, accumulate=False)
+            )
+        loss, grad_x = self._loss_and_grad(x, targets, accumulate=True)
+        out = self._encode_grad(msg.hop, grad_x)
+        header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
+        return self._apply(key, batch, Response(to_header(header), out))
+
+    def _loss_and_grad(
+        self, x: torch.Tensor, targets: torch.Tensor, *, accumulate: bool
+    ) -> tuple[float, torch.Tensor | None]:
+        x = x if self.contract.first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.module.forward_loss(x, targets)  # ()
+            grad_x = self._grads(loss, x, None, accumulate=accumulate)
+        return float(loss.detach()), grad_x
+
+    def backward(self, msg: BackwardRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        hop = msg.hop
+        ref = (hop.trainer, hop.micro_batch)
+        if msg.input_carried:
+            self.contract.check_count(tensors, 2, "backward with its input")
+            x = self._input(tensors[0])
+        else:
+            self.contract.check_count(tensors, 1, "backward by reference")
+            cached = self._cache.get(ref, self.clock())
+            if cached is None:
+                self.counters.cache_misses += 1
+                raise refuse(
+                    ErrorCode.CACHE_MISS, "the forward input is no longer cached: resend it"
+                )
+            x = cached
+        batch, length = int(x.shape[0]), int(x.shape[1])
+        self.contract.check_output_grad(tensors[-1], batch, length)
+        grad_y = tensors[-1].to(self.device)
+        self.counters.backward += 1
+        if hop.key in self._applied:
+            return self._duplicate(
+                hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False))
+            )
+        grad_x = self._recompute(x, grad_y, accumulate=True)
+        self._cache.pop(ref)
+        out = self._encode_grad(hop, grad_x)
+        header = BackwardReply(duplicate=False, **self._reply_fields(started))
+        return self._apply(hop.key, batch, Response(to_header(header), out))
+
+    def _recompute(
+        self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool
+    ) -> torch.Tensor | None:
+        x = x if self.contract.first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.module(x)  # (B, T, C)
+            return self._grads(y, x, grad_y, accumulate=accumulate)
+
+    def _grads(
+        self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
+    ) -> torch.Tensor | None:
+        """dL/dx; with ``accumulate`` also add dL/dtheta into the parameters' ``.grad``."""
+        if accumulate:
+            out.backward(grad_out)
+            return None if self.contract.first else x.grad
+        if self.contract.first:
+            return None  # nothing to return and nothing to accumulate
+        (grad_x,) = torch.autograd.grad(out, [x], grad_out)
+        return grad_x
+
+    def eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
+        started = time.perf_counter()
+        self.contract.check_count(tensors, 2, "eval_loss")
+        x = self._input(tensors[0])
+        self.contract.check_targets(tensors[1], int(x.shape[0]), int(x.shape[1]))
+        with torch.no_grad():
+            loss = float(self.module.forward_loss(x, tensors[1].to(self.device)))
+        if not math.isfinite(loss):
+            raise refuse(ErrorCode.INTERNAL, "the loss is not finite")
+        self.counters.eval_loss += 1
+        return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))
+
+    # ---- applied once ---------------------------------------------------------------
+
+    def _duplicate(
+        self,
+        key: Hashable,
+        started: float,
+        recompute: Callable[[], tuple[float | None, torch.Tensor | None]],
+    ) -> Response:
+        """A retried hop we already applied: the same answer, no second accumulation."""
+        self.counters.duplicates += 1
+        cached = self._applied.reply(key)
+        if cached is not None:
+            header = dict(cached.header, **self._reply_fields(started), duplicate=True)
+            return Response(header, cached.tensors)
+        loss, grad_x = recompute()
+        out = [] if grad_x is None else [encode(grad_x, self.backward_codec)]  # not through EF
+        fields = self._reply_fields(started)
+        if loss is not None:
+            return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), list(out))
+        return Response(to_header(BackwardReply(duplicate=True, **fields)), list(out))
+
+    def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[Sendable]:
+        if grad_x is None:
+            return []
+        if self.config.error_feedback:
+            key = (hop.trainer, self.stage, "grad_input")
+            return [self._ef.encode(key, grad_x, self.backward_codec)]
+        return [encode(grad_x, self.backward_codec)]
+
+    def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:
+        """Record the micro-batch as applied, then let the optimizer take its gradients."""
+        self._applied.add(key, reply)
+        self.counters.applied += 1
+        self.counters.samples_accumulated += batch
+        self._in_optimizer(lambda: self.optimizer.step(batch))
+        if (
+            self._checkpoints is not None
+            and self._checkpoints.due(self.clock(), self.optimizer.local_epoch)
+            and not self.optimizer.background_busy()  # its export would wait for that work
+        ):
+            self.checkpoint()
+        return reply
+
+    # ---- the optimizer and the stage's state ------------------------------------------
+
+    def _in_optimizer(self, call: Callable[[], object]) -> object:
+        """``call`` into the optimizer, timed; refresh the digest after a step."""
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            took = time.perf_counter() - started
+            self.counters.optimizer_s += took
+            self.counters.optimizer_max_s = max(self.counters.optimizer_max_s, took)
+            if self.optimizer.local_epoch != self.digest[0]:
+                self.digest = (self.optimizer.local_epoch, self.param_digest())
+
+    def step_if_due(self) -> None:
+        """Join the stage's epoch step if it is due (the server's periodic check)."""
+        try:
+            if self._in_optimizer(self.optimizer.step_if_due):
+                self.counters.idle_steps += 1
+        except Exception:  # keep serving: the next micro-batch's step tries again
+            log.exception("stage %d: the periodic step check failed", self.stage)
+
+    def checkpoint(self) -> Future[None] | None:
+        """Copy the state and hand it to the checkpointer's writer; None if the export failed.
+
+        Only with a checkpointer."""
+        assert self._checkpoints is not None
+        try:
+            epoch, tensors, meta = self.optimizer.export_state()
+        except Exception:  # a bug or a torch failure: the checkpoint is skipped, serving goes on
+            self.counters.export_failures += 1
+            log.exception("stage %d: exporting the state for a checkpoint failed", self.stage)
+            return None
+        return self._checkpoints.submit(self.clock(), epoch, tensors, meta)
+
+    def param_digest(self) -> str:
+        """SHA-256 (16 hex) of the stage's parameters and buffers, in state_dict order.
+
+        Replicas of a stage at the same epoch hold equal digests when averaging leaves them
+        bit-identical."""
+        h = hashlib.sha256()
+        for name, tensor in self.module.state_dict().items():
+            h.update(name.encode())
+            h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]

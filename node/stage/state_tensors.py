@@ -1,0 +1,167 @@
+"""A stage's training state as named tensors: how both stage optimizers export and install it.
+
+``export_state`` and ``import_state`` (optimizer.py, averaging.py) hand the state around as
+a flat mapping of names to tensors plus JSON-able metadata; checkpoints (checkpoint.py)
+store it and state transfer (state_transfer.py) ships it. The names::
+
+    model.<name>                    the stage module's state_dict
+    opt.state.<param_index>.<key>   the optimizer's state tensors
+
+The optimizer naming is torch's own ``Optimizer.state_dict()`` indexing (parameters
+numbered across param_groups in order), which the solo and the collaborative optimizer
+share, so a state exported by either installs into the other. A state to install may come
+from a damaged or foreign checkpoint: :func:`check_fits`, :func:`checked_param_groups` and
+:func:`checked_epoch` refuse what does not fit the stage with :class:`CheckpointError`
+before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointError
+
+MODEL_PREFIX = "model."
+OPT_PREFIX = "opt.state."
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Private, contiguous CPU copies (safe to write from another thread while training goes on)."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state_dict under ``model.<name>`` (live views: copying into them installs)."""
+    return {MODEL_PREFIX + name: t for name, t in module.state_dict().items()}
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state as ``opt.state.<param_index>.<key>`` (live)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    out = {}
+    for param, state in opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{OPT_PREFIX}{index[id(param)]}.{key}"] = value
+    return out
+
+
+def optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's non-tensor state, JSON-able: param_groups without their parameters."""
+    groups = []
+    for group in opt.param_groups:
+        entry = {}
+        for key, value in group.items():
+            if key != "params":
+                entry[key] = list(value) if isinstance(value, tuple) else value
+        entry["num_params"] = len(group["params"])
+        groups.append(entry)
+    return {"param_groups": groups}
+
+
+def check_fits(expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """``CheckpointError`` unless ``tensors`` has exactly the names, shapes and dtypes of
+    ``expected``."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [
+        f"{name} {tuple(tensors[name].shape)}/{tensors[name].dtype} "
+        f"(want {tuple(t.shape)}/{t.dtype})"
+        for name, t in expected.items()
+        if name in tensors and (tensors[name].shape != t.shape or tensors[name].dtype != t.dtype)
+    ]
+    problems = []
+    if missing:
+        problems.append(
+            f"missing {', '.join(missing[:3])}"
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
+    if unexpected:
+        problems.append(
+            f"unexpected {', '.join(unexpected[:3])}"
+            + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+        )
+    if wrong:
+        problems.append(
+            f"mismatched {'; '.join(wrong[:3])}"
+            + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        )
+    if problems:
+        raise CheckpointError("checkpoint does not fit this stage: " + "; ".join(problems))
+
+
+def checked_param_groups(
+    opt: torch.optim.Optimizer, meta: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The hyperparameters of ``meta`` for each of ``opt``'s param_groups, validated (same
+    groups, sizes, keys and value types; finite numbers), tuples restored; else
+    ``CheckpointError``."""
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        raise CheckpointError(
+            f"checkpoint's optimizer has other param_groups (want {len(opt.param_groups)})"
+        )
+    out = []
+    for i, (saved, live) in enumerate(zip(groups, opt.param_groups, strict=True)):
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"param_groups[{i}] is not an object")
+        if saved.get("num_params") != len(live["params"]):
+            raise CheckpointError(
+                f"param_groups[{i}] has {saved.get('num_params')} parameters, "
+                f"want {len(live['params'])}"
+            )
+        keys = set(live) - {"params"}
+        if set(saved) - {"num_params"} != keys:
+            raise CheckpointError(
+                f"param_groups[{i}] has keys {sorted(set(saved) - {'num_params'})}, "
+                f"want {sorted(keys)}"
+            )
+        values = {}
+        for key in keys:
+            values[key] = _coerce(saved[key], live[key], f"param_groups[{i}].{key}")
+        out.append(values)
+    return out
+
+
+def _coerce(value: Any, like: Any, where: str) -> Any:
+    """``value`` (from JSON) as the type of the live ``like``; ``CheckpointError`` when it
+    cannot be."""
+    if isinstance(like, bool) or like is None:
+        if type(value) is not type(like):
+            raise CheckpointError(f"{where}: {value!r} is not like {like!r}")
+        return value
+    if isinstance(like, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{where}: {value!r} is not an integer")
+        return value
+    if isinstance(like, float):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise CheckpointError(f"{where}: {value!r} is not a finite number")
+        return float(value)
+    if isinstance(like, str):
+        if not isinstance(value, str):
+            raise CheckpointError(f"{where}: {value!r} is not a string")
+        return value
+    if isinstance(like, (tuple, list)):
+        if not isinstance(value, list) or len(value) != len(like):
+            raise CheckpointError(f"{where}: {value!r} does not have {len(like)} items")
+        items = [
+            _coerce(v, w, f"{where}[{j}]") for j, (v, w) in enumerate(zip(value, like, strict=True))
+        ]
+        return tuple(items) if isinstance(like, tuple) else items
+    raise CheckpointError(f"{where}: cannot restore a value of type {type(like).__name__}")
+
+
+def checked_epoch(epoch: Any) -> int:
+    """A checkpoint's epoch as an int >= 0, else ``CheckpointError``."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise CheckpointError(f"epoch must be an integer >= 0, got {epoch!r}")
+    return epoch

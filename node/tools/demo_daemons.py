@@ -1,0 +1,238 @@
+"""The demo's daemons as processes: how each is started, polled, checked and stopped.
+
+Each daemon is ``wanswarm join`` on 127.0.0.1 in a subprocess of its own session (ports 0,
+its own state directory and log file), with the demo's settings (:func:`daemon_settings`):
+daemon ``i`` serves stage ``i mod S``, and the trainer, averaging and membership settings
+suit a few daemons sharing one machine over loopback. With a WAN profile, a WAN emulator
+process (``python -m wanswarm.transport.wan``) listens in front of the daemon's QUIC port
+and the daemon announces the emulator's address. A daemon's status comes from its control
+socket; one that exited ends the demo with the tail of its log (:func:`check_alive`).
+Stopping is SIGTERM (the graceful leave), then SIGKILL for a daemon that outlives the
+shutdown timeout, then the emulators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..control import ControlClient
+from ..errors import NodeError
+
+SHUTDOWN_TIMEOUT_S = 20.0  # node.shutdown_timeout of the demo's daemons
+DEMO_MAX_IN_FLIGHT = 1  # trainer.max_in_flight of every daemon (see daemon_settings)
+
+
+class DemoError(NodeError):
+    """The demo swarm could not start or lost its daemons."""
+
+
+@dataclass
+class DemoDaemon:
+    """One daemon of the demo: its process, files, WAN emulator and last polled status."""
+
+    index: int
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_file: Path
+    emulator: subprocess.Popen[bytes] | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def client(self) -> ControlClient:
+        return ControlClient(self.state_dir / "control.sock", timeout=5.0)
+
+    async def poll(self) -> dict[str, Any] | None:
+        """The daemon's status (kept in ``status``), or None when it exited or did not answer."""
+        if self.proc.poll() is not None:
+            return None
+        try:
+            report = await asyncio.to_thread(lambda: self.client.status())
+        except NodeError:
+            return None
+        self.status = report.model_dump(mode="json")
+        return self.status
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def daemon_settings(
+    index: int, n_stages: int, spec_path: Path | None, data_seed: int | None
+) -> list[str]:
+    """The ``--set`` items of daemon ``index`` (before the WAN announce address and the
+    user's own items)."""
+    sets = [
+        f"node.shutdown_timeout={SHUTDOWN_TIMEOUT_S}",
+        # the layout is known here: daemon i serves stage i mod S, so every stage gets its
+        # replicas and all daemons but the first start at once (no claim to wait for)
+        f"node.stage={index % n_stages}",
+        "node.record_ttl=15",
+        "node.membership_period=5",
+        # micro-batches in flight over the whole swarm make gradients stale by about
+        # (in flight / micro-batches per step) epochs: one per trainer keeps that small
+        f"trainer.max_in_flight={DEMO_MAX_IN_FLIGHT}",
+        "trainer.request_timeout_s=15",  # loopback: a hop that takes longer is stuck
+        # each trainer completes only ~100 micro-batches in the demo: a slower average would
+        # show the loss of minutes ago in the progress line
+        "trainer.loss_ewma_alpha=0.2",
+        "averaging.matchmaking_time=2",  # loopback: peers answer at once
+        # Synchronous steps: the demo's few, large-lr steps lose more to one epoch of
+        # staleness (delayed updates: val loss 2.99 after 237k tokens) than the swarm loses
+        # to the all-reduce stall (2.70 after 209k tokens, single-process reference 2.57);
+        # docs/tiny_run.md has the figures.
+        "averaging.delayed_updates=false",
+        # on a loaded machine a peer's chunk can take seconds; dropping it from the round
+        # would leave the replicas with different averages
+        "averaging.next_chunk_timeout=10",
+        # parameters are averaged every 5th epoch: the gradient all-reduce already keeps the
+        # replicas together, and each averaging round costs DHT matchmaking on 2 shared cores
+        "averaging.average_state_every=5",
+    ]
+    if spec_path is not None:
+        sets.append(f"node.run_spec={spec_path}")
+    if data_seed is not None:
+        sets.append(f"trainer.data_seed={data_seed + index}")
+    return sets
+
+
+def _start_emulator(
+    profile: str, index: int, quic_port: int
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A WAN emulator in front of ``quic_port``: the process and the host and port it bound."""
+    emulator = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "wanswarm.transport.wan",
+            "--profile",
+            profile,
+            "--target",
+            f"127.0.0.1:{quic_port}",
+            "--listen",
+            "127.0.0.1:0",
+            "--seed",
+            str(index),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert emulator.stdout is not None
+    line = emulator.stdout.readline().decode()  # its first line: the bound address
+    try:
+        host, _, port = json.loads(line)["address"].rpartition(":")
+    except (ValueError, KeyError) as exc:
+        emulator.kill()
+        raise DemoError(f"WAN emulator did not start: {line!r}") from exc
+    return emulator, host, port
+
+
+def spawn_daemon(
+    root: Path,
+    index: int,
+    initial: Sequence[str],
+    *,
+    n_stages: int,
+    spec_path: Path | None,
+    data_seed: int | None,
+    wan: str | None,
+    extra: Sequence[str],
+) -> DemoDaemon:
+    """Start daemon ``index`` under ``root`` (behind a WAN emulator when ``wan`` names a
+    profile), joining through ``initial`` (none: it bootstraps the DHT)."""
+    state_dir = root / f"node{index}"
+    state_dir.mkdir(mode=0o700)
+    log_file = root / f"node{index}.log"
+    emulator = None
+    quic_port = 0
+    sets = daemon_settings(index, n_stages, spec_path, data_seed)
+    if wan is not None:
+        quic_port = _free_udp_port()
+        emulator, host, port = _start_emulator(wan, index, quic_port)
+        sets += [f"node.announce_host={host}", f"node.announce_port={port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wanswarm.node.cli",
+        "join",
+        "--state-dir",
+        str(state_dir),
+        "--host",
+        "127.0.0.1",
+        "--dht-port",
+        "0",
+        "--quic-port",
+        str(quic_port),
+        "--run",
+        "demo",
+    ]
+    for item in [*sets, *extra]:
+        cmd += ["--set", item]
+    if initial:
+        cmd += ["--initial-peers", *initial]
+    # one compute thread per daemon: several daemons share the machine's cores
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    with open(log_file, "wb") as sink:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    return DemoDaemon(index, state_dir, proc, log_file, emulator)
+
+
+def check_alive(daemons: Sequence[DemoDaemon]) -> None:
+    """``DemoError`` with the end of its log when any daemon has exited."""
+    for daemon in daemons:
+        code = daemon.proc.poll()
+        if code is not None:
+            tail = daemon.log_file.read_text(errors="replace").strip().splitlines()[-5:]
+            raise DemoError(
+                f"daemon {daemon.index} exited with status {code}; its log ends:\n  "
+                + "\n  ".join(tail)
+            )
+
+
+async def stop_daemons(daemons: Sequence[DemoDaemon], say: Callable[[str], None]) -> None:
+    """SIGTERM every daemon, SIGKILL those that outlive the shutdown timeout, then stop the
+    WAN emulators; ``say`` reports a daemon killed."""
+    for daemon in daemons:
+        if daemon.proc.poll() is None:
+            daemon.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 15
+    for daemon in daemons:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            await asyncio.to_thread(daemon.proc.wait, left)
+        except subprocess.TimeoutExpired:
+            say(f"daemon {daemon.index} did not leave in time: killing it")
+            daemon.proc.kill()
+            await asyncio.to_thread(daemon.proc.wait, 10)
+        if daemon.emulator is not None and daemon.emulator.poll() is None:
+            daemon.emulator.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(daemon.emulator.wait, 10)
+            except subprocess.TimeoutExpired:
+                daemon.emulator.kill()

@@ -1,0 +1,182 @@
+"""The demo's figures, read from its daemons' status reports: totals, traffic, stages.
+
+Pure functions of the statuses the demo last polled (``status --json`` dicts, one per
+daemon, ``{}`` for a daemon not polled yet) and of the run's stage count: the training
+totals behind the progress line, the traffic counters that ``run_swarm`` returns, the
+per-stage table, and the stage servers an evaluation client routes through. The text
+they are shown as (progress line, stage table) is formatted here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Status = dict[str, Any]
+
+
+def _components(statuses: Sequence[Status], name: str) -> list[dict[str, Any]]:
+    return [s.get("components", {}).get(name, {}) for s in statuses if s]
+
+
+def totals(statuses: Sequence[Status]) -> dict[str, Any]:
+    """Tokens, tokens/s, mean loss, epoch and micro-batches, summed over the daemons."""
+    trainers = _components(statuses, "trainer")
+    servers = _components(statuses, "stage_server")
+    losses = [t["loss_ewma"] for t in trainers if t.get("loss_ewma") is not None]
+    return {
+        "tokens": sum(t.get("tokens", 0) for t in trainers),
+        "tokens_per_s": sum(t.get("tokens_per_s", 0.0) for t in trainers),
+        "loss": sum(losses) / len(losses) if losses else None,
+        "epoch": max((s.get("epoch", 0) for s in servers), default=0),
+        "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in trainers),
+        "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
+    }
+
+
+def traffic(statuses: Sequence[Status], n_stages: int) -> dict[str, Any]:
+    """Cumulative traffic counters summed over the daemons.
+
+    Trainer payload bytes count the encoded tensors of every successful hop, both
+    directions, as the trainers' status reports them; hops are successful hops per stage;
+    QUIC bytes are UDP payload bytes of every daemon's endpoint (trainer and server
+    traffic, FEC repair symbols, retransmissions, acknowledgements and pings included).
+    """
+    trainers = _components(statuses, "trainer")
+    endpoints = _components(statuses, "endpoint")
+    hops = [0] * n_stages
+    for t in trainers:
+        for stage, count in t.get("hops", {}).items():
+            if 0 <= int(stage) < len(hops):
+                hops[int(stage)] += int(count)
+    return {
+        "tokens": sum(t.get("tokens", 0) for t in trainers),
+        "payload_bytes_sent": sum(t.get("payload_bytes", {}).get("sent", 0) for t in trainers),
+        "payload_bytes_received": sum(
+            t.get("payload_bytes", {}).get("received", 0) for t in trainers
+        ),
+        "hops": hops,
+        "retried_hops": sum(t.get("retried_hops", 0) for t in trainers),
+        "cache_misses": sum(t.get("cache_misses", 0) for t in trainers),
+        "failed_micro_batches": sum(
+            t.get("micro_batches", {}).get("failed", 0) for t in trainers
+        ),
+        "quic_bytes_out": sum(e.get("bytes_out") or 0 for e in endpoints),
+        "quic_bytes_in": sum(e.get("bytes_in") or 0 for e in endpoints),
+    }
+
+
+def traffic_delta(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """``end - start`` of two :func:`traffic` readings, per counter (per stage for hops)."""
+    return {
+        key: (
+            [b - a for a, b in zip(start[key], end[key], strict=True)]
+            if isinstance(start[key], list)
+            else end[key] - start[key]
+        )
+        for key in start
+    }
+
+
+def stage_rows(statuses: Sequence[Status], n_stages: int) -> list[dict[str, Any]]:
+    """One row per stage: its servers, micro-batches, bytes sent, mean RTT to it, seconds."""
+    rows = []
+    for stage in range(n_stages):
+        members = [s for s in statuses if s.get("stage") == stage]
+        ids = {s["peer_id"] for s in members}
+        rtts = [
+            p["rtt_ms"]
+            for s in statuses
+            for p in s.get("peers", [])
+            if p["peer_id"] in ids and p.get("rtt_ms") is not None
+        ]
+        comp = [s.get("components", {}) for s in members]
+        rows.append(
+            {
+                "stage": stage,
+                "peers": len(members),
+                "micro_batches": sum(c.get("stage_server", {}).get("applied", 0) for c in comp),
+                "bytes_sent": sum(c.get("endpoint", {}).get("bytes_out", 0) for c in comp),
+                "mean_rtt_ms": sum(rtts) / len(rtts) if rtts else None,
+                # device-thread seconds, summed over the stage's servers: running requests, and
+                # inside the optimizer, from requests or the periodic step check (a synchronous
+                # step waits there for the all-reduce)
+                "compute_s": round(
+                    sum(c.get("stage_server", {}).get("compute_s", 0.0) for c in comp), 1
+                ),
+                "optimizer_s": round(
+                    sum(c.get("stage_server", {}).get("optimizer_s", 0.0) for c in comp), 1
+                ),
+                "epoch": max(
+                    (c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0
+                ),
+            }
+        )
+    return rows
+
+
+def stage_servers(statuses: Sequence[Status]) -> dict[int, list[Any]]:
+    """The stage servers among ``statuses`` (of running daemons), as the trainer's
+    ``ServerInfo`` by stage."""
+    from ..training.servers import ServerInfo
+
+    out: dict[int, list[Any]] = {}
+    for status in statuses:
+        server = status.get("components", {}).get("stage_server", {})
+        addr = status.get("quic_addr")
+        if not server or addr is None:
+            continue
+        host, _, port = addr.rpartition(":")
+        out.setdefault(server["stage"], []).append(
+            ServerInfo(
+                peer_id=status["peer_id"],
+                host=host.strip("[]"),
+                port=int(port),
+                throughput=server["throughput"],
+                queue_len=server["queue"],
+                state=server["state"],
+                rtt=None,
+            )
+        )
+    return out
+
+
+def progress_line(t: dict[str, Any], elapsed: float, duration_s: float) -> str:
+    """The progress line of :func:`totals` ``t`` after ``elapsed`` of ``duration_s`` seconds."""
+    loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
+    return (
+        f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
+        f"{t['tokens'] / 1e3:>7.0f}k tokens  "
+        f"{t['completed']} micro-batches ({t['failed']} failed)  "
+        f"{elapsed:>5.0f}s / {duration_s:.0f}s"
+    )
+
+
+def stage_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines of the per-stage table of :func:`stage_rows`, header and footnote included."""
+    lines = [
+        f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} "
+        f"{'device s':>9} {'in step s':>9} {'epoch':>6}"
+    ]
+    for r in rows:
+        rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
+        lines.append(
+            f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} "
+            f"{format_bytes(r['bytes_sent']):>12} "
+            f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}"
+        )
+    lines.append(
+        "(device s: seconds the stage's servers ran requests, summed; in step s: seconds "
+        "inside the optimizer, from requests and from the periodic step check, where a "
+        "synchronous step waits for the stage's all-reduce)"
+    )
+    return lines
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B, kB, MB or GB (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)

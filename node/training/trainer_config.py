@@ -1,0 +1,56 @@
+"""The trainer's config: how it drives micro-batches through the swarm.
+
+The ``[trainer]`` section of the node config, read by the trainer (trainer.py), the hops
+it sends (hops.py) and the pipeline walk (pipeline.py).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .routing import RouterConfig
+
+
+class TrainerConfig(BaseModel):
+    """How the trainer drives micro-batches through the swarm."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_in_flight: int = Field(
+        default=8, ge=1, le=4096, description="Micro-batches moving through the swarm at once."
+    )
+    request_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="Deadline of one hop attempt (request and reply), seconds.",
+    )
+    max_attempts: int = Field(
+        default=5,
+        ge=1,
+        le=100,
+        description=(
+            "Attempts per hop (on different servers when possible) before the micro-batch fails."
+        ),
+    )
+    no_server_wait_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        le=600.0,
+        description="Back-off while a stage has no online server, seconds (jittered).",
+    )
+    loss_ewma_alpha: float = Field(
+        default=0.05,
+        gt=0.0,
+        le=1.0,
+        description="Weight of the newest loss in the loss moving average.",
+    )
+    data_seed: int | None = Field(
+        default=None,
+        ge=0,
+        description="Seed of this trainer's data stream; unset: derived from the peer id.",
+    )
+    error_feedback: bool = Field(
+        default=True, description="Send output gradients through error feedback (per stage)."
+    )
+    router: RouterConfig = Field(default=RouterConfig(), description="Server choice per hop.")
