@@ -1,13 +1,16 @@
 # wanswarm node image: CUDA-capable PyTorch, non-root, the daemon in the foreground.
 #
 #   docker build -t wanswarm .
-#   docker run -d --name wanswarm --gpus all --stop-timeout 90 \
+#   docker run -d --init --name wanswarm --gpus all --stop-timeout 90 \
 #       -p 31337:31337/tcp -p 31338:31338/udp -v wanswarm-state:/var/lib/wanswarm \
 #       wanswarm join --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
 #   docker exec wanswarm wanswarm status
 #
 # 'docker stop' sends SIGTERM, the daemon's graceful leave; give it longer than
-# node.shutdown_timeout (30 s) with --stop-timeout / compose's stop_grace_period.
+# node.shutdown_timeout (30 s) with --stop-timeout / compose's stop_grace_period. --init
+# (compose: init: true) runs tini as PID 1, which reaps the daemon's forked children.
+# Publishing the ports is optional: behind NAT the node is reached by hole punching or a
+# relay (docs/nat.md); published and forwarded, peers dial it directly.
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -78,6 +78,16 @@ examples:
   wanswarm demo --duration 60 --keep      # keep the daemons' state dirs and logs
 Ctrl-C stops every daemon gracefully (SIGTERM, then SIGKILL after the shutdown timeout).
 """
+NETCHECK_EPILOG = """\
+examples:
+  wanswarm netcheck --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  wanswarm netcheck --config node.toml --json
+
+Uses a throwaway identity and DHT port, so it runs beside a daemon (then it checks from
+another UDP port: a symmetric NAT may map it differently). Needs at least one peer that
+others can dial. Behind a home NAT a node needs nothing configured: see docs/nat.md.
+Exits 1 when no peer answered.
+"""
 CONFIG_EPILOG = """\
 examples:
   wanswarm config --defaults > node.toml    # every setting with its description
@@ -230,6 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="a config setting for every daemon, e.g. --set trainer.max_in_flight=4 (repeatable)",
     )
+    netcheck = sub.add_parser(
+        "netcheck",
+        help="show how the swarm sees this host: public address, NAT, reachability, advice",
+        epilog=NETCHECK_EPILOG, formatter_class=fmt,
+        description=(
+            "Ask peers of the run for the address they see this host at, whether they can dial "
+            "it back over UDP (QUIC) and TCP (DHT), which rendezvous or relay a node here "
+            "would use, and what to forward on the router if anything."
+        ),
+    )
+    _add_config_flags(netcheck)
+    _add_join_flags(netcheck)
+    netcheck.add_argument("--json", action="store_true", help="print one JSON object")
+
     config = sub.add_parser(
         "config", help="print the effective settings, or every default with its description",
         epilog=CONFIG_EPILOG, formatter_class=fmt,
@@ -352,7 +376,21 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
-COMMANDS = {"join": _join, "status": _status, "leave": _leave, "config": _config, "demo": _demo}
+def _netcheck(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .tools.netcheck import run_netcheck  # imports hivemind: only for 'netcheck'
+
+    return run_netcheck(config, as_json=args.json)
+
+
+COMMANDS = {
+    "join": _join,
+    "status": _status,
+    "leave": _leave,
+    "config": _config,
+    "demo": _demo,
+    "netcheck": _netcheck,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -146,6 +146,8 @@ class Daemon:
 
     def status(self) -> StatusReport:
         now = time.monotonic()
+        components = {c.name: c.status() for c in self._started_components}
+        paths: dict[str, str] = components.get("endpoint", {}).get("paths", {})
         peers = []
         for peer in self.table.peers():
             low = peer.rtt.min_rtt(now)
@@ -162,6 +164,8 @@ class Daemon:
                     queue=peer.record.queue,
                     quic_addr=None if quic is None else _hostport(quic.host, quic.port),
                     version=peer.record.version,
+                    nat=None if peer.record.reach is None else peer.record.reach.nat,
+                    path=paths.get(peer.peer_id),
                 )
             )
         traffic = self._traffic()
@@ -189,7 +193,7 @@ class Daemon:
             records_refused=self.dht.validator.rejected,
             drain_deadline_s=left,
             shutdown_timeout_s=self.config.node.shutdown_timeout,
-            components={c.name: c.status() for c in self._started_components},
+            components=components,
         )
 
     def _traffic(self) -> tuple[int, int] | None:

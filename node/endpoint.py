@@ -1,8 +1,15 @@
 """The node's QUIC endpoint as a daemon component.
 
-Binds QUIC (``transport.host``/``transport.port``), announces its address and the run id in
-the node's record, and answers ``run_spec`` requests. It is the prober's RTT source (a QUIC
-PING to a peer's announced address) and the source of the traffic counters.
+Binds QUIC (``transport.host``/``transport.port``), announces its address, reachability and
+the run id in the node's record, and answers ``run_spec`` requests. It is the prober's RTT
+source (a QUIC PING to a peer) and the source of the traffic counters.
+
+Addresses (docs/nat.md): bound to all addresses, the node first announces its interface
+address toward the swarm, never loopback off-host (membership/addresses.py); the
+reachability checks (membership/reachability.py) then announce the address peers observe,
+the NAT kind, whether peers can dial us, our LAN addresses and our rendezvous.
+``node.announce_host``/``announce_port`` override all of this (a forwarded port on a fixed
+address, the WAN emulator): the node then announces them as reachable and runs no checks.
 
 Run-spec consistency: every server record carries the spec's ``run_id``. A joining node that
 sees a peer of the same run name with another ``run_id`` asks that peer for its spec (a
@@ -12,30 +19,40 @@ sees a peer of the same run name with another ``run_id`` asks that peer for its 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 from typing import Any
 
 from ..transport.config import TransportConfig
-from ..transport.endpoint import Endpoint, PeerAddress, Request, Response
-from ..transport.errors import TransportError
+from ..transport.endpoint import Endpoint, Request, Response
+from ..transport.errors import RemoteError, TransportError
 from .component import ComponentContext
 from .config.runspec import RunSpec, describe_mismatch
 from .errors import JoinError, ProbeError
 from .logs import get_logger
+from .membership.addresses import local_hosts, peer_address
 from .membership.peers import PeerTable
-from .membership.records import QuicAddress
+from .membership.reachability import Reachability
+from .membership.records import QuicAddress, Reach
 
 log = get_logger(__name__)
 
 RUN_SPEC_KIND = "run_spec"
+# netcheck's TCP reachability question: "can you open a TCP connection to me at this port?"
+TCP_DIALBACK_KIND = "tcp_dialback"
+# a peer may ask at most once per this many seconds; this many at once for everyone
+TCP_DIALBACK_INTERVAL_S = 10.0
+TCP_DIALBACK_CONCURRENT = 4
+TCP_DIALBACK_TIMEOUT_S = 3.0
 
 
 class EndpointComponent:
     """The node's QUIC endpoint (see the module docstring).
 
-    ``announce_host``/``announce_port`` (node.announce_host/announce_port) replace the bound
-    address in our record when set; ``request_timeout_s`` bounds the ``run_spec`` request to
-    a peer whose spec differs.
+    ``announce_host``/``announce_port`` (node.announce_host/announce_port) replace what the
+    node learns when set; ``request_timeout_s`` bounds the ``run_spec`` request to a peer
+    whose spec differs; ``reach_period_s``/``reach_timeout_s`` pace the reachability checks.
     """
 
     name = "endpoint"
@@ -48,37 +65,99 @@ class EndpointComponent:
         announce_host: str,
         announce_port: int,
         request_timeout_s: float,
+        reach_period_s: float = 120.0,
+        reach_timeout_s: float = 5.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
         self.announce_host = announce_host
         self.announce_port = announce_port
         self.request_timeout_s = request_timeout_s
+        self.reach_period_s = reach_period_s
+        self.reach_timeout_s = reach_timeout_s
+        self.rng = rng or random.Random()
         self.endpoint: Endpoint | None = None
         self.announced: QuicAddress | None = None
+        self.reachability: Reachability | None = None
         self._peers: PeerTable | None = None
+        self._tcp_dialbacks: dict[str, float] = {}  # peer id -> loop time of its last one
+        self._tcp_dialing = 0
 
     async def start(self, ctx: ComponentContext) -> None:
         endpoint = Endpoint(ctx.identity, self.config)
         endpoint.register(RUN_SPEC_KIND, self._on_run_spec)
+        endpoint.register(TCP_DIALBACK_KIND, self._on_tcp_dialback)
         await endpoint.start(self.config.host, self.config.port)
         self.endpoint = endpoint
         self._peers = ctx.peers
-        host, port = endpoint.address
-        if self.announce_host:
-            host = self.announce_host
-        elif host in ("0.0.0.0", "::"):
-            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
-        self.announced = QuicAddress(host=host, port=self.announce_port or port)
+        bound_host, port = endpoint.address
+        peers = ctx.peers
+
+        def hosts() -> list[str]:
+            toward = [p.record.quic.host for p in peers.peers() if p.record.quic is not None]
+            return local_hosts(bound_host, toward)
+
+        if self.announce_host or self.announce_port:
+            host = self.announce_host or hosts()[0]
+            self.announced = QuicAddress(host=host, port=self.announce_port or port)
+            endpoint.reachable = True  # the operator says so: peers dial it directly
+        else:
+            self.announced = QuicAddress(host=hosts()[0], port=port)
+            self.reachability = Reachability(
+                endpoint, peers,
+                local_hosts=hosts,
+                bound_port=port,
+                publish=lambda quic, reach: self._publish(ctx, quic, reach),
+                period_s=self.reach_period_s,
+                timeout_s=self.reach_timeout_s,
+                rng=self.rng,
+            )
         log.info(
             "QUIC on %s:%d, announced as %s:%d",
-            *endpoint.address, self.announced.host, self.announced.port,
+            bound_host, port, self.announced.host, self.announced.port,
         )
         await self._check_run_spec(ctx)
         ctx.membership.update(quic=self.announced, run_id=self.spec.run_id)
+        if self.reachability is not None:
+            ctx.spawn(self.reachability.run(), "reachability")
+
+    def _publish(self, ctx: ComponentContext, quic: QuicAddress, reach: Reach) -> None:
+        self.announced = quic
+        ctx.membership.update(quic=quic, reach=reach)
 
     async def _on_run_spec(self, request: Request) -> Response:
         return Response({"spec": json.loads(self.spec.canonical_json())["spec"]})
+
+    async def _on_tcp_dialback(self, request: Request) -> Response:
+        """Open (and close) a TCP connection to the requester's observed host at the port it
+        names: whether its DHT port is reachable from outside (``wanswarm netcheck``). Only
+        its own address, at most once per TCP_DIALBACK_INTERVAL_S per peer, a few at once."""
+        port = request.header.get("port")
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise RemoteError("bad_request", "port must be an integer in 1..65535")
+        loop = asyncio.get_running_loop()
+        last = self._tcp_dialbacks.get(request.peer_id)
+        if last is not None and loop.time() - last < TCP_DIALBACK_INTERVAL_S:
+            raise RemoteError("busy", f"one TCP dial-back per {TCP_DIALBACK_INTERVAL_S:.0f}s")
+        if self._tcp_dialing >= TCP_DIALBACK_CONCURRENT:
+            raise RemoteError("busy", "too many TCP dial-backs at once")
+        if len(self._tcp_dialbacks) > 4096:  # bounded memory: forget the oldest half
+            for peer_id in sorted(self._tcp_dialbacks, key=self._tcp_dialbacks.__getitem__)[:2048]:
+                del self._tcp_dialbacks[peer_id]
+        self._tcp_dialbacks[request.peer_id] = loop.time()
+        self._tcp_dialing += 1
+        host = request.remote[0]
+        try:
+            async with asyncio.timeout(TCP_DIALBACK_TIMEOUT_S):
+                _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            reachable = True
+        except (OSError, TimeoutError):
+            reachable = False
+        finally:
+            self._tcp_dialing -= 1
+        return Response({"reachable": reachable})
 
     async def _check_run_spec(self, ctx: ComponentContext) -> None:
         """JoinError when a peer of this run announces another run_id (naming the differences)."""
@@ -87,11 +166,11 @@ class EndpointComponent:
             if not record.run_id or record.run_id == self.spec.run_id:
                 continue
             detail = f"peer {record.peer_id} runs spec {record.run_id}, ours is {self.spec.run_id}"
-            if record.quic is not None and self.endpoint is not None:
+            address = peer_address(record)
+            if address is not None and self.endpoint is not None:
                 try:
                     reply = await self.endpoint.request(
-                        PeerAddress(record.peer_id, record.quic.host, record.quic.port),
-                        RUN_SPEC_KIND, {}, timeout=self.request_timeout_s,
+                        address, RUN_SPEC_KIND, {}, timeout=self.request_timeout_s
                     )
                     theirs = RunSpec.model_validate(reply.header["spec"])
                     detail = describe_mismatch(self.spec, theirs)
@@ -106,11 +185,9 @@ class EndpointComponent:
         """RttSource: a QUIC PING to the peer's announced address."""
         if self.endpoint is None or self._peers is None:
             raise ProbeError("QUIC endpoint not started")
-        peer = self._peers.get(peer_id)
-        record = None if peer is None else peer.record
-        if record is None or record.quic is None:
+        address = self._peers.address(peer_id)
+        if address is None:
             raise ProbeError(f"no QUIC address known for {peer_id}")
-        address = PeerAddress(peer_id, record.quic.host, record.quic.port)
         try:
             return await self.endpoint.ping(address, timeout=timeout)
         except TransportError as exc:
@@ -134,8 +211,14 @@ class EndpointComponent:
             return {}
         totals = self.endpoint.totals()
         announced = self.announced
+        reach: dict[str, Any] = (
+            self.reachability.status() if self.reachability is not None
+            else {"nat": "configured", "reachable": True}
+        )
         return {
             "address": f"{announced.host}:{announced.port}" if announced else None,
+            "reach": reach,
+            "paths": self.endpoint.paths(),
             "run_id": self.spec.run_id,
             "bytes_in": totals["bytes_in"],
             "bytes_out": totals["bytes_out"],
@@ -144,4 +227,4 @@ class EndpointComponent:
         }
 
 
-__all__ = ["RUN_SPEC_KIND", "EndpointComponent"]
+__all__ = ["RUN_SPEC_KIND", "TCP_DIALBACK_KIND", "EndpointComponent"]

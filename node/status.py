@@ -35,6 +35,16 @@ class PeerStatus(_Model):
     queue: int = 0
     quic_addr: str | None = None
     version: str = ""
+    nat: str | None = Field(
+        default=None, description="Its NAT kind as it announces it (public, cone, symmetric)."
+    )
+    path: str | None = Field(
+        default=None,
+        description=(
+            "Our connection to it: direct, reversed (it dialled us on request), punched "
+            "(UDP hole punching) or relayed; None: no connection now."
+        ),
+    )
 
 
 class StatusReport(_Model):
@@ -120,17 +130,21 @@ def render_text(report: StatusReport) -> str:
     lines.append(
         "dht       " + ("\n          ".join(report.dht_addrs) if report.dht_addrs else "-")
     )
-    lines.append(f"quic      {report.quic_addr or '-'}")
+    lines.append(f"quic      {report.quic_addr or '-'}{_reach_line(report)}")
     lines.append(f"traffic   in {_bytes(report.bytes_in)}   out {_bytes(report.bytes_out)}")
     lines.append(f"peers     {len(report.peers)} known")
     if report.peers:
-        lines.append(f"  {'stage':<6} {'peer':<11} {'state':<9} {'rtt':>9} {'min rtt':>9}  quic")
+        lines.append(
+            f"  {'stage':<6} {'peer':<11} {'state':<9} {'rtt':>9} {'min rtt':>9}  "
+            f"{'path':<8} {'nat':<9} quic"
+        )
         for peer in report.peers:
             stage = "-" if peer.stage is None else str(peer.stage)
             fails = f"  ({peer.probe_failures} failed pings)" if peer.probe_failures else ""
             lines.append(
                 f"  {stage:<6} {short_peer(peer.peer_id):<11} {peer.state:<9} "
-                f"{_ms(peer.rtt_ms):>9} {_ms(peer.min_rtt_ms):>9}  {peer.quic_addr or '-'}{fails}"
+                f"{_ms(peer.rtt_ms):>9} {_ms(peer.min_rtt_ms):>9}  {peer.path or '-':<8} "
+                f"{peer.nat or '-':<9} {peer.quic_addr or '-'}{fails}"
             )
     lines.extend(_training_lines(report))
     for name, fields in sorted(report.components.items()):
@@ -139,6 +153,18 @@ def render_text(report: StatusReport) -> str:
         summary = "  ".join(f"{k}={v}" for k, v in sorted(fields.items()))
         lines.append(f"{name:<9} {summary}")
     return "\n".join(lines) + "\n"
+
+
+def _reach_line(report: StatusReport) -> str:
+    """``   nat cone, not reachable, rendezvous 12D3…`` from the endpoint's reachability."""
+    reach = report.components.get("endpoint", {}).get("reach")
+    if not reach:
+        return ""
+    text = f"   nat {reach.get('nat', '?')}, "
+    text += "reachable" if reach.get("reachable") else "not reachable"
+    if reach.get("rendezvous"):
+        text += f", rendezvous {short_peer(str(reach['rendezvous']))}"
+    return text
 
 
 _SUMMARISED = frozenset({"stage_server", "trainer", "endpoint"})

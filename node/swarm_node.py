@@ -21,15 +21,19 @@ import asyncio
 import random
 from typing import Any
 
+from ..transport.errors import TransportError
 from .component import Component, ComponentContext
 from .config.node_config import NodeConfig
 from .config.runspec import RunSpec, RunSpecError, default_run_spec, load_run_spec
 from .endpoint import EndpointComponent
-from .errors import JoinError
+from .errors import JoinError, NodeError
+from .logs import get_logger
 from .stage.placement import ServerComponent
 from .training.servers import ServerInfo, servers_from_peers
 from .training.trainer import Trainer
 from .training.trainer_config import TrainerConfig
+
+log = get_logger(__name__)
 
 
 def run_spec_of(config: NodeConfig) -> RunSpec:
@@ -48,11 +52,15 @@ def own_server_info(
     """Our stage server as the trainer sees a server, with its stage; None while we serve no
     stage (no server role, starting, or between stages during a move)."""
     serving = None if server is None else server.online_server()
-    address, quic = endpoint.announced, endpoint.endpoint
-    if serving is None or address is None or quic is None:
+    quic = endpoint.endpoint
+    if serving is None or quic is None:
         return None
+    # our own server at the bound address: a NAT rarely lets a host reach its own public one
+    host, port = quic.address
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
     return serving.stage, ServerInfo(
-        peer_id=quic.peer_id, host=address.host, port=address.port,
+        peer_id=quic.peer_id, host=host, port=port,
         throughput=serving.throughput, queue_len=serving.queue_len, state=serving.state,
         rtt=0.0,
     )
@@ -78,6 +86,8 @@ class TrainerComponent:
         self.rng = rng
         self.trainer: Trainer | None = None
         self._ratios: dict[str, float] = {}
+        self.val_loss_first: float | None = None  # the first validation loss measured
+        self.evaluations = 0
 
     async def start(self, ctx: ComponentContext) -> None:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
@@ -95,6 +105,30 @@ class TrainerComponent:
         )
         self._ratios = await asyncio.to_thread(codec_ratios, self.spec)
         await self.trainer.start(ctx)
+        if self.config.eval_period_s > 0:
+            ctx.spawn(self._validate(self.trainer), "validation")
+
+    async def _validate(self, trainer: Trainer) -> None:
+        """Validation loss every ``trainer.eval_period_s`` (the first once every stage has an
+        online server); a failed measurement is logged and tried again next period."""
+        from .training.data import validation_set
+
+        inputs, targets = await asyncio.to_thread(validation_set, self.spec)
+        n = min(self.config.eval_windows, int(inputs.shape[0]))
+        windows = (inputs[:n], targets[:n])
+        while trainer.view.missing_stages(self.spec.n_stages):
+            await asyncio.sleep(self.config.no_server_wait_s)
+        while True:
+            try:
+                loss = await trainer.evaluate(windows)
+            except (NodeError, TransportError, ExceptionGroup) as exc:
+                log.info("validation failed: %s", exc)
+            else:
+                if self.val_loss_first is None:
+                    self.val_loss_first = loss
+                self.evaluations += 1
+                log.info("validation loss %.4f (%d windows)", loss, n)
+            await asyncio.sleep(self.config.eval_period_s)
 
     async def drain(self, deadline: float) -> None:
         if self.trainer is not None:
@@ -107,7 +141,12 @@ class TrainerComponent:
     def status(self) -> dict[str, Any]:
         if self.trainer is None:
             return {}
-        return {**self.trainer.status(), "wire_compression": self._ratios}
+        return {
+            **self.trainer.status(),
+            "wire_compression": self._ratios,
+            "val_loss_first": self.val_loss_first,
+            "evaluations": self.evaluations,
+        }
 
 
 def codec_ratios(spec: RunSpec) -> dict[str, float]:
@@ -137,6 +176,9 @@ def build_components(config: NodeConfig) -> list[Component]:
         announce_host=node.announce_host,
         announce_port=node.announce_port,
         request_timeout_s=config.trainer.request_timeout_s,
+        reach_period_s=node.reach_period,
+        reach_timeout_s=node.reach_timeout,
+        rng=rng,
     )
     out: list[Component] = [endpoint]
     server = None

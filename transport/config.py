@@ -349,6 +349,124 @@ class CongestionConfig(_Section):
         return self
 
 
+class TraversalConfig(_Section):
+    """NAT traversal: observed address, dial-back, introductions, hole punching, relaying
+    (docs/nat.md). Every rate and count here bounds what one peer can make us do."""
+
+    keepalive_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=25.0,
+        description="A QUIC PING on each kept connection (our rendezvous) this often, jittered: "
+        "well under the 30 s a NAT may keep an idle UDP mapping.",
+    )
+    keep_retry_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300.0,
+        description="Wait before re-making a kept connection that failed or closed, seconds "
+        "(jittered, doubling up to 8x while it keeps failing).",
+    )
+    dialback_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=30.0,
+        description="Serving a dial-back: deadline for the QUIC/TLS handshake from a fresh port "
+        "to the requester's observed address, seconds. The requester's own deadline must be "
+        "longer.",
+    )
+    dialbacks_per_minute: float = Field(
+        default=6.0,
+        gt=0,
+        le=600.0,
+        description="Dial-backs one peer may ask of us per minute (a burst of 2 at most).",
+    )
+    max_dialbacks: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Dial-backs served at once; beyond it a request is answered 'busy'.",
+    )
+    introduce_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=30.0,
+        description="As a rendezvous: deadline for the target's answer to an introduction or "
+        "relay offer, seconds.",
+    )
+    introductions_per_minute: float = Field(
+        default=30.0,
+        gt=0,
+        le=6000.0,
+        description="As a rendezvous: introductions and relay requests one peer may ask of us "
+        "per minute (a burst of a fifth of it, at least 2).",
+    )
+    accept_per_minute: float = Field(
+        default=30.0,
+        gt=0,
+        le=6000.0,
+        description="As a target: introductions and relay offers we accept per minute from our "
+        "rendezvous peers, all together (a burst of a fifth of it, at least 2).",
+    )
+    introduction_max_age_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600.0,
+        description="An introduction or relay offer whose timestamp is further than this from "
+        "our clock is refused as stale; a nonce seen within twice this is refused as replayed.",
+    )
+    punch_packets: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="Small UDP packets the target sends toward an introduced peer to open its "
+        "NAT's mapping (0: no hole punching; connections go by reversal or relay).",
+    )
+    punch_interval_s: float = Field(
+        default=0.1,
+        gt=0,
+        le=2.0,
+        description="Interval between the punch packets, seconds.",
+    )
+    punch_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=30.0,
+        description="How long a connection by reversal or hole punching may take before we fall "
+        "back to a relay, seconds.",
+    )
+    relay_enabled: bool = Field(
+        default=True,
+        description="Relay packets between peers that both reach us and cannot reach each "
+        "other (serve '_relay' requests).",
+    )
+    relay_channels_max: int = Field(
+        default=16,
+        ge=0,
+        le=4096,
+        description="Most relay channels we carry at once; beyond it '_relay' is refused.",
+    )
+    relay_bytes_per_s: float = Field(
+        default=2_000_000.0,
+        gt=0,
+        le=1e10,
+        description="Token bucket rate of one relay channel, bytes per second, both directions "
+        "together; packets beyond it are dropped (the ends' congestion control slows down).",
+    )
+    relay_burst_bytes: int = Field(
+        default=256 * 1024,
+        ge=4096,
+        le=1 << 30,
+        description="Token bucket depth of one relay channel, bytes.",
+    )
+    relay_idle_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600.0,
+        description="A relay channel that forwarded nothing for this long is removed, seconds.",
+    )
+
+
 class TransportConfig(_Section):
     """QUIC endpoint settings."""
 
@@ -359,6 +477,7 @@ class TransportConfig(_Section):
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
     fec: FecConfig = Field(default_factory=FecConfig)
     congestion: CongestionConfig = Field(default_factory=CongestionConfig)
+    traversal: TraversalConfig = Field(default_factory=TraversalConfig)
 
     path_bandwidth_bps: float = Field(
         default=1e9,

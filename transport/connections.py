@@ -14,6 +14,11 @@ Refusals, with a QUIC application close code on the wire and an error on each si
   logs it and closes with PEER_ID_MISMATCH; the client raises PeerIdMismatch;
 - a bad, replayed or relayed signature, a claimed id other than the TLS certificate's,
   or no certificate: AUTH_FAILED; the client raises AuthenticationError.
+
+How a connection to a peer is made (:meth:`Connections.get`): an open one by peer id;
+else a direct dial if the peer is reachable or names no rendezvous; else the ``indirect``
+strategy (traversal.py: introduction through the rendezvous, then reversal, hole punching
+or a relay). Each link records how it was made in ``link.path``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .errors import (
 from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
 from .handshake import ClientHandshake, ServerHandshake
 from .identity import Identity
+from .peer_address import PeerAddress
 from .quic_link import Address, CloseCode, QuicLink
 from .quic_socket import QuicSocket
 from .stream import QuicStream, StreamCode
@@ -59,6 +65,10 @@ class Connections:
         self._connecting: dict[str, asyncio.Task[QuicLink]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._arrivals: dict[str, list[asyncio.Future[QuicLink]]] = {}
+        self._expected: dict[str, tuple[str, float]] = {}
+        # how to reach a peer that is not reachable directly (set by traversal.py)
+        self.indirect: Callable[[PeerAddress], Coroutine[Any, Any, QuicLink]] | None = None
 
     @property
     def address(self) -> Address:
@@ -74,9 +84,34 @@ class Connections:
                 return link
         return None
 
-    async def get(self, peer_id: str, host: str, port: int) -> QuicLink:
-        """An authenticated connection with ``peer_id``: an open one, the one being made,
-        or a new one. Concurrent callers share one connection attempt."""
+    async def get(self, peer: PeerAddress) -> QuicLink:
+        """An authenticated connection with ``peer``: an open one, the one being made,
+        or a new one (see the module docstring for how). Concurrent callers share one
+        connection attempt."""
+        if peer.reachable or peer.rendezvous is None or self.indirect is None:
+            return await self.dial(peer.peer_id, peer.host, peer.port)
+        indirect = self.indirect
+        return await self._shared(peer.peer_id, lambda: indirect(peer))
+
+    async def dial(
+        self,
+        peer_id: str,
+        host: str,
+        port: int,
+        *,
+        path: str = "direct",
+        timeout: float | None = None,
+    ) -> QuicLink:
+        """An open connection with ``peer_id``, or a new one dialled to ``host:port``
+        (``timeout``: the QUIC handshake's deadline, default ``connect_timeout_s``);
+        the new link's ``path`` is ``path``."""
+        return await self._shared(
+            peer_id, lambda: self.connect(peer_id, host, port, path=path, timeout=timeout)
+        )
+
+    async def _shared(
+        self, peer_id: str, make: Callable[[], Coroutine[Any, Any, QuicLink]]
+    ) -> QuicLink:
         if self._closing:
             raise ConnectError("endpoint is closing")
         link = self.link_for(peer_id)
@@ -84,14 +119,52 @@ class Connections:
             return link
         task = self._connecting.get(peer_id)
         if task is None:
-            task = self._spawn(self._connect(peer_id, host, port))
+            task = self._spawn(make())
             self._connecting[peer_id] = task
             task.add_done_callback(lambda _: self._connecting.pop(peer_id, None))
         # shield: one caller's deadline must not cancel the attempt the others await
         return await asyncio.shield(task)
 
-    async def _connect(self, peer_id: str, host: str, port: int) -> QuicLink:
-        link = await self.socket.connect(host, port)
+    async def wait_link(self, peer_id: str, timeout: float) -> QuicLink | None:
+        """The authenticated connection with ``peer_id`` that is open or arrives within
+        ``timeout`` s (either direction); None if none does."""
+        link = self.link_for(peer_id)
+        if link is not None:
+            return link
+        waiter: asyncio.Future[QuicLink] = asyncio.get_running_loop().create_future()
+        self._arrivals.setdefault(peer_id, []).append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            return None
+        finally:
+            waiters = self._arrivals.get(peer_id, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._arrivals.pop(peer_id, None)
+
+    def expect(self, peer_id: str, path: str, timeout: float) -> None:
+        """Mark the next connection from ``peer_id`` that authenticates within ``timeout``
+        s as made by ``path`` (an introduction we accepted: "punched" or "relayed")."""
+        self._expected[peer_id] = (path, asyncio.get_running_loop().time() + timeout)
+        if len(self._expected) > 4096:  # bounded by the callers' rate limits anyway
+            self._expected.pop(next(iter(self._expected)))
+
+    async def connect(
+        self,
+        peer_id: str,
+        host: str,
+        port: int,
+        *,
+        path: str = "direct",
+        timeout: float | None = None,
+    ) -> QuicLink:
+        """A new authenticated connection with ``peer_id`` at ``host:port``, never a
+        shared one (what :meth:`dial` and the indirect strategy make connections with)."""
+        link = await self.socket.connect(host, port, timeout=timeout)
+        link.path = path
         if link.tls_peer_id != peer_id:
             message = (
                 f"expected peer {peer_id} at {host}:{port}, "
@@ -152,9 +225,16 @@ class Connections:
         except (TimeoutError, TransportError) as exc:
             self._refuse(link, exc)
             return
+        finally:
+            if first.done() and not first.cancelled():
+                first.exception()  # seen: the close that set it may have come first
         link.peer_id = peer_id
         link.on_stream = None
-        logger.info("authenticated %s at %s", peer_id, link.remote_address)
+        expected = self._expected.pop(peer_id, None)
+        if expected is not None and link.path == "direct":
+            if expected[1] >= asyncio.get_running_loop().time():
+                link.path = expected[0]
+        logger.info("authenticated %s at %s (%s)", peer_id, link.remote_address, link.path)
         self._register(link)
 
     def _refuse(self, link: QuicLink, exc: BaseException) -> None:
@@ -193,6 +273,9 @@ class Connections:
 
         link.on_closed.append(forget)
         self._on_link(link)
+        for waiter in self._arrivals.pop(peer_id, []):
+            if not waiter.done():
+                waiter.set_result(link)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

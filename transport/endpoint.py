@@ -30,6 +30,14 @@ headers on receipt and decode (checking the values) on first access.
 A request is re-sent at most once, and only when it went out on a connection made
 before it that then died with no byte of reply (a peer that restarted, a path that
 went away while idle); the node's request ids are idempotent.
+
+NAT traversal (traversal.py, docs/nat.md). Every endpoint serves the built-in kinds
+``_observe``, ``_dialback``, ``_introduce``, ``_introduction``, ``_relay`` and
+``_relay_offer`` (node kinds cannot start with ``_``). A peer whose ``PeerAddress`` is
+not ``reachable`` and names a ``rendezvous`` is reached through it: connection reversal,
+hole punching or a relay channel; :meth:`Endpoint.paths` tells which. The node tells the
+endpoint whether it is itself reachable (``reachable``) and which rendezvous to keep a
+connection with (:meth:`Endpoint.keep`).
 """
 
 from __future__ import annotations
@@ -61,30 +69,32 @@ from .errors import (
 from .exchange import Inbound, Message, Outgoing, send_message
 from .framing import WIRE_VERSION, MessageHeader, encode_header, error_header
 from .identity import Identity
+from .peer_address import PeerAddress
 from .quic_link import QuicLink
 from .redundancy import LossEstimator
 from .stream import QuicStream, StreamCode
 from .tensors import ReceivedTensor, Sendable, decode_all, encode_all
 from .transfers import TransferHub
+from .traversal import BuiltinHandler, Traversal
+
+__all__ = ["Endpoint", "Handler", "PathStats", "PeerAddress", "Request", "Response"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PeerAddress:
-    peer_id: str
-    host: str
-    port: int
-
-
 @dataclass
 class Request:
-    """A request as its handler gets it: the tensors decoded and checked on receipt."""
+    """A request as its handler gets it: the tensors decoded and checked on receipt.
+
+    ``remote`` is the requester's address as we see it: the UDP source address of its
+    connection, or for a relayed connection ``("relay:<relay peer id>", n)``.
+    """
 
     peer_id: str
     kind: str
     header: dict[str, Any]
     tensors: list[torch.Tensor]
+    remote: tuple[str, int] = ("", 0)
 
 
 @dataclass
@@ -144,6 +154,9 @@ class Endpoint:
         self._closed_bytes = Counter[str]()
         self._started = False
         self._closing = False
+        self._traversal = Traversal(identity, config, self._connections, self._ask)
+        for kind, builtin in self._traversal.handlers().items():
+            self._handlers[kind] = _Registration(_builtin(builtin), allow_nonfinite=False)
 
     # lifecycle
 
@@ -169,6 +182,7 @@ class Endpoint:
         if self._closing:
             return
         self._closing = True
+        await self._traversal.close(timeout=1.0)
         if self._serving:
             _, late = await asyncio.wait(
                 list(self._serving), timeout=self.config.shutdown_timeout_s
@@ -195,7 +209,10 @@ class Endpoint:
     # serving
 
     def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
-        """Serve requests of ``kind``; tensors with NaN/Inf are refused unless allowed."""
+        """Serve requests of ``kind``; tensors with NaN/Inf are refused unless allowed.
+        Kinds starting with ``_`` are the endpoint's own."""
+        if kind.startswith("_"):
+            raise ValueError(f"{kind!r}: kinds starting with '_' are reserved")
         try:
             MessageHeader(version=WIRE_VERSION, type="request", request_id=0, kind=kind)
         except ValidationError as exc:
@@ -211,6 +228,7 @@ class Endpoint:
         self._hubs[link] = TransferHub(link, self.config, loss)
         link.on_stream = lambda stream: self._on_stream(link, stream)
         link.on_closed.append(self._forget_link)
+        self._traversal.on_link(link)
 
     def _forget_link(self, link: QuicLink) -> None:
         self._hubs.pop(link, None)
@@ -244,7 +262,10 @@ class Endpoint:
                     raise RemoteError("unknown_kind", f"no handler for {message.header.kind!r}")
                 received = _received(message, registration.allow_nonfinite, peer_id)
                 tensors = await decode_all(received)
-                request = Request(peer_id, message.header.kind, message.header.header, tensors)
+                request = Request(
+                    peer_id, message.header.kind, message.header.header, tensors,
+                    remote=link.remote_address,
+                )
                 response = await self._run_handler(registration.handler, request, inbound.task)
             except TimeoutError:
                 self._count("errors_sent.timeout")
@@ -366,7 +387,7 @@ class Endpoint:
                 request_id = next(self._ids)
                 for attempt in range(2):
                     started = loop.time()
-                    link = await self._connections.get(peer.peer_id, peer.host, peer.port)
+                    link = await self._connections.get(peer)
                     try:
                         message = await self._exchange(
                             link, request_id, kind, header, encoded, started
@@ -449,12 +470,104 @@ class Endpoint:
         """Round-trip time of a QUIC PING to ``peer`` in seconds (connecting if needed)."""
         try:
             async with asyncio.timeout(timeout):
-                link = await self._connections.get(peer.peer_id, peer.host, peer.port)
+                link = await self._connections.get(peer)
                 return await link.ping()
         except TimeoutError:
             raise RequestTimeout(
                 f"ping to {peer.peer_id} timed out after {timeout:.3g} s"
             ) from None
+
+    async def _ask(
+        self, target: PeerAddress | QuicLink, kind: str, header: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """A built-in request without tensors, to a peer or over one connection; the
+        response header."""
+        if isinstance(target, PeerAddress):
+            return (await self.request(target, kind, header, timeout=timeout)).header
+        self._count("requests_sent")
+        try:
+            async with asyncio.timeout(timeout):
+                loop = asyncio.get_running_loop()
+                message = await self._exchange(
+                    target, next(self._ids), kind, header, [], loop.time()
+                )
+        except TimeoutError:
+            raise RequestTimeout(
+                f"{kind} request to {target.peer_id} got no response in {timeout:.3g} s"
+            ) from None
+        except _StaleConnection:
+            raise target.closed_error() from None
+        return message.header.header
+
+    # NAT traversal
+
+    @property
+    def reachable(self) -> bool:
+        """Whether peers can connect to us at our announced address (the node's
+        dial-back says so): introduced peers then reverse instead of punching."""
+        return self._traversal.reachable
+
+    @reachable.setter
+    def reachable(self, value: bool) -> None:
+        self._traversal.reachable = value
+
+    async def observe(self, peer: PeerAddress, *, timeout: float) -> tuple[str, int]:
+        """Our address as ``peer`` sees it (the UDP source of our connection to it)."""
+        self._check_running()
+        return await self._traversal.observe(peer, timeout)
+
+    async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool:
+        """Whether ``peer`` could open a new connection to our observed address from a
+        port we never sent to. ``timeout`` must exceed the peer's
+        ``traversal.dialback_timeout_s``; RemoteError when the peer refuses (rate
+        limit, ``busy``)."""
+        self._check_running()
+        return await self._traversal.dial_back(peer, timeout)
+
+    async def keep(self, peer: PeerAddress, *, timeout: float) -> None:
+        """Use ``peer`` as our rendezvous: keep a connection to it open (re-made when it
+        dies, PINGed every ``traversal.keepalive_interval_s``) and accept introductions
+        and relay channels through it. ConnectError if the first connection is not up
+        within ``timeout`` s; it goes on being tried until :meth:`release`."""
+        self._check_running()
+        await self._traversal.keep(peer, timeout)
+
+    def release(self, peer_id: str) -> None:
+        """Stop keeping ``peer_id`` as a rendezvous."""
+        self._traversal.release(peer_id)
+
+    @property
+    def rendezvous(self) -> list[PeerAddress]:
+        """The rendezvous peers we keep."""
+        return self._traversal.rendezvous
+
+    def paths(self) -> dict[str, str]:
+        """How the connection to each connected peer was made: "direct", "reversed",
+        "punched" or "relayed"."""
+        paths: dict[str, str] = {}
+        for peer_id in {link.peer_id for link in self._connections.links()}:
+            link = self._connections.link_for(peer_id or "")
+            if peer_id and link is not None:
+                paths[peer_id] = link.path
+        return paths
+
+    def traversal_counts(self) -> dict[str, int]:
+        """Counters of the traversal machinery: relay forwarding and drops, punch and
+        non-QUIC packets, relay channels we are an end of."""
+        socket = self._connections.socket
+        counts: Counter[str] = Counter()
+        counts.update({f"socket.{k}": v for k, v in socket.counts.items()})
+        counts.update({f"relay_end.{k}": v for k, v in socket.relay_ends.counts.items()})
+        if self._traversal.relay is not None:
+            relay = self._traversal.relay
+            counts.update({f"relay.{k}": v for k, v in relay.counts.items()})
+            counts["relay.channels"] = len(relay.channels)
+        counts["relay_end.channels"] = len(socket.relay_ends)
+        return dict(counts)
+
+    def _check_running(self) -> None:
+        if self._closing or not self._started:
+            raise ConnectError("endpoint is not running")
 
     # measurements
 
@@ -499,6 +612,17 @@ class Endpoint:
         if len(tensors) > self.config.limits.max_tensors:
             raise FramingError(f"{len(tensors)} tensors exceed max_tensors")
         return await encode_all(tensors, codec)
+
+
+def _builtin(handler: BuiltinHandler) -> Handler:
+    """A built-in traversal handler as an endpoint handler (it takes no tensors)."""
+
+    async def serve(request: Request) -> Response:
+        if request.tensors:
+            raise RemoteError("bad_request", "this request takes no tensors")
+        return Response(await handler(request.peer_id, request.remote, request.header))
+
+    return serve
 
 
 def _received(message: Message, allow_nonfinite: bool, sender: str) -> list[ReceivedTensor]:

@@ -113,15 +113,24 @@ class QuicLink:
     """
 
     def __init__(
-        self, owner: LinkOwner, quic: QuicConnection, addr: Address, *, is_client: bool
+        self,
+        owner: LinkOwner,
+        quic: QuicConnection,
+        addr: Address,
+        *,
+        is_client: bool,
+        max_udp_payload: int | None = None,
     ) -> None:
         config = owner.config
         self._owner = owner
         self._quic = quic
         self._loop = asyncio.get_running_loop()
-        install_pacer(quic, config.max_udp_payload_bytes)
+        udp_payload = max_udp_payload or config.max_udp_payload_bytes
+        install_pacer(quic, udp_payload)
         self.remote_address = addr
         self.is_client = is_client
+        # how the connection was made: "direct", "reversed", "punched" or "relayed"
+        self.path = "direct"
         self.peer_id: str | None = None
         self.tls_peer_id: str | None = None  # the key of the certificate the peer showed
         self.binding: ChannelBinding | None = None
@@ -147,7 +156,7 @@ class QuicLink:
         self._watchdog: asyncio.TimerHandle | None = None
         self._waiting = 0
         self._window = window_bytes(config)
-        self._max_udp_payload = config.max_udp_payload_bytes
+        self._max_udp_payload = udp_payload
         self._dead_after = config.dead_peer_timeout_s
         self.write_chunk = 256 * 1024
 

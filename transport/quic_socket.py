@@ -5,6 +5,13 @@ port, demultiplexing packets by destination connection id, so that a peer is alw
 reached at the address it announces. Each connection is a :class:`~.quic_link.QuicLink`;
 the socket only routes packets to links, answers unknown QUIC versions (RFC 9000 §6) and
 caps how many connections, and how many still unauthenticated, it holds.
+
+The same port carries NAT traversal's non-QUIC datagrams (relay.py), told apart by their
+first byte: punch packets are dropped (they only opened a NAT mapping on the way), relay
+packets go to the relay table when we relay for others (``relay``), else to the channels
+we are an end of (``relay_ends``), whose inner packets reach QUIC as coming from the
+channel's virtual address; what QUIC sends to a virtual address is wrapped and sent to
+that channel's relay. Relayed connections send packets smaller by the relay header.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +32,16 @@ from .errors import AuthenticationError, ConnectError
 from .identity import Identity
 from .quic_config import CID_LENGTH, ServerConnection, build_configuration
 from .quic_link import Address, CloseCode, QuicLink
+from .relay import (
+    PUNCH_BYTE,
+    RELAY_BYTE,
+    RELAY_HEADER_BYTES,
+    RelayEnds,
+    RelayTable,
+    encode_punch,
+    is_quic,
+    is_virtual,
+)
 
 __all__ = ["QuicSocket"]
 
@@ -66,6 +84,16 @@ class QuicSocket:
         self._on_accept = on_accept
         self._server_config = build_configuration(identity, config, is_client=False)
         self._client_config = build_configuration(identity, config, is_client=True)
+        # relayed connections: the inner packet plus the relay header fits one datagram
+        self.relayed_udp_payload = max(
+            MIN_INITIAL_BYTES, config.max_udp_payload_bytes - RELAY_HEADER_BYTES
+        )
+        relayed = config.model_copy(update={"max_udp_payload_bytes": self.relayed_udp_payload})
+        self._relayed_server_config = build_configuration(identity, relayed, is_client=False)
+        self._relayed_client_config = build_configuration(identity, relayed, is_client=True)
+        self.relay: RelayTable | None = None  # set when we relay for others
+        self.relay_ends = RelayEnds()
+        self.counts: Counter[str] = Counter()
         self._transport: asyncio.DatagramTransport | None = None
         self._protocol: _Protocol | None = None
         self._family = socket.AF_INET
@@ -101,8 +129,22 @@ class QuicSocket:
         self.address = (str(bound[0]), int(bound[1]))
 
     def sendto(self, data: bytes, addr: Address) -> None:
+        if is_virtual(addr):
+            wrapped = self.relay_ends.wrap(data, addr)
+            if wrapped is None:  # the channel is gone: QUIC sees it as loss
+                return
+            data, addr = wrapped
         if self._transport is not None and not self._transport.is_closing():
             self._transport.sendto(data, addr)
+
+    def punch(self, addr: Address, count: int, interval: float, nonce: bytes) -> None:
+        """Send ``count`` punch packets to ``addr``, ``interval`` s apart (the first now):
+        each opens or refreshes our NAT's mapping toward it."""
+        packet = encode_punch(nonce)
+        loop = asyncio.get_running_loop()
+        for i in range(count):
+            loop.call_later(i * interval, self.sendto, packet, addr)
+        self.counts["punch.sent"] += count
 
     def register_cid(self, cid: bytes, link: QuicLink) -> None:
         self._by_cid[cid] = link
@@ -116,6 +158,12 @@ class QuicSocket:
             del self._by_cid[cid]
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
+        if not is_quic(data):
+            self._traversal_datagram(data, addr)
+        else:
+            self._quic_datagram(data, addr)
+
+    def _quic_datagram(self, data: bytes, addr: Address) -> None:
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
         except ValueError:
@@ -148,6 +196,24 @@ class QuicSocket:
                 return
         link.datagram_received(data, addr)
 
+    def _traversal_datagram(self, data: bytes, addr: Address) -> None:
+        """A relay or punch packet (relay.py); anything else that is not QUIC is dropped."""
+        kind = data[0] if data else -1
+        if kind == RELAY_BYTE:
+            relay = self.relay
+            if relay is not None and relay.owns(data):
+                forwarded = relay.forward(data, addr, asyncio.get_running_loop().time())
+                if forwarded is not None:
+                    self.sendto(*forwarded)
+                return
+            unwrapped = self.relay_ends.unwrap(data, addr)
+            if unwrapped is not None and is_quic(unwrapped[0]):  # one level of relaying
+                self._quic_datagram(*unwrapped)
+        elif kind == PUNCH_BYTE:
+            self.counts["punch.received"] += 1
+        else:
+            self.counts["dropped.not_quic"] += 1
+
     def _accept(self, dcid: bytes, addr: Address) -> QuicLink | None:
         unauthenticated = sum(1 for link in self._links if link.peer_id is None)
         if (
@@ -156,32 +222,51 @@ class QuicSocket:
         ):
             logger.warning("ignoring a new connection from %s: too many connections", addr)
             return None
+        relayed = is_virtual(addr)
         quic = ServerConnection(
-            configuration=self._server_config, original_destination_connection_id=dcid
+            configuration=self._relayed_server_config if relayed else self._server_config,
+            original_destination_connection_id=dcid,
         )
-        link = QuicLink(self, quic, addr, is_client=False)
+        link = QuicLink(
+            self, quic, addr, is_client=False,
+            max_udp_payload=self.relayed_udp_payload if relayed else None,
+        )
+        if relayed:
+            link.path = "relayed"
         self._links.add(link)
         self._by_cid[dcid] = link
         self._by_cid[quic.host_cid] = link
         self._on_accept(link)
         return link
 
-    async def connect(self, host: str, port: int) -> QuicLink:
-        """A new connection to ``host:port`` once QUIC/TLS completed (deadline:
-        ``connect_timeout_s``). The caller checks ``tls_peer_id`` and authenticates."""
+    async def connect(self, host: str, port: int, *, timeout: float | None = None) -> QuicLink:
+        """A new connection to ``host:port`` (a relay channel's virtual address included)
+        once QUIC/TLS completed (deadline: ``timeout``, default ``connect_timeout_s``).
+        The caller checks ``tls_peer_id`` and authenticates."""
         if self._transport is None:
             raise ConnectError("QUIC socket not started")
         if len(self._links) >= self.config.max_connections:
             raise ConnectError("too many connections")
-        addr = await self._resolve(host, port)
-        quic = QuicConnection(configuration=self._client_config)
-        link = QuicLink(self, quic, addr, is_client=True)
+        relayed = is_virtual((host, port))
+        if relayed:
+            if self.relay_ends.get((host, port)) is None:
+                raise ConnectError(f"no relay channel {host}:{port}")
+            addr: Address = (host, port)
+        else:
+            addr = await self._resolve(host, port)
+        quic = QuicConnection(
+            configuration=self._relayed_client_config if relayed else self._client_config
+        )
+        link = QuicLink(
+            self, quic, addr, is_client=True,
+            max_udp_payload=self.relayed_udp_payload if relayed else None,
+        )
         self._links.add(link)
         self._by_cid[quic.host_cid] = link
         quic.connect(addr, now=asyncio.get_running_loop().time())
         link.transmit()
         try:
-            async with asyncio.timeout(self.config.connect_timeout_s):
+            async with asyncio.timeout(timeout or self.config.connect_timeout_s):
                 await link.handshake_done
         except TimeoutError:
             link.abandon(CloseCode.NO_ERROR, "handshake timed out")

@@ -108,12 +108,29 @@ class NodeSection(_Section):
     announce_host: str = Field(
         default="",
         description=(
-            "QUIC host announced to peers; empty: the bound address (or 127.0.0.1 when bound to "
-            "0.0.0.0). Set it when peers reach us through another address (NAT, a WAN emulator)."
+            "QUIC host announced to peers, overriding what the node learns: empty: the address "
+            "peers observe us at (after a reachability check, docs/nat.md), before that the "
+            "bound address or, bound to 0.0.0.0, the interface address toward the swarm (never "
+            "loopback off-host). Set it for a forwarded port on a fixed public address."
         ),
     )
     announce_port: int = Field(
         default=0, ge=0, le=65535, description="QUIC port announced to peers; 0: the bound port."
+    )
+    reach_period: float = Field(
+        default=120.0,
+        ge=5,
+        le=3600,
+        description=(
+            "Seconds between reachability checks once the node knows its public address and "
+            "NAT type (until then it checks every few seconds as peers appear)."
+        ),
+    )
+    reach_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="Seconds each observed-address request or dial-back of a check may take.",
     )
     stage: int | None = Field(
         default=None,
@@ -188,13 +205,92 @@ class DhtConfig(_Section):
             "lost sooner when their holders leave: a few for a small, stable swarm."
         ),
     )
+    use_relays: bool = Field(
+        default=True,
+        description=(
+            "Behind a NAT or firewall (found by libp2p's AutoNAT, or set by reachability), "
+            "reserve a slot on a public peer's circuit relay and announce the relayed address, "
+            "so that peers behind other NATs reach us (averaging, state downloads). "
+            "docs/nat.md."
+        ),
+    )
+    relays: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Public peers to reserve relay slots on, each ending in /p2p/<peer id>. Empty: the "
+            "initial peers. Reservations start as soon as AutoNAT finds us unreachable; with no "
+            "relays and no initial peers, libp2p looks for relays in the DHT instead (about 3 "
+            "minutes until it reserves when fewer than 4 candidates are known)."
+        ),
+    )
+    reachability: str = Field(
+        default="auto",
+        description=(
+            "'auto': AutoNAT decides whether others can dial us; 'public' or 'private' forces "
+            "it ('private' reserves relay slots at once; 'public' never does)."
+        ),
+    )
+    nat_port_map: bool = Field(
+        default=True,
+        description="Ask the home router to forward a port (UPnP / NAT-PMP) when it offers to.",
+    )
+    relay_service: bool = Field(
+        default=True,
+        description=(
+            "Relay for peers behind NAT when we are reachable (circuit relay v2 hop), within "
+            "the relay_* limits below."
+        ),
+    )
+    relay_max_reservations: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Peers that may hold a relay slot on this node at once.",
+    )
+    relay_max_circuits: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Relayed connections open at once per peer that holds a slot.",
+    )
+    relay_buffer_kib: int = Field(
+        default=1024,
+        ge=16,
+        le=65536,
+        description=(
+            "Buffer of each relayed connection, KiB (memory per circuit; libp2p's daemon "
+            "defaults to 16 MiB)."
+        ),
+    )
+    relay_data_limit_mib: int = Field(
+        default=4096,
+        ge=1,
+        le=1 << 20,
+        description=(
+            "MiB one relayed connection may carry each way before the relay resets it (the "
+            "peers then dial a new one)."
+        ),
+    )
+    relay_time_limit: float = Field(
+        default=1800.0,
+        gt=0,
+        le=86400,
+        description="Seconds one relayed connection may last before the relay resets it.",
+    )
 
     @field_validator("host")
     @classmethod
     def _check_host(cls, value: str) -> str:
         return check_host(value)
 
-    @field_validator("initial_peers")
+    @field_validator("reachability")
+    @classmethod
+    def _check_reachability(cls, value: str) -> str:
+        if value not in ("auto", "public", "private"):
+            raise ValueError(f"must be 'auto', 'public' or 'private' (got {value!r})")
+        return value
+
+    @field_validator("initial_peers", "relays")
     @classmethod
     def _check_initial_peers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for item in value:

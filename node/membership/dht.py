@@ -44,7 +44,7 @@ from hivemind.dht import DHT, DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from ...transport.identity import Identity, verify_signature
@@ -242,7 +242,8 @@ async def _in_dht_ping(_dht: DHT, node: DHTNode, peer_id: str, timeout: float) -
 
 
 async def _in_dht_visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
-    return [str(addr) for addr in await node.get_visible_maddrs()]
+    # latest: hivemind caches the first answer, taken before any relay slot was reserved
+    return [str(addr) for addr in await node.get_visible_maddrs(latest=True)]
 
 
 # ----------------------------------------------------------------- the adapter
@@ -259,7 +260,14 @@ class _DhtProcess(DHT):
     daemon has withdrawn its record; the daemon stops it itself at the end of the leave path.
     It is asked to die with the daemon (PR_SET_PDEATHSIG), so a SIGKILLed daemon leaves no
     orphan behind holding the state dir's files.
+
+    ``p2pd_flags`` are added to the p2pd command line that hivemind builds in this process
+    (:func:`p2p_options` says which and why).
     """
+
+    def __init__(self, *, p2pd_flags: dict[str, Any], **kwargs: Any) -> None:
+        self._p2pd_flags = dict(p2pd_flags)  # set before the fork, which DHT.__init__ does
+        super().__init__(**kwargs)
 
     def run(self) -> None:
         os.setpgid(0, 0)
@@ -267,7 +275,72 @@ class _DhtProcess(DHT):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != self._parent_pid:
             return  # the daemon died before prctl took effect
+        _add_p2pd_flags(self._p2pd_flags)
         super().run()
+
+
+def _add_p2pd_flags(flags: dict[str, Any]) -> None:
+    """Append ``flags`` to every p2pd command line hivemind builds in this process.
+
+    hivemind 1.1.12's ``P2P.create`` has no parameters for the relay service's limits or for
+    ``-relayDiscovery``; it turns its keyword arguments into ``-name=value`` flags with the
+    static ``P2P._make_process_args``, which this wraps. Called only in the forked DHT process,
+    whose one p2pd is the DHT's (the averagers' processes reuse it through replicate_p2p).
+    """
+    if not flags:
+        return
+    build = P2P._make_process_args
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return list(build(*args, **{**kwargs, **flags}))
+
+    P2P._make_process_args = staticmethod(with_flags)
+
+
+def p2p_options(config: DhtConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """hivemind ``P2P.create`` keyword arguments and extra p2pd flags for ``config``.
+
+    Reaching peers behind NAT (docs/nat.md): p2pd's circuit relay v2 is on (``use_relay``),
+    so every node can dial a relayed address and a reachable node serves as a relay within
+    the ``relay_*`` limits. A node that AutoNAT finds unreachable reserves a slot on a relay
+    (``use_auto_relay``) and announces ``/p2p/<relay>/p2p-circuit``, which the libp2p DHT
+    hands to whoever looks the node up. The relays are ``dht.relays`` or else the initial
+    peers, given as p2pd's static relays (``-relayDiscovery=0``): with discovery instead,
+    libp2p's AutoRelay waits for 4 candidates or 3 minutes before its first reservation, and
+    a small swarm has fewer than 4 public peers.
+    """
+    relays = list(config.relays or config.initial_peers)
+    options: dict[str, Any] = {
+        "use_relay": True,
+        "use_auto_relay": config.use_relays,
+        "auto_nat": True,
+        "nat_port_map": config.nat_port_map,
+        "force_reachability": None if config.reachability == "auto" else config.reachability,
+    }
+    flags: dict[str, Any] = {
+        "relayService": config.relay_service,
+        "relayMaxReservations": config.relay_max_reservations,
+        "relayMaxCircuits": config.relay_max_circuits,
+        "relayBufferSize": config.relay_buffer_kib * 1024,
+        "relayDataLimit": config.relay_data_limit_mib * 1024 * 1024,
+        "relayTimeLimit": f"{config.relay_time_limit:g}s",
+    }
+    if config.use_relays and relays:
+        # p2pd refuses trusted relays without -autoRelay, so only with it
+        options["trusted_relays"] = relays
+        flags["relayDiscovery"] = False
+    return options, flags
+
+
+def others_maddrs(maddrs: list[str]) -> list[str]:
+    """The multiaddrs worth giving to other hosts: loopback ones only when nothing else is left
+    (a node on 127.0.0.1 alone), direct ones before relayed ones."""
+    outside = [m for m in maddrs if not _is_loopback(m)] or list(maddrs)
+    return sorted(outside, key=lambda m: "/p2p-circuit" in m)
+
+
+def _is_loopback(maddr: str) -> bool:
+    return maddr.startswith(("/ip4/127.", "/ip6/::1/", "/dns/localhost/", "/dns4/localhost/"))
 
 
 def _bind_maddr(host: str, port: int) -> str:
@@ -306,7 +379,9 @@ class Dht:
             scratch = asyncio.new_event_loop()
             asyncio.set_event_loop(scratch)
         try:
+            p2p_kwargs, p2pd_flags = p2p_options(config)
             process = _DhtProcess(
+                p2pd_flags=p2pd_flags,
                 initial_peers=list(config.initial_peers) or None,
                 start=True,
                 await_ready=False,
@@ -324,6 +399,7 @@ class Dht:
                 wait_timeout=config.rpc_timeout,
                 bootstrap_timeout=config.bootstrap_timeout,
                 num_replicas=config.num_replicas,
+                **p2p_kwargs,
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise JoinError(f"cannot start the DHT process: {exc}") from None
@@ -396,11 +472,15 @@ class Dht:
             raise DhtError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
     async def visible_maddrs(self) -> list[str]:
-        """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers."""
+        """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers.
+
+        Loopback addresses only when the node has nothing else (all local); relayed
+        addresses (``.../p2p-circuit/p2p/<peer id>``, once a relay slot is reserved) last.
+        """
         result: list[str] = await self._call(
             _in_dht_visible_maddrs, self.config.rpc_timeout, "visible_maddrs"
         )
-        return result
+        return others_maddrs(result)
 
     async def publish(self, server: ServerRecord, rtt: RttRecord, expiration: float) -> bool:
         """Store our two records (signed by the validator); True when the DHT reports both

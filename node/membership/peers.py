@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ...transport.endpoint import PeerAddress
+from .addresses import peer_address
 from .records import (
     LISTED_STATES,
     MAX_RTT_ENTRIES,
@@ -47,7 +49,8 @@ class ServerPeer:
 
     peer: Peer
     stage: int
-    quic: QuicAddress  # where its stage server answers
+    quic: QuicAddress  # the address it announces
+    address: PeerAddress  # how we reach it (addresses.peer_address: LAN, NAT traversal)
 
     @property
     def record(self) -> ServerRecord:
@@ -67,6 +70,9 @@ class PeerTable:
         self.own_peer_id = own_peer_id
         self.rtt_window = rtt_window
         self._peers: dict[str, Peer] = {}
+        # our public address when we sit behind NAT (reachability.py): peers announcing the
+        # same one are behind our NAT too, and reached at their LAN address
+        self.own_public_host: str | None = None
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -109,8 +115,15 @@ class PeerTable:
                 run_id is not None and record.run_id != run_id
             ):
                 continue
-            out.append(ServerPeer(peer, record.stage, record.quic))
+            address = peer_address(record, self.own_public_host)
+            assert address is not None  # record.quic is set
+            out.append(ServerPeer(peer, record.stage, record.quic, address))
         return out
+
+    def address(self, peer_id: str) -> PeerAddress | None:
+        """How to reach ``peer_id`` (addresses.peer_address), None if unknown or unannounced."""
+        peer = self._peers.get(peer_id)
+        return None if peer is None else peer_address(peer.record, self.own_public_host)
 
     def apply(
         self,

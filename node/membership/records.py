@@ -63,6 +63,34 @@ class QuicAddress(_Record):
     port: int = Field(ge=1, le=65535)
 
 
+NatKind = Literal["public", "cone", "symmetric", "unknown"]
+MAX_LAN_ADDRESSES = 4
+
+
+class PeerRef(_Record):
+    """Another peer and its QUIC address (a rendezvous a NATed node keeps a connection to)."""
+
+    peer_id: PeerIdStr
+    quic: QuicAddress
+
+
+class Reach(_Record):
+    """How a peer can be reached (reachability.py measures it, docs/nat.md explains it).
+
+    ``nat``: ``public`` (peers see our own interface address), ``cone`` (behind NAT, the same
+    public mapping toward every peer), ``symmetric`` (a mapping per destination), ``unknown``
+    (not measured yet). ``reachable``: a peer dialled our announced address from a port we had
+    never sent to, and got through. ``lan``: our interface addresses, for peers behind the same
+    NAT (home routers rarely hairpin). ``rendezvous``: the reachable peer we keep a connection
+    to; peers that cannot dial us ask it to introduce them or to relay.
+    """
+
+    nat: NatKind = "unknown"
+    reachable: bool = False
+    lan: tuple[QuicAddress, ...] = Field(default=(), max_length=MAX_LAN_ADDRESSES)
+    rendezvous: PeerRef | None = None
+
+
 class OwnedRecord(_Record):
     """Fields every record starts with: schema version and owner (must equal the sub-key)."""
 
@@ -80,6 +108,7 @@ class ServerRecord(OwnedRecord):
     throughput: float = Field(default=0.0, ge=0, le=1e12, allow_inf_nan=False)
     queue: int = Field(default=0, ge=0, le=1_000_000)
     quic: QuicAddress | None = None
+    reach: Reach | None = None
     version: Annotated[str, StringConstraints(max_length=32)] = ""
     # the run spec's hash (runspec.RunSpec.run_id); empty: not announced yet
     run_id: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{16})?$")] = ""

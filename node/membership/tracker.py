@@ -6,7 +6,7 @@ at once when its state, stage or address changes; the swarm's records are read e
 ``node.membership_period`` (jittered) into the peer table.
 
 Components change what we announce through :meth:`Membership.update` (stage, throughput,
-queue length, QUIC address) and never touch the DHT themselves.
+queue length, QUIC address, reachability) and never touch the DHT themselves.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..logs import get_logger, set_log_context, short_peer
 from ..metrics import NodeMetrics
 from ..timing import jittered
 from .peers import PeerTable, TableChanges
-from .records import MembershipRead, QuicAddress, RttRecord, ServerRecord, ServerState
+from .records import MembershipRead, QuicAddress, Reach, RttRecord, ServerRecord, ServerState
 
 log = get_logger(__name__)
 
@@ -67,6 +67,7 @@ class Membership:
         self.queue = 0
         self.run_id = ""
         self.quic: QuicAddress | None = None
+        self.reach: Reach | None = None
         self.published = 0
         self.last_announce_ok: bool | None = None
         self.last_read_at: float | None = None
@@ -82,9 +83,11 @@ class Membership:
         throughput: float | object = _UNSET,
         queue: int | object = _UNSET,
         quic: QuicAddress | None | object = _UNSET,
+        reach: Reach | None | object = _UNSET,
         run_id: str | object = _UNSET,
     ) -> None:
-        """Change announced fields; a stage or address change is announced at once."""
+        """Change announced fields; a stage, address or reachability change is announced at
+        once."""
         urgent = False
         if stage is not _UNSET and stage != self.stage:
             self.stage = stage  # type: ignore[assignment]
@@ -92,6 +95,9 @@ class Membership:
             urgent = True
         if quic is not _UNSET and quic != self.quic:
             self.quic = quic  # type: ignore[assignment]
+            urgent = True
+        if reach is not _UNSET and reach != self.reach:
+            self.reach = reach  # type: ignore[assignment]
             urgent = True
         if isinstance(run_id, str) and run_id != self.run_id:
             self.run_id = run_id
@@ -118,6 +124,7 @@ class Membership:
             throughput=self.throughput,
             queue=self.queue,
             quic=self.quic,
+            reach=self.reach,
             version=__version__,
             run_id=self.run_id,
         )

@@ -175,7 +175,7 @@ class ServerComponent:
     def _donors(self, ctx: ComponentContext, stage: int) -> list[PeerAddress]:
         """The online servers of ``stage`` in this run (state donors for a server opening there)."""
         return [
-            PeerAddress(s.peer.peer_id, s.quic.host, s.quic.port)
+            s.address
             for s in ctx.peers.servers(_DONOR_STATES, stage=stage, run_id=self.spec.run_id)
         ]
 

@@ -4,16 +4,20 @@ Pure data and text, no I/O: :mod:`netlab` turns a :class:`Plan` into namespaces,
 processes. A topology is public hosts on one bridge (the "internet") and homes, each a
 router namespace doing NAT for one or more hosts on its own LAN::
 
-    public host 198.18.0.10 ─┐
-    public host 198.18.0.11 ─┤ bridge br0 (198.18.0.1/15: the default gateway of the
+    public host 11.0.0.10 ─┐
+    public host 11.0.0.11 ─┤ bridge br0 (11.0.0.1/15: the default gateway of the
                              │ internet; it forwards nothing, so the rest of the world
                              │ does not answer)
-    router wan 198.19.0.10 ──┘
+    router wan 11.1.0.10 ──┘
       │ NAT (cone or symmetric), tbf each way, random loss, user-space delay stage
     router lan 192.168.1.1/24 ── home host 192.168.1.2
 
-Public and router addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and live only
-inside the lab's namespaces. A topology is built from Python, command-line flags or TOML::
+Public and router addresses come from 11.0.0.0/15 and live only inside the lab's
+namespaces (which route nowhere else). They must be addresses libp2p takes for public ones:
+on the reserved ranges (RFC 2544's 198.18.0.0/15, the documentation ranges) its identify
+protocol keeps no address of a peer, and hivemind's averaging then finds no one (docs/nat.md).
+
+A topology is built from Python, command-line flags or TOML::
 
     [[public]]
     name = "boot"
@@ -49,10 +53,10 @@ LAN_IF = "lan"  # the router's LAN bridge
 DELAY_IF = "dly"  # the TUN device of the router's delay stage
 DELAY_TABLE = 100  # the routing table that sends forwarded packets through the delay stage
 
-PUBLIC_NET = ipaddress.IPv4Network("198.18.0.0/15")
-INTERNET_GATEWAY = ipaddress.IPv4Address("198.18.0.1")
-PUBLIC_HOSTS_FROM = ipaddress.IPv4Address("198.18.0.10")
-ROUTERS_FROM = ipaddress.IPv4Address("198.19.0.10")
+PUBLIC_NET = ipaddress.IPv4Network("11.0.0.0/15")
+INTERNET_GATEWAY = ipaddress.IPv4Address("11.0.0.1")
+PUBLIC_HOSTS_FROM = ipaddress.IPv4Address("11.0.0.10")
+ROUTERS_FROM = ipaddress.IPv4Address("11.1.0.10")
 MAX_PUBLIC = 60000  # public hosts and routers each stay inside their half of the /15
 
 LOSS_SCALE = 1_000_000  # loss is drawn as `numgen random mod LOSS_SCALE < loss * LOSS_SCALE`

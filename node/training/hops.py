@@ -147,7 +147,7 @@ class HopSender:
             self.router.started(server.peer_id)
             try:
                 response = await self.endpoint.request(
-                    PeerAddress(server.peer_id, server.host, server.port),
+                    server.target,
                     str(kind),
                     to_header(header),
                     tensors,

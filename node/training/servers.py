@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...transport.endpoint import PathStats
+from ...transport.endpoint import PathStats, PeerAddress
 from .routing import Candidate, Router
 
 
@@ -29,6 +29,13 @@ class ServerInfo:
     queue_len: int  # announced queued jobs
     state: str  # joining / online / draining
     rtt: float | None  # seconds, smoothed, None if never measured
+    # how to reach it when the peer table knows more than host:port (its LAN address behind
+    # our own NAT, its reachability and rendezvous for NAT traversal)
+    address: PeerAddress | None = None
+
+    @property
+    def target(self) -> PeerAddress:
+        return self.address or PeerAddress(self.peer_id, self.host, self.port)
 
 
 ServerSource = Callable[[], Mapping[int, Sequence[ServerInfo]]]
@@ -99,6 +106,7 @@ def servers_from_peers(peers: Any) -> dict[int, list[ServerInfo]]:
                 queue_len=record.queue,
                 state=record.state,
                 rtt=server.peer.rtt.srtt,
+                address=server.address,
             )
         )
     return out

@@ -53,4 +53,16 @@ class TrainerConfig(BaseModel):
     error_feedback: bool = Field(
         default=True, description="Send output gradients through error feedback (per stage)."
     )
+    eval_period_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=86400.0,
+        description=(
+            "Measure the validation loss through the swarm this often, seconds (the first "
+            "once every stage has a server), shown by 'wanswarm status'; 0: never."
+        ),
+    )
+    eval_windows: int = Field(
+        default=16, ge=1, le=4096, description="Validation windows each measurement runs."
+    )
     router: RouterConfig = Field(default=RouterConfig(), description="Server choice per hop.")

@@ -9,14 +9,14 @@ from wanswarm.node.tools.netlab_topology import Home, Link, Topology, TopologyEr
 
 def test_plan_assigns_public_router_and_lan_addresses() -> None:
     plan = topo.plan(Topology(public=("a", "b"), homes=(Home("h1"), Home("h2", hosts=("x", "y")))))
-    assert [plan.hosts[h].address for h in ("a", "b")] == ["198.18.0.10", "198.18.0.11"]
-    assert plan.hosts["a"].public_address == "198.18.0.10"
-    assert plan.hosts["a"].gateway == "198.18.0.1"
-    assert plan.routers["h1"].wan_address == "198.19.0.10"
-    assert plan.routers["h2"].wan_address == "198.19.0.11"
+    assert [plan.hosts[h].address for h in ("a", "b")] == ["11.0.0.10", "11.0.0.11"]
+    assert plan.hosts["a"].public_address == "11.0.0.10"
+    assert plan.hosts["a"].gateway == "11.0.0.1"
+    assert plan.routers["h1"].wan_address == "11.1.0.10"
+    assert plan.routers["h2"].wan_address == "11.1.0.11"
     assert plan.hosts["h1"].address == "192.168.1.2"
     assert plan.hosts["h1"].gateway == "192.168.1.1"
-    assert plan.hosts["h1"].public_address == "198.19.0.10"
+    assert plan.hosts["h1"].public_address == "11.1.0.10"
     assert [plan.hosts[h].address for h in ("x", "y")] == ["192.168.2.2", "192.168.2.3"]
     assert plan.routers["h2"].node == "r-h2"
 
@@ -38,7 +38,7 @@ def test_homes_may_share_one_lan() -> None:
         (lambda: Topology(homes=(Home("a", hosts=("x",)), Home("a", hosts=("y",)))),
          "home names"),
         (lambda: Home("a", nat="full-cone"), "nat is one of"),
-        (lambda: Home("a", lan="198.18.5.0/24"), "must not overlap"),
+        (lambda: Home("a", lan="11.0.5.0/24"), "must not overlap"),
         (lambda: Home("a", lan="10.0.0.0/30", hosts=("x", "y")), "too small"),
         (lambda: Link(loss=1.0), "loss"),
         (lambda: Link(delay_ms=-1), "delay_ms"),

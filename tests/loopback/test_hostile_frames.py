@@ -56,7 +56,7 @@ class _World:
             await honest.start("127.0.0.1", 0)
             raw = Connections(Identity.generate(), CFG, lambda link: None)
             await raw.start("127.0.0.1", 0)
-            link = await raw.get(server.peer_id, *server.address)
+            link = await raw.get(address(server))
             return server, honest, raw, link
 
         self.server, self.honest, self.raw, self.link = self.loop.run_until_complete(setup())

@@ -413,8 +413,10 @@ def _component_world(
     table.apply(records, {}, now=0.0, wall_now=0.0)
     store = _FakeStore()
     membership = Membership(store, config.node, identity.peer_id, table, random.Random(0))
-    endpoint = SimpleNamespace(endpoint=SimpleNamespace(peer_id=identity.peer_id),
-                               announced=QuicAddress(host="127.0.0.1", port=9))
+    endpoint = SimpleNamespace(
+        endpoint=SimpleNamespace(peer_id=identity.peer_id, address=("127.0.0.1", 9)),
+        announced=QuicAddress(host="127.0.0.1", port=9),
+    )
     component = placement.ServerComponent(
         spec, endpoint, random.Random(0),  # type: ignore[arg-type]
         config=config.stage_server, averaging=config.averaging, rebalance=config.rebalance,

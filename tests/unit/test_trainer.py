@@ -440,5 +440,10 @@ def test_servers_from_the_peer_table() -> None:
     table.on_rtt_sample(ids[0], 0.05, now=1.0)
     view = servers_from_peers(table)
     assert set(view) == {0, 1}
-    assert view[1] == [ServerInfo(ids[0], "10.0.0.1", 4000, 12.5, 3, "online", 0.05)]
+    assert view[1] == [
+        ServerInfo(
+            ids[0], "10.0.0.1", 4000, 12.5, 3, "online", 0.05,
+            address=PeerAddress(ids[0], "10.0.0.1", 4000),
+        )
+    ]
     assert view[0][0].state == "joining" and view[0][0].rtt is None

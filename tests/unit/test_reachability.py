@@ -1,0 +1,189 @@
+"""Addresses and reachability checks: what a node announces, how it classifies its NAT, and how
+a peer's record becomes an address to dial.
+
+Unit tier: the check runs against a scripted endpoint (the observed addresses and dial-back
+answers real peers would give); the transport's own observe and dial-back over real sockets
+are tested in tests/loopback/test_traversal.py and across real NATs in tests/lab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from wanswarm.node.membership.addresses import (
+    interface_addresses,
+    is_loopback,
+    local_hosts,
+    peer_address,
+)
+from wanswarm.node.membership.peers import PeerTable
+from wanswarm.node.membership.reachability import Observation, Reachability, classify
+from wanswarm.node.membership.records import (
+    PeerRef,
+    QuicAddress,
+    Reach,
+    ServerRecord,
+    decode_record,
+    encode_record,
+)
+from wanswarm.transport.endpoint import PeerAddress
+from wanswarm.transport.errors import ConnectError
+
+A = "1" * 44
+B = "2" * 44
+C = "3" * 44
+ME = "4" * 44
+
+
+def _record(peer_id: str, host: str, port: int = 4000, reach: Reach | None = None) -> ServerRecord:
+    return ServerRecord(
+        peer_id=peer_id, state="online", stage=0, quic=QuicAddress(host=host, port=port),
+        reach=reach,
+    )
+
+
+def _table(*records: ServerRecord) -> PeerTable:
+    table = PeerTable(ME)
+    table.apply({r.peer_id: (r, 1e12) for r in records}, {}, now=0.0, wall_now=0.0)
+    return table
+
+
+class ScriptedEndpoint:
+    """Answers observe/dial_back as the peers of a scenario would."""
+
+    def __init__(self, seen: dict[str, tuple[str, int] | None], dial_back: bool) -> None:
+        self.seen = seen
+        self.dial_back_answer = dial_back
+        self.reachable = False
+        self.kept: list[PeerAddress] = []
+        self.released: list[str] = []
+        self.asked: list[str] = []
+
+    async def observe(self, peer: PeerAddress, *, timeout: float) -> tuple[str, int]:
+        self.asked.append(peer.peer_id)
+        answer = self.seen.get(peer.peer_id)
+        if answer is None:
+            raise ConnectError(f"{peer.peer_id} unreachable")
+        return answer
+
+    async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool:
+        return self.dial_back_answer
+
+    async def keep(self, peer: PeerAddress, *, timeout: float) -> None:
+        self.kept.append(peer)
+
+    def release(self, peer_id: str) -> None:
+        self.released.append(peer_id)
+
+
+def _check(
+    table: PeerTable, endpoint: ScriptedEndpoint, local: list[str]
+) -> tuple[bool, list[tuple[QuicAddress, Reach]], Reachability]:
+    published: list[tuple[QuicAddress, Reach]] = []
+    reach = Reachability(
+        endpoint, table, local_hosts=lambda: local, bound_port=5000,
+        publish=lambda q, r: published.append((q, r)), period_s=60, timeout_s=1,
+        rng=random.Random(0),
+    )
+    known = asyncio.run(reach.check())
+    return known, published, reach
+
+
+def test_classify() -> None:
+    assert classify(["10.0.0.2"], []) == "unknown"
+    assert classify(["11.0.0.10"], [Observation(A, "11.0.0.10", 5000)]) == "public"
+    cone = [Observation(A, "11.1.0.10", 5000), Observation(B, "11.1.0.10", 5000)]
+    assert classify(["192.168.1.2"], cone) == "cone"
+    symmetric = [Observation(A, "11.1.0.10", 40001), Observation(B, "11.1.0.10", 51234)]
+    assert classify(["192.168.1.2"], symmetric) == "symmetric"
+
+
+def test_a_public_node_announces_its_own_address_as_reachable() -> None:
+    table = _table(_record(A, "11.0.0.10"), _record(B, "11.0.0.11"))
+    endpoint = ScriptedEndpoint({A: ("11.0.0.12", 5000), B: ("11.0.0.12", 5000)}, True)
+    known, published, reach = _check(table, endpoint, ["11.0.0.12"])
+    assert known
+    quic, announced = published[-1]
+    assert quic == QuicAddress(host="11.0.0.12", port=5000)
+    assert announced.nat == "public" and announced.reachable and announced.rendezvous is None
+    assert announced.lan == ()
+    assert endpoint.reachable is True and endpoint.kept == []
+    assert reach.status()["observed"] == "11.0.0.12:5000"
+
+
+def test_a_node_behind_a_cone_nat_announces_its_mapping_and_a_rendezvous() -> None:
+    table = _table(_record(A, "11.0.0.10"), _record(B, "11.0.0.11"))
+    endpoint = ScriptedEndpoint({A: ("11.1.0.10", 40000), B: ("11.1.0.10", 40000)}, False)
+    _, published, _ = _check(table, endpoint, ["192.168.1.2"])
+    quic, announced = published[-1]
+    assert quic == QuicAddress(host="11.1.0.10", port=40000)
+    assert announced.nat == "cone" and not announced.reachable
+    assert announced.lan == (QuicAddress(host="192.168.1.2", port=5000),)
+    assert announced.rendezvous is not None and announced.rendezvous.peer_id in (A, B)
+    assert endpoint.kept[-1] is not None
+    assert endpoint.kept[-1].peer_id == announced.rendezvous.peer_id
+    assert table.own_public_host == "11.1.0.10"
+
+
+def test_symmetric_nat_and_unreachable_candidates() -> None:
+    # C announced itself unreachable: never asked; A does not answer; B and D do
+    d = "5" * 44
+    unreachable = Reach(nat="cone", reachable=False)
+    table = _table(
+        _record(A, "11.0.0.10"), _record(B, "11.0.0.11"),
+        _record(C, "11.1.0.20", reach=unreachable), _record(d, "11.0.0.13"),
+    )
+    endpoint = ScriptedEndpoint(
+        {A: None, B: ("11.1.0.10", 40001), d: ("11.1.0.10", 52000)}, False
+    )
+    _, published, _ = _check(table, endpoint, ["192.168.3.2"])
+    assert C not in endpoint.asked
+    assert published[-1][1].nat == "symmetric"
+
+
+def test_loopback_peers_are_not_asked_and_no_answer_is_not_a_result() -> None:
+    table = _table(_record(A, "127.0.0.1"))
+    endpoint = ScriptedEndpoint({A: ("127.0.0.1", 5000)}, True)
+    known, published, reach = _check(table, endpoint, ["192.168.1.2"])
+    assert not known and published == [] and endpoint.asked == []
+    assert reach.state.failures == 1
+
+
+def test_local_hosts_never_announce_loopback_when_bound_to_all_addresses() -> None:
+    hosts = local_hosts("0.0.0.0", ["127.0.0.1"])
+    real = [h for h in interface_addresses() if not is_loopback(h)]
+    if real:
+        assert hosts and not any(is_loopback(h) for h in hosts)
+    else:  # a host with nothing but loopback: announcing it is all it can do
+        assert hosts == ["127.0.0.1"]
+    assert local_hosts("10.1.2.3", ["127.0.0.1"]) == ["10.1.2.3"]
+
+
+def test_peer_address_follows_the_record() -> None:
+    plain = _record(A, "11.0.0.10")
+    assert peer_address(plain) == PeerAddress(A, "11.0.0.10", 4000)
+    rendezvous = PeerRef(peer_id=B, quic=QuicAddress(host="11.0.0.11", port=4001))
+    natted = _record(
+        C, "11.1.0.10", 40000,
+        Reach(nat="cone", reachable=False, lan=(QuicAddress(host="192.168.1.2", port=4000),),
+              rendezvous=rendezvous),
+    )
+    address = peer_address(natted)
+    assert address is not None and not address.reachable
+    assert address.rendezvous == PeerAddress(B, "11.0.0.11", 4001)
+    # behind the same public address: its LAN address (routers rarely hairpin)
+    assert peer_address(natted, own_public_host="11.1.0.10") == PeerAddress(
+        C, "192.168.1.2", 4000
+    )
+    unknown = _record(A, "11.0.0.10", reach=Reach())
+    assert peer_address(unknown) is not None and peer_address(unknown).reachable  # type: ignore[union-attr]
+
+
+def test_reach_records_are_bounded() -> None:
+    many = tuple(QuicAddress(host=f"10.0.0.{i}", port=1) for i in range(5))
+    with pytest.raises(ValueError):
+        Reach(lan=many)
+    record = _record(A, "11.0.0.10", reach=Reach(nat="symmetric"))
+    assert decode_record(ServerRecord, encode_record(record)) == record
