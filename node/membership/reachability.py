@@ -58,6 +58,8 @@ class ReachEndpoint(Protocol):
 
     def release(self, peer_id: str) -> None: ...
 
+    def paths(self) -> dict[str, str]: ...
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -139,14 +141,16 @@ class Reachability:
                 pass
 
     def _candidates(self) -> list[tuple[Peer, PeerAddress]]:
-        """Peers we can dial, lowest RTT first (unmeasured ones shuffled after)."""
+        """Peers we can dial, or that are connected to us (a first public node has only
+        NATed peers, which connected to it), lowest RTT first (unmeasured ones shuffled
+        after)."""
         found: list[tuple[float, float, Peer, PeerAddress]] = []
+        connected = set(self.endpoint.paths())
         for peer in self.peers.peers():
             record = peer.record
             if record.quic is None or is_loopback(record.quic.host):
                 continue
-            reach = record.reach
-            if reach is not None and not (reach.reachable or reach.nat == "unknown"):
+            if not _dialable(record.reach) and peer.peer_id not in connected:
                 continue
             address = peer_address(record)
             if address is None:
@@ -189,8 +193,8 @@ class Reachability:
         else:
             public = QuicAddress(host=first.host, port=first.port)
         rendezvous: PeerAddress | None = None
-        if not reachable:
-            rendezvous = answered[0]  # lowest RTT among those that answered
+        if not reachable:  # the lowest RTT among those that answered and others can dial
+            rendezvous = next((a for a in answered if a.reachable), None)
         await self._keep(rendezvous)
         self.endpoint.reachable = reachable
         lan = tuple(
@@ -244,6 +248,11 @@ class Reachability:
             "rendezvous": state.rendezvous,
             "checks": state.checks,
         }
+
+
+def _dialable(reach: Reach | None) -> bool:
+    """Whether others can dial a peer announcing ``reach`` (not measured counts as yes)."""
+    return reach is None or reach.reachable or reach.nat == "unknown"
 
 
 __all__ = ["Observation", "Reachability", "ReachEndpoint", "ReachState", "classify"]

@@ -77,6 +77,9 @@ class ScriptedEndpoint:
     def release(self, peer_id: str) -> None:
         self.released.append(peer_id)
 
+    def paths(self) -> dict[str, str]:
+        return {}
+
 
 def _check(
     table: PeerTable, endpoint: ScriptedEndpoint, local: list[str]
