@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart", action="store_true",
                         help="then SIGKILL and restart a NATed node and time its return")
     parser.add_argument("--keep", action="store_true", help="keep the daemons' logs")
+    parser.add_argument("--lab-only", action="store_true",
+                        help="skip the loopback baseline (no ratio; for looking at the lab)")
     args = parser.parse_args(argv)
     if args.quick:
         args.duration = min(args.duration, 60.0)
@@ -244,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Lab(_topology(args)) as lab:
             lab_result = asyncio.run(run_swarm(lab, root / "lab", args, "lab"))
+        if args.lab_only:
+            print(json.dumps({"lab": lab_result}))
+            return 0
         loop_args = argparse.Namespace(**{**vars(args), "restart": False})
         loop_result = asyncio.run(run_swarm(None, root / "loopback", loop_args, "loopback"))
     except NodeError as exc:

@@ -12,9 +12,10 @@ the NAT kind, whether peers can dial us, our LAN addresses and our rendezvous.
 address, the WAN emulator): the node then announces them as reachable and runs no checks.
 
 Run-spec consistency: every server record carries the spec's ``run_id``. A joining node that
-sees a peer of the same run name with another ``run_id`` asks that peer for its spec (a
-``run_spec`` request) and refuses to join (JoinError, exit 1) with the differing fields
-(runspec.describe_mismatch).
+sees peers of the same run name with another ``run_id`` and none with ours asks one of them
+for its spec (a ``run_spec`` request) and refuses to join (JoinError, exit 1) with the
+differing fields (runspec.describe_mismatch); when some peer runs our spec, the others are
+logged and ignored (a signed record is no proof of a swarm: anyone can make one).
 """
 
 from __future__ import annotations
@@ -160,11 +161,22 @@ class EndpointComponent:
         return Response({"reachable": reachable})
 
     async def _check_run_spec(self, ctx: ComponentContext) -> None:
-        """JoinError when a peer of this run announces another run_id (naming the differences)."""
-        for peer in ctx.peers.peers():
+        """JoinError when peers of this run announce another run_id and none announces ours
+        (a misconfigured node: the message names the differences). When some peer runs our
+        spec, records of other specs are logged and ignored (anyone can sign one: it must not
+        keep a node from joining), and no view of the swarm's servers includes them."""
+        ours = sum(1 for p in ctx.peers.peers() if p.record.run_id == self.spec.run_id)
+        others = [
+            p for p in ctx.peers.peers() if p.record.run_id and p.record.run_id != self.spec.run_id
+        ]
+        if others and ours:
+            log.warning(
+                "ignoring %d peer(s) announcing another run spec than ours (%s), e.g. %s with %s",
+                len(others), self.spec.run_id, others[0].peer_id, others[0].record.run_id,
+            )
+            return
+        for peer in others[:1]:
             record = peer.record
-            if not record.run_id or record.run_id == self.spec.run_id:
-                continue
             detail = f"peer {record.peer_id} runs spec {record.run_id}, ours is {self.spec.run_id}"
             address = peer_address(record)
             if address is not None and self.endpoint is not None:

@@ -21,10 +21,17 @@ then apply a second time).
 
 Errors travel as ``RemoteError(code)`` (transport); the codes are ``ErrorCode``. Headers
 are versioned pydantic models (``v``); everything from the other side is untrusted and
-validated here, tensors included (dtype, shape, range), before any compute is spent. A
-stage's output that the trainer relays to the next stage undecoded is checked here
-against its header only (``check_relayed``); its values are checked where it is decoded,
-by the next stage's endpoint, before that stage computes on it.
+validated here, tensors included (dtype, shape, range), before any compute is spent.
+
+Values, not only finiteness (docs/hostile.md): activations and gradients between stages,
+losses and a micro-batch's parameter-gradient norm are bounded by the run spec's
+``[limits]``. A server refuses a tensor beyond them with ``out_of_range`` before computing
+on it (``StageContract``), and its own results beyond them before accumulating anything
+(jobs.py); the trainer refuses a reply beyond them (``BadValues``) instead of relaying it.
+A stage's output that the trainer relays to the next stage undecoded is checked here
+against its header (``check_relayed``); the trainer checks its values (``max_abs``)
+without keeping a decoded copy, and the next stage's endpoint and contract check them
+again before that stage computes on them.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..transport.errors import RemoteError
 from ..transport.tensors import ReceivedTensor
-from .config.runspec import RunSpec
+from .config.runspec import LimitsSpec, RunSpec
 from .errors import NodeError
 from .membership.records import ServerState
 
@@ -69,6 +76,9 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"  # joining: still loading the stage's state
     DRAINING = "draining"  # leaving: no new work
     INTERNAL = "internal"  # the server failed while computing
+    # a value beyond the run's [limits] (an input, or a result: loss, dL/dx, gradient
+    # norm): refused before anything was computed on it or accumulated
+    OUT_OF_RANGE = "out_of_range"
 
 
 # Codes after which the same hop may succeed on another server of the stage.
@@ -87,6 +97,11 @@ RETRY_ELSEWHERE: Final[frozenset[str]] = frozenset(
 
 class BadReply(NodeError):
     """A server's reply does not match the protocol (header or tensors)."""
+
+
+class BadValues(BadReply):
+    """A server's reply holds values no honest server sends: NaN/Inf, or beyond the run's
+    ``[limits]`` (an activation, a gradient, a loss)."""
 
 
 def refuse(code: ErrorCode, message: str) -> RemoteError:
@@ -246,6 +261,36 @@ def to_header(message: BaseModel) -> dict[str, Any]:
     return message.model_dump(mode="json")
 
 
+# ---- value bounds (pure) ------------------------------------------------------------------
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """Largest |value| of a tensor in one pass: NaN if it holds a NaN, inf if an Inf, 0.0
+    when empty or not floating point (token ids are range-checked instead)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0.0
+    return float(t.detach().abs().amax())  # amax propagates NaN
+
+
+def within(value: float, bound: float) -> bool:
+    """Whether ``value`` is finite and ``|value| <= bound`` (NaN never is)."""
+    return math.isfinite(value) and abs(value) <= bound
+
+
+def describe_excess(value: float, bound: float, what: str) -> str:
+    """Why ``value`` (a max |value|, a loss or a norm) is refused under ``bound``."""
+    if not math.isfinite(value):
+        return f"{what} is not finite ({value})"
+    return f"{what} reaches {value:.4g}, beyond the run's limit {bound:.4g}"
+
+
+def check_result(value: float, bound: float, what: str) -> None:
+    """A value a server computed (loss, dL/dx's max |value|, a gradient norm) before it is
+    used: ``out_of_range`` unless finite and within ``bound``."""
+    if not within(value, bound):
+        raise refuse(ErrorCode.OUT_OF_RANGE, describe_excess(value, bound, what))
+
+
 @dataclass(frozen=True)
 class StageContract:
     """What a stage's tensors must look like, from the run spec (pure)."""
@@ -257,6 +302,7 @@ class StageContract:
     d_model: int
     seq_len: int
     max_batch: int
+    limits: LimitsSpec
 
     @classmethod
     def from_spec(cls, spec: RunSpec, stage: int) -> StageContract:
@@ -270,6 +316,7 @@ class StageContract:
             d_model=spec.model.d_model,
             seq_len=spec.model.seq_len,
             max_batch=spec.batch.micro_batch_size,
+            limits=spec.limits,
         )
 
     @property
@@ -322,7 +369,7 @@ class StageContract:
                     f"got {x.dtype} {tuple(x.shape)}",
                 )
             self._check_bt(x)
-            self._check_finite(x, "input")
+            self._check_values(x, self.limits.max_activation, "input")
 
     def check_targets(self, targets: torch.Tensor, batch: int, length: int) -> None:
         """Next-byte targets: int64 (B, T) matching the input, values in [0, V)."""
@@ -352,7 +399,7 @@ class StageContract:
                 ErrorCode.BAD_REQUEST,
                 f"output gradient {tuple(grad.shape)} does not match input ({batch}, {length})",
             )
-        self._check_finite(grad, "output gradient")
+        self._check_values(grad, self.limits.max_gradient, "output gradient")
 
     def _check_bt(self, t: torch.Tensor) -> None:
         batch, length = int(t.shape[0]), int(t.shape[1])
@@ -364,9 +411,14 @@ class StageContract:
             )
 
     @staticmethod
-    def _check_finite(t: torch.Tensor, what: str) -> None:
-        if not bool(torch.isfinite(t).all()):
+    def _check_values(t: torch.Tensor, bound: float, what: str) -> None:
+        """NaN/Inf: ``bad_request`` (the endpoint refuses those on receipt already); a
+        |value| beyond ``bound``: ``out_of_range``."""
+        peak = max_abs(t)
+        if not math.isfinite(peak):
             raise refuse(ErrorCode.BAD_REQUEST, f"{what} has NaN or Inf")
+        if peak > bound:
+            raise refuse(ErrorCode.OUT_OF_RANGE, describe_excess(peak, bound, what))
 
 
 def check_relayed(

@@ -93,7 +93,7 @@ class TrainerComponent:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
 
         def servers() -> dict[int, list[ServerInfo]]:
-            view = servers_from_peers(ctx.peers)
+            view = servers_from_peers(ctx.peers, self.spec.run_id)
             own = own_server_info(self.endpoint, self.server)
             if own is not None:
                 stage, info = own

@@ -387,6 +387,34 @@ class TraversalConfig(_Section):
         le=64,
         description="Dial-backs served at once; beyond it a request is answered 'busy'.",
     )
+    probe_port: bool = Field(
+        default=True,
+        description="As an observer: open a second UDP port (on first use) that records the "
+        "source address of probe packets, so that one observer can tell a NAT that maps per "
+        "destination from one that does not. It only receives; it never answers.",
+    )
+    probe_packets: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="Probe packets sent from our QUIC port to an observer's second port, "
+        "punch_interval_s apart (0: observe only the QUIC port; one observer then cannot "
+        "tell the NAT's mapping).",
+    )
+    probe_wait_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=10.0,
+        description="As an observer: how long a probe lookup waits for its probe packets to "
+        "arrive, seconds. The requester's own deadline must be longer.",
+    )
+    probes_per_minute: float = Field(
+        default=12.0,
+        gt=0,
+        le=600.0,
+        description="As an observer: probe lookups one peer may ask of us per minute (a burst "
+        "of 3 at most).",
+    )
     introduce_timeout_s: float = Field(
         default=3.0,
         gt=0,

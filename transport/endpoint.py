@@ -32,12 +32,16 @@ before it that then died with no byte of reply (a peer that restarted, a path th
 went away while idle); the node's request ids are idempotent.
 
 NAT traversal (traversal.py, docs/nat.md). Every endpoint serves the built-in kinds
-``_observe``, ``_dialback``, ``_introduce``, ``_introduction``, ``_relay`` and
-``_relay_offer`` (node kinds cannot start with ``_``). A peer whose ``PeerAddress`` is
-not ``reachable`` and names a ``rendezvous`` is reached through it: connection reversal,
-hole punching or a relay channel; :meth:`Endpoint.paths` tells which. The node tells the
-endpoint whether it is itself reachable (``reachable``) and which rendezvous to keep a
-connection with (:meth:`Endpoint.keep`).
+``_observe``, ``_observe_probe``, ``_dialback``, ``_introduce``, ``_introduction``,
+``_relay`` and ``_relay_offer`` (node kinds cannot start with ``_``). A peer whose
+``PeerAddress`` is not ``reachable`` and names a ``rendezvous`` is reached through it:
+connection reversal, hole punching or a relay channel; :meth:`Endpoint.paths` tells which.
+The node tells the endpoint whether it is itself reachable (``reachable``) and which
+rendezvous to keep a connection with (:meth:`Endpoint.keep`).
+
+Size: this module is the node's one facade over the transport, so it stays one module past
+600 lines; the NAT methods at its end are thin delegates to traversal.py, kept here so that
+the node depends on a single object.
 """
 
 from __future__ import annotations
@@ -516,6 +520,16 @@ class Endpoint:
         self._check_running()
         return await self._traversal.observe(peer, timeout)
 
+    async def observe_mapping(
+        self, peer: PeerAddress, *, timeout: float
+    ) -> tuple[tuple[str, int], tuple[str, int] | None]:
+        """Our address as ``peer`` sees it on its QUIC port, and as it saw probe packets
+        from our QUIC socket to its alternate port (another destination: a NAT that maps
+        per destination gives them another port), or None when it could not tell.
+        ``timeout`` must exceed the peer's ``traversal.probe_wait_s``."""
+        self._check_running()
+        return await self._traversal.observe_mapping(peer, timeout)
+
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool:
         """Whether ``peer`` could open a new connection to our observed address from a
         port we never sent to. ``timeout`` must exceed the peer's
@@ -563,6 +577,9 @@ class Endpoint:
             counts.update({f"relay.{k}": v for k, v in relay.counts.items()})
             counts["relay.channels"] = len(relay.channels)
         counts["relay_end.channels"] = len(socket.relay_ends)
+        probe_port = self._traversal.probe_port
+        if probe_port is not None:
+            counts.update({f"probe_port.{k}": v for k, v in probe_port.counts.items()})
         return dict(counts)
 
     def _check_running(self) -> None:

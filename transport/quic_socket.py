@@ -12,6 +12,9 @@ packets go to the relay table when we relay for others (``relay``), else to the 
 we are an end of (``relay_ends``), whose inner packets reach QUIC as coming from the
 channel's virtual address; what QUIC sends to a virtual address is wrapped and sent to
 that channel's relay. Relayed connections send packets smaller by the relay header.
+
+:class:`ProbePort` is an observer's alternate port (traversal_wire.py): a second UDP socket
+on the same host that only records where probe packets come from and never sends.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import socket
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
@@ -42,16 +45,21 @@ from .relay import (
     is_quic,
     is_virtual,
 )
+from .traversal_wire import ProbeTable, decode_probe, encode_probe
 
-__all__ = ["QuicSocket"]
+__all__ = ["ProbePort", "QuicSocket"]
 
 logger = logging.getLogger(__name__)
 
 MIN_INITIAL_BYTES = 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to this
 
 
+class _Receiver(Protocol):
+    def datagram_received(self, data: bytes, addr: Address) -> None: ...
+
+
 class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, owner: QuicSocket) -> None:
+    def __init__(self, owner: _Receiver) -> None:
         self._owner = owner
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -107,26 +115,9 @@ class QuicSocket:
         return list(self._links)
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        try:
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, option, self.config.socket_buffer_bytes)
-            sock.bind((host, port))
-            transport, protocol = await loop.create_datagram_endpoint(
-                lambda: _Protocol(self), sock=sock
-            )
-        except OSError as exc:
-            sock.close()
-            raise ConnectError(f"cannot bind UDP {host}:{port}: {exc}") from exc
-        self._transport = transport
-        self._protocol = protocol
-        self._family = family
-        bound = sock.getsockname()
-        self.address = (str(bound[0]), int(bound[1]))
+        self._transport, self._protocol, self._family, self.address = await _bind(
+            self, host, port, self.config.socket_buffer_bytes
+        )
 
     def sendto(self, data: bytes, addr: Address) -> None:
         if is_virtual(addr):
@@ -145,6 +136,15 @@ class QuicSocket:
         for i in range(count):
             loop.call_later(i * interval, self.sendto, packet, addr)
         self.counts["punch.sent"] += count
+
+    def probe(self, addr: Address, count: int, interval: float, nonce: bytes) -> None:
+        """Send ``count`` probe packets to ``addr`` (an observer's :class:`ProbePort`),
+        ``interval`` s apart (the first now)."""
+        packet = encode_probe(nonce)
+        loop = asyncio.get_running_loop()
+        for i in range(count):
+            loop.call_later(i * interval, self.sendto, packet, addr)
+        self.counts["probe.sent"] += count
 
     def register_cid(self, cid: bytes, link: QuicLink) -> None:
         self._by_cid[cid] = link
@@ -308,3 +308,96 @@ class QuicSocket:
             self._transport = None
         if self._protocol is not None:  # the port is free once the socket is closed
             await asyncio.wait([self._protocol.lost], timeout=timeout)
+
+
+class ProbePort:
+    """An observer's alternate port: records the source address of each probe packet
+    (traversal_wire.py) in a bounded, expiring table, for :meth:`wait` to look up.
+
+    It never sends anything, so it can neither reflect nor amplify; anything that is not a
+    probe packet is dropped and counted. ``max_waits`` bounds the lookups waiting at once.
+    """
+
+    def __init__(self, max_entries: int = 1024, ttl_s: float = 30.0, max_waits: int = 64) -> None:
+        self.table = ProbeTable(max_entries, ttl_s)
+        self.max_waits = max_waits
+        self.counts: Counter[str] = Counter()
+        self.address: Address = ("", 0)
+        self._transport: asyncio.DatagramTransport | None = None
+        self._protocol: _Protocol | None = None
+        self._waiters: dict[bytes, asyncio.Future[Address | None]] = {}
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def start(self, host: str) -> None:
+        """Bind a free port on ``host`` (the QUIC socket's bound host)."""
+        self._transport, self._protocol, _, self.address = await _bind(self, host, 0, 1 << 16)
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        nonce = decode_probe(data)
+        if nonce is None:
+            self.counts["dropped.not_probe"] += 1
+            return
+        self.counts["received"] += 1
+        now = asyncio.get_running_loop().time()
+        waiter = self._waiters.get(nonce)
+        if waiter is not None:  # a lookup is waiting for it: answer it at once
+            if not waiter.done():
+                waiter.set_result(addr)
+        elif not self.table.record(nonce, addr, now):
+            self.counts["duplicate"] += 1
+
+    async def wait(self, nonce: bytes, timeout: float) -> Address | None:
+        """The source of the probe packets with ``nonce`` (waiting up to ``timeout`` s for
+        the first to arrive); None if none came. ValueError if ``max_waits`` lookups are
+        already waiting, or one for this nonce."""
+        loop = asyncio.get_running_loop()
+        seen = self.table.take(nonce, loop.time())
+        if seen is not None:
+            return seen
+        if len(self._waiters) >= self.max_waits or nonce in self._waiters:
+            raise ValueError("too many probe lookups waiting")
+        waiter = self._waiters[nonce] = loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            return None
+        finally:
+            del self._waiters[nonce]
+
+    async def close(self, timeout: float) -> None:
+        for waiter in self._waiters.values():  # lookups under way answer "none came"
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._protocol is not None:
+            await asyncio.wait([self._protocol.lost], timeout=timeout)
+
+
+async def _bind(
+    owner: _Receiver, host: str, port: int, buffer_bytes: int
+) -> tuple[asyncio.DatagramTransport, _Protocol, socket.AddressFamily, Address]:
+    """A UDP socket bound to ``host:port`` (dual-stack for IPv6 hosts) whose datagrams go
+    to ``owner``: (transport, protocol, family, bound address)."""
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+        sock.bind((host, port))
+        transport, protocol = await loop.create_datagram_endpoint(
+            lambda: _Protocol(owner), sock=sock
+        )
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(f"cannot bind UDP {host}:{port}: {exc}") from exc
+    bound = sock.getsockname()
+    return transport, protocol, family, (str(bound[0]), int(bound[1]))

@@ -4,7 +4,13 @@
 endpoint and makes connections to peers that cannot be dialled (the ``indirect`` strategy
 of connections.py). The protocol, and what bounds each part, is in docs/nat.md; in short:
 
-- ``_observe``: the requester's address as we see it (the UDP source of its connection).
+- ``_observe``: the requester's address as we see it (the UDP source of its connection),
+  and our alternate port (a :class:`~.quic_socket.ProbePort`, opened on the first request).
+- ``_observe_probe``: the source address of the probe packets with the requester's nonce
+  at our alternate port (waiting up to ``probe_wait_s`` for them). The requester sends
+  them from its QUIC socket: a NAT that maps per destination gives them another mapping
+  than its connection, so one observer tells the NAT's mapping (:meth:`observe_mapping`).
+  Rate-limited per requester; the alternate port never sends.
 - ``_dialback``: a new QUIC connection from a fresh UDP socket (another source port, so a
   NAT mapping toward us does not let it in) to the requester's *observed* address, never
   one it names; true iff TLS completed with the requester's certificate. Rate-limited per
@@ -39,7 +45,7 @@ from .errors import AuthenticationError, ConnectError, RemoteError, TransportErr
 from .identity import Identity
 from .peer_address import PeerAddress
 from .quic_link import Address, CloseCode, QuicLink
-from .quic_socket import QuicSocket
+from .quic_socket import ProbePort, QuicSocket
 from .rate_limit import KeyedBuckets, TokenBucket
 from .relay import RelayTable, is_virtual
 from .traversal_wire import (
@@ -47,6 +53,8 @@ from .traversal_wire import (
     INTRODUCE,
     INTRODUCTION,
     OBSERVE,
+    OBSERVE_PROBE,
+    PROBE_NONCE_BYTES,
     RELAY,
     RELAY_OFFER,
     DialbackReply,
@@ -54,6 +62,8 @@ from .traversal_wire import (
     Introduce,
     Introduction,
     ObservedReply,
+    ObserveReply,
+    ProbeQuery,
     RelayOffer,
     RelayReply,
     RelayRequest,
@@ -109,6 +119,10 @@ class Traversal:
         )
         self._replay = ReplayGuard(cfg.introduction_max_age_s)
         self._dialbacks = 0
+        self._probe_limits = KeyedBuckets(cfg.probes_per_minute / 60.0, 3.0)
+        self._probe_port: ProbePort | None = None
+        self._probe_port_tried = False
+        self._probe_port_lock = asyncio.Lock()
         self.relay: RelayTable | None = None
         if cfg.relay_enabled and cfg.relay_channels_max > 0:
             self.relay = RelayTable(
@@ -123,12 +137,18 @@ class Traversal:
     def handlers(self) -> dict[str, BuiltinHandler]:
         return {
             OBSERVE: self._on_observe,
+            OBSERVE_PROBE: self._on_observe_probe,
             DIALBACK: self._on_dialback,
             INTRODUCE: self._on_introduce,
             INTRODUCTION: self._on_introduction,
             RELAY: self._on_relay,
             RELAY_OFFER: self._on_relay_offer,
         }
+
+    @property
+    def probe_port(self) -> ProbePort | None:
+        """Our alternate port, once an ``_observe`` opened it."""
+        return self._probe_port
 
     @property
     def rendezvous(self) -> list[PeerAddress]:
@@ -209,8 +229,44 @@ class Traversal:
     # the requester's side
 
     async def observe(self, peer: PeerAddress, timeout: float) -> Address:
-        reply = parse(ObservedReply, await self._ask(peer, OBSERVE, {}, timeout))
+        reply = parse(ObserveReply, await self._ask(peer, OBSERVE, {}, timeout))
         return reply.host, reply.port
+
+    async def observe_mapping(
+        self, peer: PeerAddress, timeout: float
+    ) -> tuple[Address, Address | None]:
+        """(our address as ``peer`` sees it on its QUIC port, as it saw our probe packets
+        on its alternate port); the second is None when it could not tell (no alternate
+        port, probes lost, refused, or out of time)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        reply = parse(ObserveReply, await self._ask(peer, OBSERVE, {}, timeout))
+        seen = (reply.host, reply.port)
+        link = self._connections.link_for(peer.peer_id)
+        if (
+            reply.alt_port is None
+            or self.cfg.probe_packets == 0
+            or link is None
+            or is_virtual(link.remote_address)
+        ):
+            return seen, None
+        nonce = os.urandom(PROBE_NONCE_BYTES)
+        # from our QUIC socket, to the host we reach the peer's QUIC port at: its NAT
+        # mapping toward that new destination is what the peer reports
+        target = (link.remote_address[0], reply.alt_port)
+        self._socket.probe(target, self.cfg.probe_packets, self.cfg.punch_interval_s, nonce)
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return seen, None
+        try:
+            answer = await self._ask(
+                link, OBSERVE_PROBE, ProbeQuery(nonce=nonce.hex()).model_dump(), remaining
+            )
+            probed = parse(ObservedReply, answer)
+        except TransportError as exc:
+            logger.info("%s did not observe our probe packets: %s", peer.peer_id, exc)
+            return seen, None
+        return seen, (probed.host, probed.port)
 
     async def dial_back(self, peer: PeerAddress, timeout: float) -> bool:
         return parse(DialbackReply, await self._ask(peer, DIALBACK, {}, timeout)).reachable
@@ -291,7 +347,43 @@ class Traversal:
     ) -> dict[str, Any]:
         _no_relay(remote)
         parse(Empty, header)
-        return ObservedReply(host=remote[0], port=remote[1]).model_dump()
+        port = await self._open_probe_port()
+        alt_port = None if port is None else port.address[1]
+        return ObserveReply(host=remote[0], port=remote[1], alt_port=alt_port).model_dump()
+
+    async def _on_observe_probe(
+        self, peer_id: str, remote: Address, header: dict[str, Any]
+    ) -> dict[str, Any]:
+        _no_relay(remote)
+        query = parse(ProbeQuery, header)
+        if not self._probe_limits.take(peer_id, self._now()):
+            raise RemoteError("rate_limited", "too many probe lookups asked")
+        port = self._probe_port
+        if port is None:
+            raise RemoteError("refused", "no alternate port here")
+        try:
+            seen = await port.wait(bytes.fromhex(query.nonce), self.cfg.probe_wait_s)
+        except ValueError:
+            raise RemoteError("busy", "too many probe lookups under way") from None
+        if seen is None:
+            raise RemoteError("unknown_nonce", "no probe packet with this nonce arrived")
+        return ObservedReply(host=seen[0], port=seen[1]).model_dump()
+
+    async def _open_probe_port(self) -> ProbePort | None:
+        """Our alternate port, opened on first use on the QUIC socket's host (None when
+        ``probe_port`` is off or it cannot be bound: then we just do not offer one)."""
+        if self._probe_port is not None or self._probe_port_tried or not self.cfg.probe_port:
+            return self._probe_port
+        async with self._probe_port_lock:
+            if not self._probe_port_tried:
+                port = ProbePort()
+                try:
+                    await port.start(self._socket.address[0])
+                    self._probe_port = port
+                except ConnectError as exc:
+                    logger.warning("no alternate port for observations: %s", exc)
+                self._probe_port_tried = True
+        return self._probe_port
 
     async def _on_dialback(
         self, peer_id: str, remote: Address, header: dict[str, Any]
@@ -466,6 +558,9 @@ class Traversal:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+        if self._probe_port is not None:
+            await self._probe_port.close(timeout)
+            self._probe_port = None
 
 
 def _no_relay(remote: Address) -> None:

@@ -1,10 +1,12 @@
-"""The messages of the built-in traversal requests, and the replay guard for introductions.
+"""The messages of the built-in traversal requests, the replay guard for introductions, and
+the probe packets and table of the observer's alternate port.
 
 Each message is the JSON header of an ordinary request or response (framing.py): a
 pydantic model, ``extra="forbid"``, every string bounded, peer ids checked to be Ed25519
 node ids. A header that fails to parse is refused with ``bad_request``. The kinds::
 
-    _observe       A -> any    {}                             -> {host, port}
+    _observe       A -> any    {}                             -> {host, port, alt_port}
+    _observe_probe A -> any    {nonce}                        -> {host, port}
     _dialback      A -> any    {}                             -> {reachable}
     _introduce     A -> R      {target, reachable}            -> {host, port}
     _introduction  R -> B      {peer, host, port, reachable,  -> {}
@@ -18,7 +20,19 @@ random bytes in hex, ``ts`` the rendezvous' wall clock (seconds since the epoch)
 target refuses an introduction or offer older than its window, or one whose nonce it has
 seen (:class:`ReplayGuard`). ``token`` is a relay channel's 8-byte token in hex (relay.py).
 
-Pure: no I/O; the replay guard takes ``now``.
+The alternate port (a STUN-style "change port" test, RFC 5780 §4.3, with one observer):
+``alt_port`` is a second UDP port of the observer's host, or null when it has none. The
+requester sends a few probe packets from its QUIC socket to it, then asks ``_observe_probe``
+with their 16-byte ``nonce`` (hex) which source address they came from. A NAT that maps
+per destination gives the probes another mapping than the QUIC connection. The alternate
+port only receives (:class:`ProbeTable` remembers nonce -> source), it never sends::
+
+    probe packet = 0x23 | nonce[16]
+
+(not QUIC: the fixed bit 0x40 and the long-header bit 0x80 are clear, as in relay.py's
+relay and punch packets).
+
+Pure: no I/O; the replay guard and the probe table take ``now``.
 """
 
 from __future__ import annotations
@@ -37,31 +51,46 @@ __all__ = [
     "INTRODUCE",
     "INTRODUCTION",
     "OBSERVE",
+    "OBSERVE_PROBE",
+    "PROBE_BYTE",
+    "PROBE_BYTES",
+    "PROBE_NONCE_BYTES",
     "RELAY",
     "RELAY_OFFER",
     "DialbackReply",
     "Empty",
     "Introduce",
     "Introduction",
+    "ObserveReply",
     "ObservedReply",
+    "ProbeQuery",
+    "ProbeTable",
     "RelayOffer",
     "RelayReply",
     "RelayRequest",
     "ReplayGuard",
+    "decode_probe",
+    "encode_probe",
     "parse",
 ]
 
 OBSERVE = "_observe"
+OBSERVE_PROBE = "_observe_probe"
 DIALBACK = "_dialback"
 INTRODUCE = "_introduce"
 INTRODUCTION = "_introduction"
 RELAY = "_relay"
 RELAY_OFFER = "_relay_offer"
-BUILTIN_KINDS = (OBSERVE, DIALBACK, INTRODUCE, INTRODUCTION, RELAY, RELAY_OFFER)
+BUILTIN_KINDS = (OBSERVE, OBSERVE_PROBE, DIALBACK, INTRODUCE, INTRODUCTION, RELAY, RELAY_OFFER)
 
 NONCE_HEX = 32
+PROBE_BYTE = 0x23
+PROBE_NONCE_BYTES = 16
+PROBE_BYTES = 1 + PROBE_NONCE_BYTES
 TOKEN_HEX = 16
 _HEX = r"^[0-9a-f]*$"
+
+Address = tuple[str, int]
 
 
 class _Message(BaseModel):
@@ -87,6 +116,19 @@ class _Host(_Message):
 
 class ObservedReply(_Host):
     """Our address as the answering peer sees it."""
+
+
+class ObserveReply(_Host):
+    """``_observe``: our address as the answering peer sees it, and the peer's alternate
+    port (null: it has none) for an ``_observe_probe``."""
+
+    alt_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class ProbeQuery(_Message):
+    """A -> observer: from which address did the probe packets with ``nonce`` come?"""
+
+    nonce: str = Field(min_length=NONCE_HEX, max_length=NONCE_HEX, pattern=_HEX)
 
 
 class DialbackReply(_Message):
@@ -181,3 +223,57 @@ class ReplayGuard:
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
         return None
+
+
+def encode_probe(nonce: bytes) -> bytes:
+    if len(nonce) != PROBE_NONCE_BYTES:
+        raise ValueError(f"a probe nonce is {PROBE_NONCE_BYTES} bytes")
+    return bytes([PROBE_BYTE]) + nonce
+
+
+def decode_probe(data: bytes) -> bytes | None:
+    """The nonce of a probe packet; None for anything else (wrong kind or length)."""
+    if len(data) != PROBE_BYTES or data[0] != PROBE_BYTE:
+        return None
+    return bytes(data[1:])
+
+
+class ProbeTable:
+    """Which source address each probe nonce came from, at the alternate port.
+
+    The first source of a nonce is kept (a nonce is the requester's secret, so a second
+    source is a copy or a forgery); an entry lives ``ttl_s`` and is forgotten once looked
+    up. At most ``max_entries`` are held, the oldest forgotten first: a flood of probes
+    costs bounded memory and at worst makes a lookup come back empty.
+    """
+
+    def __init__(self, max_entries: int = 1024, ttl_s: float = 30.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._seen: OrderedDict[bytes, tuple[Address, float]] = OrderedDict()
+
+    def record(self, nonce: bytes, source: Address, now: float) -> bool:
+        """Remember ``source`` for ``nonce``; False if the nonce was already known."""
+        self._expire(now)
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = (source, now + self.ttl_s)
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+        return True
+
+    def take(self, nonce: bytes, now: float) -> Address | None:
+        """The source recorded for ``nonce`` (and forget it); None if there is none."""
+        self._expire(now)
+        entry = self._seen.pop(nonce, None)
+        return None if entry is None else entry[0]
+
+    def _expire(self, now: float) -> None:
+        while self._seen:
+            _, (_, until) = next(iter(self._seen.items()))
+            if until > now:
+                break
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -4,7 +4,9 @@ Every peer of a run must hold the same spec: it decides parameter shapes, how th
 splits into stages, how gradients are combined and which bytes are trained on. The spec's
 ``run_id`` is a short hash of its canonical JSON; the node publishes it under
 ``{name}.spec`` and refuses to mix with peers whose ``run_id`` differs
-(``describe_mismatch`` names the fields that differ).
+(``describe_mismatch`` names the fields that differ). The ``[limits]`` section (the value
+bounds of docs/hostile.md) is left out of the canonical JSON while it holds its defaults,
+so that adding it changed no existing run's id.
 
 Run specs are TOML files (``configs/runs/*.toml``); ``default_run_spec()`` is the embedded
 tiny run (package data ``runs/tiny.toml``, a byte-identical copy of
@@ -310,6 +312,55 @@ class DataSpec(_Section):
         return value
 
 
+class LimitsSpec(_Section):
+    """Bounds on the values peers exchange (docs/hostile.md, "Values").
+
+    A stage server refuses a request whose tensors exceed them (``out_of_range``) before
+    computing on it, and a micro-batch whose loss or parameter gradients exceed them before
+    adding anything to its accumulated gradients; the trainer refuses a reply that exceeds
+    them instead of relaying it. The defaults lie orders of magnitude above what a healthy
+    run shows (the tiny run: activations below 11, dL/dx below 2e-3, micro-batch gradient
+    norms below 10, loss below 6) and far enough below float32's 3.4e38 that no finite
+    value within them overflows on the way through a stage.
+    """
+
+    max_activation: float = Field(
+        default=1e4,
+        gt=0.0,
+        le=1e30,
+        allow_inf_nan=False,
+        description=(
+            "Largest |value| of an activation between stages (the residual stream a stage "
+            "takes and returns)."
+        ),
+    )
+    max_gradient: float = Field(
+        default=1e3,
+        gt=0.0,
+        le=1e30,
+        allow_inf_nan=False,
+        description="Largest |value| of a gradient dL/dx or dL/dy between stages.",
+    )
+    max_grad_norm: float = Field(
+        default=1e3,
+        gt=0.0,
+        le=1e30,
+        allow_inf_nan=False,
+        description=(
+            "Largest L2 norm of one micro-batch's parameter gradients on one stage; above "
+            "it the micro-batch is refused, not clipped (optimizer.grad_clip clips the "
+            "accumulated step)."
+        ),
+    )
+    max_loss: float = Field(
+        default=1e3,
+        gt=0.0,
+        le=1e30,
+        allow_inf_nan=False,
+        description="Largest loss (mean cross-entropy, nats per token) a stage may report.",
+    )
+
+
 class RunSpec(_Section):
     """One training run. Every peer of the run holds the same spec (same ``run_id``)."""
 
@@ -330,6 +381,10 @@ class RunSpec(_Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer.")
     codecs: CodecsSpec = Field(default_factory=CodecsSpec, description="Wire codecs.")
     data: DataSpec = Field(default_factory=DataSpec, description="Corpus and validation.")
+    limits: LimitsSpec = Field(
+        default_factory=LimitsSpec,
+        description="Bounds on exchanged values; left out of run_id while at the defaults.",
+    )
 
     @model_validator(mode="after")
     def _layout_matches_model(self) -> RunSpec:
@@ -347,8 +402,14 @@ class RunSpec(_Section):
         return self.stages.n_stages
 
     def canonical_json(self) -> str:
-        """The spec as canonical JSON (sorted keys, no spaces), prefixed by the format version."""
-        payload = {"run_spec_version": RUN_SPEC_VERSION, "spec": self.model_dump(mode="json")}
+        """The spec as canonical JSON (sorted keys, no spaces), prefixed by the format version.
+
+        ``limits`` appears only when it differs from the defaults: specs written before it
+        existed keep their run id, and peers that predate it can still read ours."""
+        spec = self.model_dump(mode="json")
+        if self.limits == LimitsSpec():
+            del spec["limits"]
+        payload = {"run_spec_version": RUN_SPEC_VERSION, "spec": spec}
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @property

@@ -107,8 +107,9 @@ def peer_address(record: ServerRecord, own_public_host: str | None = None) -> Pe
         record.peer_id,
         quic.host,
         quic.port,
-        # unknown: not measured yet (a first node has nobody to ask): dial what it announces
-        reachable=reach.reachable or reach.nat == "unknown",
+        # unknown without a rendezvous: not measured yet (a first node has nobody to ask): dial
+        # what it announces; with one, it is behind a NAT it could not classify
+        reachable=reach.reachable or (reach.nat == "unknown" and reach.rendezvous is None),
         rendezvous=rendezvous,
     )
 

@@ -1,15 +1,24 @@
 """Reachability: the address peers see us at, our NAT's behaviour, and whether they can dial us.
 
 A check asks up to two peers that can be dialled (announced reachable, or not measured
-yet) for the address they observe our QUIC socket at, and the first of them to dial us
-back from a port we never sent to (transport: ``observe`` and ``dial_back``):
+yet) for the address they observe our QUIC socket at, on their QUIC port and, from probe
+packets we send from the same socket, on a second port of theirs (transport:
+``observe_mapping``, a STUN-style "change port" test); and the first of them to dial us
+back from a port we never sent to (``dial_back``):
 
 - observed host is one of our interface addresses: ``public`` (no NAT);
-- otherwise behind NAT: ``cone`` when both peers saw the same address and port (the
-  mapping does not depend on the destination, so hole punching works), ``symmetric`` when
-  they differ (a mapping per destination: peers that cannot be dialled are relayed);
+- otherwise behind NAT: ``symmetric`` when any two observations differ (a mapping per
+  destination: peers that cannot be dialled are relayed); ``cone`` when at least two agree
+  and none differs (the mapping does not depend on the destination, so hole punching
+  works): one observer suffices when its second port saw us. A single observation is no
+  evidence either way: ``unknown``, or the kind the previous check found behind the same
+  public address;
 - reachable: the dial-back got through (a public host without a firewall, a forwarded
   port, a full-cone NAT).
+
+One observer's two ports tell a mapping that depends on the destination port (Linux's
+``masquerade random``, most "symmetric" routers); one that depends only on the destination
+address takes two observers.
 
 A node that is not reachable picks a rendezvous among the peers that answered (the
 lowest RTT): the endpoint keeps a connection to it open, and peers that cannot dial us
@@ -37,7 +46,7 @@ from .records import NatKind, PeerRef, QuicAddress, Reach
 
 log = get_logger(__name__)
 
-# peers asked per check for the address they observe (two tell cone from symmetric)
+# peers asked per check for the address they observe (each observes on two ports)
 OBSERVERS = 2
 # candidates tried per check before giving up until the next one
 MAX_TRIES = 4
@@ -50,7 +59,9 @@ class ReachEndpoint(Protocol):
 
     reachable: bool
 
-    async def observe(self, peer: PeerAddress, *, timeout: float) -> tuple[str, int]: ...
+    async def observe_mapping(
+        self, peer: PeerAddress, *, timeout: float
+    ) -> tuple[tuple[str, int], tuple[str, int] | None]: ...
 
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool: ...
 
@@ -63,19 +74,27 @@ class ReachEndpoint(Protocol):
 
 @dataclass(frozen=True)
 class Observation:
+    """Our address as ``peer_id`` saw it on its QUIC port, and on its second port
+    (``probed``; None when it could not tell)."""
+
     peer_id: str
     host: str
     port: int
+    probed: tuple[str, int] | None = None
 
 
 def classify(local_hosts: Sequence[str], observed: Sequence[Observation]) -> NatKind:
-    """The NAT kind that ``observed`` (at least one observation) shows (module docstring)."""
+    """The NAT kind that ``observed`` shows (module docstring): ``unknown`` unless two
+    observations agree or any differ."""
     if not observed:
         return "unknown"
     if observed[0].host in local_hosts:
         return "public"
-    seen = {(o.host, o.port) for o in observed}
-    return "cone" if len(seen) == 1 else "symmetric"
+    seen = [(o.host, o.port) for o in observed]
+    seen += [o.probed for o in observed if o.probed is not None]
+    if len(set(seen)) > 1:
+        return "symmetric"
+    return "cone" if len(seen) > 1 else "unknown"
 
 
 @dataclass
@@ -166,11 +185,13 @@ class Reachability:
         answered: list[PeerAddress] = []
         for _, address in self._candidates():
             try:
-                host, port = await self.endpoint.observe(address, timeout=self.timeout_s)
+                (host, port), probed = await self.endpoint.observe_mapping(
+                    address, timeout=self.timeout_s
+                )
             except TransportError as exc:
                 log.debug("%s did not observe us: %s", short_peer(address.peer_id), exc)
                 continue
-            observed.append(Observation(address.peer_id, host, port))
+            observed.append(Observation(address.peer_id, host, port, probed))
             answered.append(address)
             if len(observed) >= OBSERVERS:
                 break
@@ -180,6 +201,15 @@ class Reachability:
             return False
         local = self.local_hosts()
         nat = classify(local, observed)
+        first = observed[0]
+        previous = self.state
+        if (
+            nat == "unknown"
+            and previous.nat in ("cone", "symmetric")
+            and previous.observed is not None
+            and previous.observed[0] == first.host
+        ):  # one observation cannot tell; behind the same public address, the NAT told us
+            nat = previous.nat
         reachable = False
         for address in answered:
             try:
@@ -187,7 +217,6 @@ class Reachability:
                 break
             except TransportError as exc:
                 log.debug("dial-back by %s failed: %s", short_peer(address.peer_id), exc)
-        first = observed[0]
         if nat == "public":
             public = QuicAddress(host=first.host, port=self.bound_port)
         else:
@@ -251,8 +280,12 @@ class Reachability:
 
 
 def _dialable(reach: Reach | None) -> bool:
-    """Whether others can dial a peer announcing ``reach`` (not measured counts as yes)."""
-    return reach is None or reach.reachable or reach.nat == "unknown"
+    """Whether others can dial a peer announcing ``reach``. Not measured (no reach, or an
+    unknown NAT and no rendezvous) counts as yes; a peer that names a rendezvous was
+    measured unreachable, even when one observation could not tell its NAT's kind."""
+    if reach is None or reach.reachable:
+        return True
+    return reach.nat == "unknown" and reach.rendezvous is None
 
 
 __all__ = ["Observation", "Reachability", "ReachEndpoint", "ReachState", "classify"]

@@ -15,10 +15,12 @@ checkpoints or the new one, never a half-written checkpoint under a checkpoint's
 the newest ``keep`` checkpoints of a run's stage stay.
 
 Reading is for files that may be damaged or foreign: JSON and safetensors only (nothing that
-can execute code), the manifest validated against a strict schema, the state file's size and
-SHA-256 checked before it is parsed. :func:`latest` skips what does not verify (logging why)
+can execute code), the manifest validated against a strict schema (an epoch above
+``MAX_EPOCH`` is refused), the state file's size and SHA-256 checked before it is parsed, and
+every floating-point tensor finite. :func:`latest` skips what does not verify (logging why)
 and never raises for it; a checkpoint that verifies but does not fit the stage's tensors is
 refused with :class:`CheckpointError` when it is installed (state_tensors.py's checks).
+A state with a NaN or an infinity is never written either: it would win every restart.
 
 This module is the files on disk; when a stage server writes them, its writer thread and
 the resume decision are checkpointer.py's.
@@ -46,6 +48,7 @@ from safetensors.torch import load_file, save
 
 from ..errors import NodeError
 from ..logs import get_logger
+from .state_plan import MAX_EPOCH
 
 log = get_logger(__name__)
 
@@ -73,7 +76,8 @@ class Manifest(BaseModel):
     run_id: str = Field(pattern=_RUN_ID.pattern, description="Run id (hash of the run spec).")
     stage: int = Field(ge=0, le=1_000_000, description="Pipeline stage the tensors belong to.")
     epoch: int = Field(
-        ge=0, description="Optimizer steps the state has taken (collaboration epoch)."
+        ge=0, le=MAX_EPOCH,
+        description="Optimizer steps the state has taken (collaboration epoch).",
     )
     created: float = Field(ge=0.0, description="Unix time the checkpoint was written.")
     state_sha256: str = Field(
@@ -101,6 +105,23 @@ class Checkpoint:
     @property
     def optimizer_meta(self) -> dict[str, Any]:
         return self.manifest.optimizer
+
+
+def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [
+        name
+        for name, t in tensors.items()
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+    ]
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """``CheckpointError`` naming the tensors of ``what`` that hold a NaN or an infinity."""
+    bad = nonfinite(tensors)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise CheckpointError(f"{what}: non-finite values in {', '.join(bad[:3])}{more}")
 
 
 # ---------------------------------------------------------------------------- naming
@@ -193,6 +214,9 @@ def write_checkpoint(
     check_run_id(run_id)
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, got {keep}")
+    if isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
+        raise CheckpointError(f"epoch {epoch} is outside 0..{MAX_EPOCH}")
+    check_finite(tensors, f"the state of epoch {epoch}")
     try:
         data = save(dict(tensors))
     except (ValueError, RuntimeError, SafetensorError) as exc:
@@ -343,6 +367,7 @@ def read_checkpoint(path: Path, run_id: str, stage: int) -> Checkpoint:
         raise CheckpointError(
             f"{path.name}: {len(tensors)} tensors, the manifest says {manifest.tensors}"
         )
+    check_finite(tensors, path.name)
     return Checkpoint(path=path, manifest=manifest, tensors=tensors)
 
 
@@ -354,9 +379,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def latest(state_dir: Path, run_id: str, stage: int) -> Checkpoint | None:
-    """The newest checkpoint of this stage that verifies, or None; damaged ones are skipped."""
-    for _, path in list_checkpoints(state_dir, run_id, stage):
+def latest(
+    state_dir: Path, run_id: str, stage: int, *, max_epoch: int = MAX_EPOCH
+) -> Checkpoint | None:
+    """The newest checkpoint of this stage at an epoch <= ``max_epoch`` that verifies, or None;
+    damaged ones are skipped, later ones are passed over (an implausible epoch)."""
+    for epoch, path in list_checkpoints(state_dir, run_id, stage):
+        if epoch > max_epoch:
+            log.warning("passing over checkpoint %s: epoch %d is beyond the plausible %d",
+                        path.name, epoch, max_epoch)
+            continue
         try:
             return read_checkpoint(path, run_id, stage)
         except CheckpointError as exc:

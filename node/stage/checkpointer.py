@@ -6,6 +6,12 @@ thread exports the state and submits it, a writer thread writes it (checkpoint.p
 format, atomically) so serving never waits on the disk, and at start-up
 :meth:`Checkpointer.resume` installs the newest checkpoint that verifies when
 :func:`resume_source` prefers it to what the stage's peers gave.
+
+An implausible epoch never wins a restart: when the peers answered, checkpoints more than
+``max_epoch_lead`` epochs ahead of them are passed over (an older one within the bound may
+still win), and no checkpoint beyond ``MAX_EPOCH`` is read at all. Otherwise a state with
+a forged epoch, once checkpointed, would be installed again at every restart and pushed
+into hivemind's progress tracker.
 """
 
 from __future__ import annotations
@@ -22,19 +28,38 @@ import torch
 
 from ..logs import get_logger
 from .checkpoint import CheckpointError, check_run_id, latest, write_checkpoint
+from .state_plan import MAX_EPOCH, StateTransferConfig
+from .state_tensors import check_counters
 
 log = get_logger(__name__)
 
 ResumeSource = Literal["checkpoint", "peers", "fresh"]
 InstallState = Callable[[int, dict[str, torch.Tensor], dict[str, Any]], None]
+DEFAULT_MAX_EPOCH_LEAD: int = StateTransferConfig.model_fields["max_epoch_lead"].default
+
+
+def plausible_epoch(
+    peers_answered: bool, peer_epoch: int, max_epoch_lead: int = DEFAULT_MAX_EPOCH_LEAD
+) -> int:
+    """The highest epoch a starting server may resume from: ``max_epoch_lead`` past the
+    peers' when they answered, else ``MAX_EPOCH``."""
+    return min(MAX_EPOCH, peer_epoch + max_epoch_lead) if peers_answered else MAX_EPOCH
 
 
 def resume_source(
-    peers_answered: bool, peer_epoch: int, checkpoint_epoch: int | None
+    peers_answered: bool,
+    peer_epoch: int,
+    checkpoint_epoch: int | None,
+    max_epoch_lead: int = DEFAULT_MAX_EPOCH_LEAD,
 ) -> ResumeSource:
     """Where a starting server's state comes from: its own checkpoint when it is newer than
-    what the peers gave (or no peer answered), else the peers, else a fresh initialization."""
-    if checkpoint_epoch is not None and (not peers_answered or checkpoint_epoch > peer_epoch):
+    what the peers gave (or no peer answered) but not implausibly so (``plausible_epoch``),
+    else the peers, else a fresh initialization."""
+    if (
+        checkpoint_epoch is not None
+        and (not peers_answered or checkpoint_epoch > peer_epoch)
+        and checkpoint_epoch <= plausible_epoch(peers_answered, peer_epoch, max_epoch_lead)
+    ):
         return "checkpoint"
     return "peers" if peers_answered else "fresh"
 
@@ -75,10 +100,18 @@ class Checkpointer:
     }
 
     def __init__(
-        self, state_dir: Path, run_id: str, stage: int, *, period_s: float, keep: int
+        self,
+        state_dir: Path,
+        run_id: str,
+        stage: int,
+        *,
+        period_s: float,
+        keep: int,
+        max_epoch_lead: int = DEFAULT_MAX_EPOCH_LEAD,
     ) -> None:
         check_run_id(run_id)
         self.state_dir, self.run_id, self.stage, self.keep = state_dir, run_id, stage, keep
+        self.max_epoch_lead = max_epoch_lead
         self.schedule = CheckpointSchedule(period_s)
         self.written = 0
         self.failures = 0
@@ -120,12 +153,16 @@ class Checkpointer:
     def resume(self, install: InstallState, peers_answered: bool, peer_epoch: int) -> ResumeSource:
         """Install our newest checkpoint with ``install`` (the optimizer's ``import_state``, on
         the device thread) when :func:`resume_source` picks it; returns where the state came from.
-        A checkpoint that does not fit the stage is logged and left alone."""
+        A checkpoint that does not fit the stage is logged and left alone; checkpoints beyond
+        :func:`plausible_epoch` are passed over for the newest one within it."""
         fallback: ResumeSource = "peers" if peers_answered else "fresh"
-        found = latest(self.state_dir, self.run_id, self.stage)
+        bound = plausible_epoch(peers_answered, peer_epoch, self.max_epoch_lead)
+        found = latest(self.state_dir, self.run_id, self.stage, max_epoch=bound)
         if found is None:
             return fallback
-        if resume_source(peers_answered, peer_epoch, found.epoch) != "checkpoint":
+        if resume_source(peers_answered, peer_epoch, found.epoch, self.max_epoch_lead) != (
+            "checkpoint"
+        ):
             log.info(
                 "stage %d: the peers' epoch %d is not older than our checkpoint's (%d): "
                 "keeping theirs",
@@ -135,6 +172,7 @@ class Checkpointer:
             )
             return fallback
         try:
+            check_counters(found.epoch, found.tensors)
             install(found.epoch, found.tensors, found.optimizer_meta)
         except CheckpointError as exc:
             log.warning("stage %d: not resuming from %s: %s", self.stage, found.path, exc)

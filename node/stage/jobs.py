@@ -12,7 +12,15 @@ One method per request kind, each run as one job of the device queue (device_que
   gradients and returns ``dL/dx`` (nothing on stage 0);
 - ``eval_loss`` (last stage, no grad).
 
-Every job checks its tensors against the stage's contract before computing on them.
+Every job checks its tensors against the stage's contract before computing on them: shape,
+dtype and the run's value bounds (``[limits]`` of the run spec; docs/hostile.md). Its own
+results are checked too, before anything is kept: an output beyond ``max_activation``, a
+loss, ``dL/dx`` or parameter-gradient norm that is not finite or beyond its bound answers
+``out_of_range``. Parameter gradients are computed into scratch tensors
+(``torch.autograd.grad``) and added to ``.grad`` only after every check passed, so a
+refused micro-batch leaves the accumulated gradients exactly as they were: one hostile
+request cannot poison what every replica of the stage averages. Non-finite gradients are
+refused, never clipped into NaN.
 
 Idempotency: the jobs remember which ``(trainer, micro_batch, stage)`` they applied (a
 bounded log). A duplicate ``backward``/``forward_loss`` (a retry after a lost reply)
@@ -30,10 +38,10 @@ half-updated state; the checkpointer's writer thread does the disk work).
 from __future__ import annotations
 
 import hashlib
-import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +50,7 @@ import torch
 from ...transport.codecs import CodecSpec, encode, parse_codec
 from ...transport.endpoint import Response
 from ...transport.error_feedback import ErrorFeedback
+from ...transport.errors import RemoteError
 from ...transport.tensors import Sendable
 from ..config.runspec import RunSpec
 from ..logs import get_logger
@@ -57,6 +66,8 @@ from ..protocol import (
     HopId,
     LossReply,
     StageContract,
+    check_result,
+    max_abs,
     refuse,
     to_header,
 )
@@ -85,6 +96,7 @@ class StageServerCounters:
     cache_misses: int = 0
     expired: int = 0  # dropped before running: out of budget or abandoned
     failed: int = 0  # refused (bad_request) or failed (internal) on the device
+    out_of_range: int = 0  # of those: a value beyond the run's limits; nothing was accumulated
     busy: int = 0  # event loop: refused because the queue was full
     refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
     compute_s: float = 0.0
@@ -125,6 +137,8 @@ class StageJobs:
         self.device = device
         self.counters = counters
         self.clock = clock
+        self.limits = spec.limits
+        self._params = [p for p in module.parameters() if p.requires_grad]
         self.forward_codec: CodecSpec = parse_codec(spec.codecs.forward_activations)
         self.backward_codec: CodecSpec = parse_codec(spec.codecs.backward_gradients)
         self.digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
@@ -152,9 +166,25 @@ class StageJobs:
 
     # ---- the request kinds ----------------------------------------------------------
 
+    @contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Count an ``out_of_range`` refusal raised inside."""
+        try:
+            yield
+        except RemoteError as exc:
+            if exc.code == ErrorCode.OUT_OF_RANGE:
+                self.counters.out_of_range += 1
+            raise
+
     def _input(self, x: torch.Tensor) -> torch.Tensor:
-        self.contract.check_input(x)
+        with self._counting():
+            self.contract.check_input(x)
         return x.to(self.device)
+
+    def _check(self, value: float, bound: float, what: str) -> None:
+        """One of our results against its bound (``out_of_range``)."""
+        with self._counting():
+            check_result(value, bound, what)
 
     def forward(self, msg: ForwardRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
@@ -162,6 +192,7 @@ class StageJobs:
         x = self._input(tensors[0])
         with torch.no_grad():
             y = self.module(x)  # (B, T, C)
+        self._check(max_abs(y), self.limits.max_activation, f"stage {self.stage}'s output")
         cached = msg.keep_input and self._cache.put(
             (msg.hop.trainer, msg.hop.micro_batch), x, self.clock()
         )
@@ -195,8 +226,10 @@ class StageJobs:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             loss = self.module.forward_loss(x, targets)  # ()
+            value = float(loss.detach())
+            self._check(value, self.limits.max_loss, "the loss")  # before any gradient
             grad_x = self._grads(loss, x, None, accumulate=accumulate)
-        return float(loss.detach()), grad_x
+        return value, grad_x
 
     def backward(self, msg: BackwardRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
@@ -215,7 +248,8 @@ class StageJobs:
                 )
             x = cached
         batch, length = int(x.shape[0]), int(x.shape[1])
-        self.contract.check_output_grad(tensors[-1], batch, length)
+        with self._counting():
+            self.contract.check_output_grad(tensors[-1], batch, length)
         grad_y = tensors[-1].to(self.device)
         self.counters.backward += 1
         if hop.key in self._applied:
@@ -239,13 +273,29 @@ class StageJobs:
     def _grads(
         self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
     ) -> torch.Tensor | None:
-        """dL/dx; with ``accumulate`` also add dL/dtheta into the parameters' ``.grad``."""
+        """dL/dx, checked; with ``accumulate`` also dL/dtheta, added to the parameters'
+        ``.grad`` only once dL/dx and the parameter-gradient norm passed their checks."""
+        inputs = [] if self.contract.first else [x]
+        params = self._params if accumulate else []
+        if not inputs and not params:
+            return None  # stage 0's duplicate: nothing to return and nothing to accumulate
+        # into scratch tensors, not .grad: a refused micro-batch must leave no trace there
+        grads = torch.autograd.grad(out, [*inputs, *params], grad_out, allow_unused=True)
+        grad_x = grads[0] if inputs else None
+        if grad_x is not None:
+            self._check(max_abs(grad_x), self.limits.max_gradient, "dL/dx")
         if accumulate:
-            out.backward(grad_out)
-            return None if self.contract.first else x.grad
-        if self.contract.first:
-            return None  # nothing to return and nothing to accumulate
-        (grad_x,) = torch.autograd.grad(out, [x], grad_out)
+            param_grads = grads[len(inputs) :]
+            norm = _global_norm(param_grads)
+            self._check(norm, self.limits.max_grad_norm, "the parameter-gradient norm")
+            with torch.no_grad():
+                for p, g in zip(params, param_grads, strict=True):
+                    if g is None:
+                        continue  # not on this micro-batch's path
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)  # in place: an averager may hold .grad's buffers
         return grad_x
 
     def eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
@@ -255,8 +305,7 @@ class StageJobs:
         self.contract.check_targets(tensors[1], int(x.shape[0]), int(x.shape[1]))
         with torch.no_grad():
             loss = float(self.module.forward_loss(x, tensors[1].to(self.device)))
-        if not math.isfinite(loss):
-            raise refuse(ErrorCode.INTERNAL, "the loss is not finite")
+        self._check(loss, self.limits.max_loss, "the loss")
         self.counters.eval_loss += 1
         return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))
 
@@ -348,3 +397,12 @@ class StageJobs:
             h.update(name.encode())
             h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+def _global_norm(grads: Sequence[torch.Tensor | None]) -> float:
+    """L2 norm of all the gradients together, in float64 (no overflow for any bound a
+    run spec allows); inf or NaN when one of them holds an Inf or a NaN."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads if g is not None]
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(norms)))

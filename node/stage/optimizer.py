@@ -15,9 +15,11 @@ before each step) and the same learning-rate schedule (:func:`make_schedule`:
 
 Checkpoints. ``export_state`` returns the stage's state as named CPU tensors (the module's
 state_dict and the optimizer's state, named as in state_tensors.py) plus JSON-able optimizer
-metadata; ``import_state`` installs such a state, all or nothing: names, shapes, dtypes and
-param_groups are checked first (``CheckpointError``), then parameters, optimizer state,
-hyperparameters, the lr schedule and the epoch are set. Both optimizers number parameters
+metadata; ``import_state`` installs such a state, all or nothing: names, shapes, dtypes,
+finite values, the epoch and param_groups are checked first
+(``CheckpointError``), then parameters, optimizer state, the lr schedule and the epoch are
+set. The hyperparameters stay the run spec's: a state brings tensors and counters only, and
+the learning rate is the spec's schedule at the installed epoch. Both optimizers number parameters
 the same way (torch's state_dict order over ``param_groups``), so either reads the other's
 checkpoints.
 """
@@ -149,9 +151,15 @@ def make_schedule(
 
 def set_schedule_epoch(schedule: Any, opt: torch.optim.Optimizer, epoch: int) -> None:
     """Put a LambdaLR at ``epoch`` as if it had stepped once per epoch (hivemind's convention,
-    ``_update_scheduler``), keeping the learning rates already in ``opt.param_groups``."""
+    ``_update_scheduler``): each group's lr becomes its base lr (the run spec's) times the
+    schedule's multiplier at ``epoch``, exactly what ``epoch`` steps of the schedule give. The
+    lr of an installed state is never taken from the state itself."""
     schedule.last_epoch = epoch
     schedule._step_count = epoch + 1
+    for group, base, multiplier in zip(
+        opt.param_groups, schedule.base_lrs, schedule.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * multiplier(epoch)
     schedule._last_lr = [group["lr"] for group in opt.param_groups]
 
 

@@ -8,7 +8,7 @@ component:
   restart (``<state_dir>/stage.json``, same run id; ``resume_stage``), else, after a random
   back-off and a fresh read of the records, the stage with the least total throughput
   (``choose_stage``). The claim is remembered in ``stage.json`` whenever a stage is claimed
-  or moved to.
+  or moved to, and forgotten when the stage fails to open (a restart would fail again).
 - **Serve** (``_serve``): build the StageServer and its collaborative optimizer (on the main
   thread, which runs the daemon's loop), which loads the stage's state from its replicas
   and benchmarks, then serves.
@@ -93,6 +93,18 @@ def write_stage_claim(state_dir: Path, run_id: str, stage: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def forget_stage_claim(state_dir: Path) -> None:
+    """Delete the stored claim (a failed open): the restart chooses a stage anew rather than
+    crash the same way again."""
+    path = state_dir / STAGE_CLAIM_FILE
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot forget the stage claim in %s: %s", path, exc)
+    else:
+        log.warning("forgot the stage claim in %s: the stage failed to open", path)
+
+
 class ServerComponent:
     """Claims a stage, serves it, and moves when the swarm's rebalance plan names it.
 
@@ -170,7 +182,12 @@ class ServerComponent:
             state_dir=Path(ctx.state_dir),
             donors=lambda: self._donors(ctx, stage),
         )
-        await self.server.start(ctx)
+        try:
+            await self.server.start(ctx)
+        except Exception:
+            # a stage that crashes while opening must not be claimed again at every restart
+            forget_stage_claim(Path(ctx.state_dir))
+            raise
 
     def _donors(self, ctx: ComponentContext, stage: int) -> list[PeerAddress]:
         """The online servers of ``stage`` in this run (state donors for a server opening there)."""
@@ -221,7 +238,7 @@ class ServerComponent:
         """The other servers as stage selection counts them (joining and online)."""
         return [
             ServerLoad(s.peer.peer_id, s.stage, s.record.throughput, s.record.state)
-            for s in ctx.peers.servers(COUNTED_STATES)
+            for s in ctx.peers.servers(COUNTED_STATES, run_id=self.spec.run_id)
         ]
 
     # ---- rebalancing ----------------------------------------------------------------
@@ -371,6 +388,7 @@ __all__ = [
     "PLACEHOLDER_THROUGHPUT",
     "STAGE_CLAIM_FILE",
     "ServerComponent",
+    "forget_stage_claim",
     "read_stage_claim",
     "write_stage_claim",
 ]

@@ -10,6 +10,10 @@ the device queue has room) and queues its job. The pieces:
 - jobs.py: what each request computes there, applied once, and the optimizer steps;
 - server_config.py: the ``[stage_server]`` config.
 
+Values are checked where the tensors are: the endpoint refuses NaN/Inf on receipt, the
+jobs refuse values beyond the run spec's ``[limits]`` (``out_of_range``, docs/hostile.md)
+on the device thread before computing on them, and their own results before accumulating.
+
 Every ``step_check_period_s`` a check job on the device thread calls
 ``optimizer.step_if_due()`` as well: a synchronous all-reduce needs every replica of the
 stage, and a replica that no micro-batch reaches (trainers route around the one stalled in
@@ -130,6 +134,7 @@ class StageServer:
                 stage,
                 period_s=config.checkpoint_period_s,
                 keep=config.checkpoint_keep,
+                max_epoch_lead=config.state_transfer.max_epoch_lead,
             )
         )
         self._jobs = StageJobs(

@@ -9,11 +9,18 @@ step, and only while the server is ``online``: a server still loading answers
 A server that opens (a join, a restart, a move to another stage) downloads the state from
 every online replica of its stage at once (``download_state``: chunks spread over the
 donors, a donor that fails part-way is replaced without losing the chunks already
-verified) and installs it with ``import_state`` before it announces ``online``. When no
-donor is known, or the download fails, it falls back to hivemind's own
-``load_state_from_peers`` (one donor at a time), which also covers peers that are in the
-averaging group but not yet in our peer table. The checkpoint decision (checkpointer.py)
-comes after either.
+verified) and installs it with ``import_state`` before it announces ``online``.
+
+What it installs must be trustworthy (docs/hostile.md, "State"): every manifest is checked
+against the layout of this server's own freshly built stage (names, dtypes, shapes: from
+the run spec) before anything is allocated; only a state held by a quorum of the
+reachable replicas is used; its epoch is bounded; its values must be finite and its step
+counters whole numbers no larger than its epoch; hyperparameters always come from the run
+spec. When no donor is known, or every donor failed to deliver, it falls back to hivemind's
+own ``load_state_from_peers`` (one donor at a time), which also covers peers that are in
+the averaging group but not yet in our peer table. When donors answered but none could be
+trusted it does not: hivemind would pick the donor claiming the highest epoch, the very
+thing refused. The checkpoint decision (checkpointer.py) comes after either.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 from ...transport.endpoint import PeerAddress
 from ..logs import get_logger
 from .averaging import AveragingError
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, check_finite
 from .optimizer import StageOptimizer
 from .state_donor import (
     StateDonor,
@@ -36,8 +43,11 @@ from .state_plan import (
     Snapshot,
     StateTransferConfig,
     StateTransferError,
+    UntrustedStateError,
     stage_kind_prefix,
+    state_layout,
 )
+from .state_tensors import check_counters
 from .state_transfer import (
     download_state,
 )
@@ -88,17 +98,23 @@ class StageStateSharing:
         if donors:
             started = time.monotonic()
             try:
+                # the layout of our own stage, as built from the run spec (a copy of the fresh
+                # state, taken once, on the device thread): every manifest must match it
+                _, own, _ = await loop.run_in_executor(
+                    self._executor, self._optimizer.export_state
+                )
+                expected = state_layout(own)
+                del own
                 snap = await download_state(
-                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config
+                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
+                    expected=expected,
                 )
-                await loop.run_in_executor(
-                    self._executor,
-                    self._optimizer.import_state,
-                    snap.epoch,
-                    dict(snap.tensors),
-                    dict(snap.meta),
-                )
-            except (StateTransferError, CheckpointError, AveragingError) as exc:
+                await loop.run_in_executor(self._executor, self._install, snap)
+            except (UntrustedStateError, CheckpointError) as exc:
+                log.warning("stage %d: not installing the state offered by %d donor(s): %s",
+                            self.stage, len(donors), exc)
+                return False
+            except (StateTransferError, AveragingError) as exc:
                 log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
                             "asking hivemind's averagers instead", self.stage, len(donors), exc)
             else:
@@ -118,6 +134,13 @@ class StageStateSharing:
         return bool(
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
+
+    def _install(self, snap: Snapshot) -> None:
+        """Device thread: check the downloaded values, then install them (all or nothing)."""
+        tensors = dict(snap.tensors)
+        check_finite(tensors, f"the state of epoch {snap.epoch}")
+        check_counters(snap.epoch, tensors)
+        self._optimizer.import_state(snap.epoch, tensors, dict(snap.meta))
 
     def close(self) -> None:
         self.donor.close()

@@ -1,5 +1,11 @@
 """The donor side of state transfer: every server of a stage serves its state's manifest
-and chunks (the protocol is described in ``state_transfer.py``)."""
+and chunks (the protocol is described in ``state_transfer.py``).
+
+A donor's work is bounded whoever asks: a snapshot (a copy of the state) at most once per
+``snapshot_reuse_s``; each snapshot hashed for at most ``PLANS_PER_SNAPSHOT`` chunk sizes,
+out of the fixed set of powers of two the wire accepts (a further size is answered
+``busy`` rather than evicting a plan, so cycling sizes cannot make the donor re-hash); one
+manifest request per peer at a time (more are ``busy``)."""
 
 from __future__ import annotations
 
@@ -95,6 +101,7 @@ class StateDonor:
         self._retained: list[_Retained] = []
         self._lock = asyncio.Lock()
         self._active_chunks = 0
+        self._manifest_peers: set[str] = set()  # peers with a manifest request in flight
         self._closed = False
         self.counts: Counter[str] = Counter()  # manifests, chunks, chunk_bytes, snapshots, errors.*
         endpoint.register(manifest_kind(kind_prefix), self.handle_manifest)
@@ -126,14 +133,25 @@ class StateDonor:
     async def _manifest(self, request: Request) -> Response:
         self._check_open(request)
         req = parse_request(ManifestRequest, request.header)
-        async with self._lock:
-            retained = await self._current()
-            plan = retained.plans.get(req.chunk_bytes)
-            if plan is None:
-                plan = await asyncio.to_thread(self._plan, retained, req.chunk_bytes)
-                if len(retained.plans) >= PLANS_PER_SNAPSHOT:
-                    del retained.plans[next(iter(retained.plans))]
-                retained.plans[req.chunk_bytes] = plan
+        if request.peer_id in self._manifest_peers:
+            raise refuse_state(StateErrorCode.BUSY, "one manifest request per peer at a time")
+        self._manifest_peers.add(request.peer_id)
+        try:
+            async with self._lock:
+                retained = await self._current()
+                plan = retained.plans.get(req.chunk_bytes)
+                if plan is None:
+                    if len(retained.plans) >= PLANS_PER_SNAPSHOT:
+                        # evicting a plan would let a peer cycling sizes make us re-hash forever
+                        sizes = sorted(retained.plans)
+                        raise refuse_state(
+                            StateErrorCode.BUSY,
+                            f"this snapshot is served in chunks of {sizes} bytes only",
+                        )
+                    plan = await asyncio.to_thread(self._plan, retained, req.chunk_bytes)
+                    retained.plans[req.chunk_bytes] = plan
+        finally:
+            self._manifest_peers.discard(request.peer_id)
         retained.last_used = self._clock()
         body = plan[1]
         self.counts["manifests"] += 1

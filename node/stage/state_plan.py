@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final, Literal
 
 import torch
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from ...transport.codecs import WIRE_DTYPES
+from ...transport.codecs import WIRE_DTYPES, dtype_to_wire
 from ...transport.endpoint import PeerAddress
 from ...transport.errors import RemoteError
 from ..errors import NodeError
@@ -37,12 +38,21 @@ MAX_CHUNKS: Final[int] = 1 << 20
 MAX_MANIFEST_BYTES: Final[int] = 16 << 20
 _MAX_BYTES: Final[int] = 1 << 50
 THREAD_BYTES: Final[int] = 1 << 20  # hash larger buffers in a worker thread
-PLANS_PER_SNAPSHOT: Final[int] = 4
+PLANS_PER_SNAPSHOT: Final[int] = 4  # chunk sizes one snapshot is hashed for, at most
+# No stage's epoch may exceed this (an epoch is at least one round of micro-batches across the
+# swarm: 10^9 of them is decades of training). Manifests, chunk requests, checkpoints and
+# import_state refuse more, so an absurd epoch never reaches the optimizer or hivemind's tracker.
+MAX_EPOCH: Final[int] = 10**9
 PREFIX_PATTERN: Final[str] = r"^[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,47}$"
 
 
 class StateTransferError(NodeError):
     """No donor could deliver the stage's state; the message names what was tried."""
+
+
+class UntrustedStateError(StateTransferError):
+    """Donors answered, but no state they offered can be trusted: none fits the stage's
+    layout, none is held by a quorum of the reachable replicas, or its values are absurd."""
 
 
 class StateErrorCode(StrEnum):
@@ -88,7 +98,8 @@ class StateTransferConfig(BaseModel):
 
     chunk_bytes: int = Field(
         default=DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES,
-        description="Bytes per chunk of the flattened state (the last chunk may be shorter).",
+        description="Bytes per chunk of the flattened state (the last chunk may be shorter); "
+        "a power of two.",
     )
     max_parallel_per_donor: int = Field(
         default=4, ge=1, le=64, description="Chunk requests in flight to one donor at once."
@@ -149,6 +160,27 @@ class StateTransferConfig(BaseModel):
         le=1024,
         description="Chunk requests a donor serves at once; more are 'busy'.",
     )
+    max_epoch_lead: int = Field(
+        default=16, ge=0, le=MAX_EPOCH,
+        description="How many epochs our own checkpoint may lead the state the stage's replicas "
+        "gave on restart; one further ahead is passed over (a donor group's epoch is always "
+        "its quorum's, the majority's).",
+    )
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> StateTransferConfig:
+        if not is_chunk_size(self.chunk_bytes):
+            raise ValueError(
+                f"chunk_bytes ({self.chunk_bytes}) must be a power of two; donors serve no other "
+                "sizes"
+            )
+        return self
+
+
+def is_chunk_size(n: int) -> bool:
+    """A chunk size donors serve: a power of two from MIN_CHUNK_BYTES to MAX_CHUNK_BYTES (a fixed
+    set of 15, so that nobody can make a donor hash its state for arbitrary sizes)."""
+    return MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES and n & (n - 1) == 0
 
 
 # ---- the snapshot and its chunk plan (pure) ----------------------------------------------
@@ -261,14 +293,25 @@ class _Wire(BaseModel):
 
 _Dim = Annotated[int, Field(ge=0, le=_MAX_BYTES)]
 _Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-_Epoch = Annotated[int, Field(ge=0, lt=2**63)]
+_Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+
+
+def _chunk_size(n: int) -> int:
+    if not is_chunk_size(n):
+        raise ValueError(f"chunk_bytes {n} is not a power of two")
+    return n
+
+
+_ChunkBytes = Annotated[
+    int, Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES), AfterValidator(_chunk_size)
+]
 
 
 class ManifestRequest(_Wire):
     """``{prefix}.manifest``: no tensors."""
 
     v: Literal[1] = Field(default=1, description="State transfer version (STATE_VERSION).")
-    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Chunk size.")
+    chunk_bytes: _ChunkBytes = Field(description="Chunk size (a power of two).")
 
 
 class ManifestReply(_Wire):
@@ -284,9 +327,7 @@ class ChunkRequest(_Wire):
     v: Literal[1] = Field(default=1, description="State transfer version.")
     epoch: _Epoch = Field(description="Epoch of the manifest this chunk belongs to.")
     snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of that snapshot.")
-    chunk_bytes: int = Field(
-        ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Plan's chunk size."
-    )
+    chunk_bytes: _ChunkBytes = Field(description="Plan's chunk size.")
     index: int = Field(ge=0, lt=MAX_CHUNKS, description="Chunk number in the plan.")
 
 
@@ -322,7 +363,7 @@ class Manifest(_Wire):
     v: Literal[1] = Field(default=1, description="State transfer version.")
     epoch: _Epoch = Field(description="Optimizer epoch of the snapshot.")
     snapshot_id: int = Field(ge=0, lt=2**63, description="Donor's id of the snapshot.")
-    chunk_bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="Chunk size.")
+    chunk_bytes: _ChunkBytes = Field(description="Chunk size.")
     total_bytes: int = Field(ge=0, le=_MAX_BYTES, description="Bytes of the flattened state.")
     tensors: tuple[TensorEntry, ...] = Field(
         max_length=MAX_TENSORS, description="Tensors, in order."
@@ -369,6 +410,93 @@ def group_manifests(manifests: Iterable[tuple[PeerAddress, Manifest]]) -> list[D
         DonorGroup(members[0][1], tuple((d, m.snapshot_id) for d, m in members))
         for _, members in ordered
     ]
+
+
+# ---- trust: the stage's layout, the quorum (pure) -----------------------------------------
+
+StateLayout = Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (wire dtype, shape)
+
+
+def state_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The layout of a state (``export_state``'s tensors): what a manifest must match."""
+    return {name: (dtype_to_wire(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+
+
+def layout_mismatch(manifest: Manifest, expected: StateLayout) -> str | None:
+    """Why the manifest's tensors are not exactly ``expected`` (names, dtypes, shapes), or None.
+
+    Checked on the manifest alone, before anything is allocated: a donor naming a tensor the
+    stage does not have, or one of another size, is refused without costing memory."""
+    got = {e.name: (e.dtype, tuple(e.shape)) for e in manifest.tensors}
+    missing = [n for n in expected if n not in got]
+    unexpected = [n for n in got if n not in expected]
+    wrong = [
+        f"{n[:60]} {got[n][0]}{list(got[n][1])[:8]} (want {expected[n][0]}{list(expected[n][1])})"
+        for n in expected
+        if n in got and got[n] != expected[n]
+    ]
+    problems = []
+    for what, items in (("missing", missing), ("unexpected", unexpected), ("mismatched", wrong)):
+        if items:
+            more = f" and {len(items) - 2} more" if len(items) > 2 else ""
+            problems.append(f"{what} {', '.join(i[:120] for i in items[:2])}{more}")
+    return "; ".join(problems) or None
+
+
+def quorum_size(reachable: int) -> int:
+    """Donors that must agree out of ``reachable``: a strict majority (2 of 2, 2 of 3, 3 of 4);
+    a lone replica is its own quorum."""
+    return reachable // 2 + 1
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    """Which donor group's state may be installed (``group``; None: none may)."""
+
+    group: DonorGroup | None
+    reachable: int  # donors whose manifest fits the stage
+    needed: int
+    median_epoch: int | None  # of the reachable donors (the lower median)
+    outvoted: tuple[DonorGroup, ...]  # groups that must not serve
+    reason: str  # why no group was chosen ("" when one was)
+
+
+def describe_group(group: DonorGroup) -> str:
+    ids = ", ".join(d.peer_id[:12] for d, _ in group.members[:4])
+    more = f" and {len(group.members) - 4} more" if len(group.members) > 4 else ""
+    return (
+        f"epoch {group.manifest.epoch} digest {group.manifest.content_key()[:16]} "
+        f"from {len(group.members)} donor(s) [{ids}{more}]"
+    )
+
+
+def choose_quorum(groups: Sequence[DonorGroup]) -> QuorumDecision:
+    """The group held by a quorum of the reachable donors, or none.
+
+    A group counts its donors by snapshot content (epoch, layout, chunk digests, meta: what
+    ``group_manifests`` compares). It must hold a strict majority of the donors that answered
+    with a manifest fitting the stage, so a single donor wins only when it is the only one
+    reachable. The newest epoch no longer wins by itself: a peer with a valid identity cannot
+    hand a newcomer a state, or an epoch, that no other replica vouches for. The chosen epoch
+    is therefore the majority's (the median of the reachable donors' epochs), and every
+    manifest's epoch is at most ``MAX_EPOCH`` (its schema).
+    """
+    reachable = sum(len(g.members) for g in groups)
+    needed = quorum_size(reachable)
+    if reachable == 0:
+        return QuorumDecision(None, 0, needed, None, (), "no donor offered a state that fits")
+    epochs = sorted(g.manifest.epoch for g in groups for _ in g.members)
+    median = epochs[(reachable - 1) // 2]
+    winner = next((g for g in groups if len(g.members) >= needed), None)
+    offered = "; ".join(describe_group(g) for g in groups)
+    if winner is None:
+        reason = (
+            f"no state is held by a quorum ({needed} of {reachable} reachable donors must "
+            f"agree): {offered}"
+        )
+        return QuorumDecision(None, reachable, needed, median, tuple(groups), reason)
+    others = tuple(g for g in groups if g is not winner)
+    return QuorumDecision(winner, reachable, needed, median, others, "")
 
 
 # ---- the download schedule (pure) --------------------------------------------------------

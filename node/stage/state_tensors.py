@@ -10,20 +10,32 @@ store it and state transfer (state_transfer.py) ships it. The names::
 The optimizer naming is torch's own ``Optimizer.state_dict()`` indexing (parameters
 numbered across param_groups in order), which the solo and the collaborative optimizer
 share, so a state exported by either installs into the other. A state to install may come
-from a damaged or foreign checkpoint: :func:`check_fits`, :func:`checked_param_groups` and
-:func:`checked_epoch` refuse what does not fit the stage with :class:`CheckpointError`
-before anything changes.
+from a damaged or foreign checkpoint or from a hostile peer: :func:`check_fits` (names,
+shapes, dtypes, finite values), :func:`check_counters` (Adam's step counters),
+:func:`checked_param_groups` and :func:`checked_epoch` (at most ``MAX_EPOCH``) refuse what
+does not fit the stage with :class:`CheckpointError` before anything changes.
+
+Only tensors and bounded counters are ever taken from such a state. The hyperparameters
+(lr, betas, eps, weight decay, ``maximize``, ...) are the run spec's: ``checked_param_groups``
+checks the saved groups' structure but returns the live values, and the learning rate is
+recomputed from the spec's schedule at the installed epoch (optimizer.py,
+``set_schedule_epoch``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError
+from ..logs import get_logger
+from .checkpoint import CheckpointError, check_finite
+from .state_plan import MAX_EPOCH
+
+log = get_logger(__name__)
 
 MODEL_PREFIX = "model."
 OPT_PREFIX = "opt.state."
@@ -65,7 +77,7 @@ def optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def check_fits(expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
     """``CheckpointError`` unless ``tensors`` has exactly the names, shapes and dtypes of
-    ``expected``."""
+    ``expected`` and holds no NaN or infinity."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [
@@ -92,14 +104,39 @@ def check_fits(expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch
         )
     if problems:
         raise CheckpointError("checkpoint does not fit this stage: " + "; ".join(problems))
+    check_finite(tensors, "state to install")
+
+
+_STEP = re.compile(rf"^{re.escape(OPT_PREFIX)}[0-9]+\.step$")
+
+
+def check_counters(epoch: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``CheckpointError`` unless every Adam step counter (``opt.state.<i>.step``) is a whole
+    number in ``[0, epoch]``: both optimizers take one step per epoch (and a replica that
+    catches up takes the counters with the epoch), so more steps than epochs is a forged
+    state, and a negative count makes Adam's bias correction blow up."""
+    for name, t in tensors.items():
+        if not _STEP.match(name):
+            continue
+        values = t.detach().reshape(-1).double()
+        if values.numel() and (
+            not bool(torch.isfinite(values).all())
+            or float(values.min()) < 0
+            or float(values.max()) > epoch
+            or not bool((values == values.round()).all())
+        ):
+            raise CheckpointError(
+                f"{name}: step counter {values[:4].tolist()} is not a whole number in [0, {epoch}]"
+            )
 
 
 def checked_param_groups(
     opt: torch.optim.Optimizer, meta: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
-    """The hyperparameters of ``meta`` for each of ``opt``'s param_groups, validated (same
-    groups, sizes, keys and value types; finite numbers), tuples restored; else
-    ``CheckpointError``."""
+    """The hyperparameters to install for each of ``opt``'s param_groups: always ``opt``'s own
+    (the run spec's), never ``meta``'s. ``meta`` is only checked (same groups, sizes, keys
+    and value types; finite numbers; else ``CheckpointError``), and values that differ from
+    the spec's are logged (the learning rate aside: it follows the schedule's epoch)."""
     groups = meta.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
         raise CheckpointError(
@@ -122,7 +159,13 @@ def checked_param_groups(
             )
         values = {}
         for key in keys:
-            values[key] = _coerce(saved[key], live[key], f"param_groups[{i}].{key}")
+            saved_value = _coerce(saved[key], live[key], f"param_groups[{i}].{key}")
+            if key != "lr" and saved_value != live[key]:
+                log.warning(
+                    "param_groups[%d].%s: the installed state says %r, the run spec %r; "
+                    "keeping the run spec's", i, key, saved_value, live[key],
+                )
+            values[key] = live[key]
         out.append(values)
     return out
 
@@ -161,7 +204,8 @@ def _coerce(value: Any, like: Any, where: str) -> Any:
 
 
 def checked_epoch(epoch: Any) -> int:
-    """A checkpoint's epoch as an int >= 0, else ``CheckpointError``."""
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise CheckpointError(f"epoch must be an integer >= 0, got {epoch!r}")
+    """A state's epoch as an int in ``[0, MAX_EPOCH]``, else ``CheckpointError`` (an absurd epoch
+    must never reach the optimizer, nor through it hivemind's progress tracker)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+        raise CheckpointError(f"epoch must be an integer in [0, {MAX_EPOCH}], got {epoch!r}")
     return epoch

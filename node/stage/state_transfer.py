@@ -16,12 +16,16 @@ tensors (name, dtype, shape, bytes), the epoch and a BLAKE2b-256 digest per chun
 from one snapshot that the donor keeps while it is being downloaded, so every chunk of a
 download comes from the same instant.
 
-The client fetches every donor's manifest, groups donors whose manifests are identical
-(same epoch, layout, digests and meta) and downloads from the newest group, its donors
-sharing the chunks. A donor that fails, times out or sends a chunk whose digest is wrong
-is banned and its chunks go to the others; verified chunks are kept (resume). If every
-donor of a group fails, the next group (an older epoch) is tried, keeping the chunks
-whose digests it shares; when none is left, :class:`StateTransferError`.
+The client fetches every donor's manifest and refuses, before allocating anything, each
+one whose tensors are not exactly the stage's own (names, dtypes, shapes: ``expected``),
+whose size exceeds ``max_state_bytes`` or whose epoch exceeds ``MAX_EPOCH``. It groups the
+rest by content (same epoch, layout, digests and meta) and downloads only from the group
+held by a quorum of them (a strict majority: a lone donor only when it is the only one
+that answered; ``choose_quorum``), its donors sharing the chunks; the other groups are
+logged with their digests and never serve. A donor that fails, times out or sends a chunk
+whose digest is wrong is banned and its chunks go to the others; verified chunks are kept
+(resume). When the group's donors all fail, :class:`StateTransferError`; when donors
+answered but none can be trusted, :class:`UntrustedStateError`.
 
 The pure parts (chunk plan, manifest checks, donor grouping, :class:`ChunkScheduler`) take
 no clock and no sockets; the async parts only pump them.
@@ -57,13 +61,19 @@ from .state_plan import (
     Manifest,
     ManifestReply,
     ManifestRequest,
+    QuorumDecision,
     Snapshot,
     StateErrorCode,
+    StateLayout,
     StateTransferConfig,
     StateTransferError,
+    UntrustedStateError,
     byte_view,
+    choose_quorum,
     chunk_kind,
+    describe_group,
     group_manifests,
+    layout_mismatch,
     manifest_kind,
     plan_chunks,
     scatter_chunk,
@@ -92,6 +102,8 @@ class DownloadReport:
     epoch: int | None = None
     total_bytes: int = 0
     manifest_failures: dict[str, str] = field(default_factory=dict)  # donor -> reason
+    refused: dict[str, str] = field(default_factory=dict)  # donor -> why its state is not used
+    quorum: QuorumDecision | None = None
     groups_tried: list[tuple[int, list[str]]] = field(default_factory=list)  # (epoch, donors)
     bans: dict[str, str] = field(default_factory=dict)  # donor -> reason
     chunks_from: Counter[str] = field(default_factory=Counter)  # accepted chunks per donor
@@ -100,6 +112,9 @@ class DownloadReport:
 
     def summary(self) -> str:
         parts = [f"manifest from {d[:12]}: {r}" for d, r in self.manifest_failures.items()]
+        parts += [f"{d[:12]} refused: {r}" for d, r in self.refused.items()]
+        if self.quorum is not None and self.quorum.reason:
+            parts.append(self.quorum.reason)
         for epoch, donors in self.groups_tried:
             failed = ", ".join(f"{d[:12]}: {self.bans.get(d, 'gave up')}" for d in donors)
             parts.append(f"epoch {epoch} from [{failed}]")
@@ -120,8 +135,10 @@ class StateDownload:
         kind_prefix: str,
         config: StateTransferConfig | None = None,
         progress: Progress | None = None,
+        expected: StateLayout | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.expected = expected  # the stage's own layout; None accepts any (tests, tools)
         self.donors = list(dict.fromkeys(donors))
         self.kind_prefix = kind_prefix
         self.config = config or StateTransferConfig()
@@ -140,14 +157,16 @@ class StateDownload:
         loop = asyncio.get_running_loop()
         self._started = loop.time()
         self._deadline = self._started + cfg.timeout_s
+        decision: QuorumDecision | None = None
         try:
             async with asyncio.timeout_at(self._deadline):
                 results = await asyncio.gather(*(self._manifest(d) for d in self.donors))
                 usable = [
                     (d, m) for d, m in zip(self.donors, results, strict=True) if m is not None
                 ]
-                for group in group_manifests(usable):
-                    snapshot = await self._download(group)
+                decision = self._decide(usable)
+                if decision.group is not None:
+                    snapshot = await self._download(decision.group)
                     if snapshot is not None:
                         return snapshot
         except TimeoutError:
@@ -155,9 +174,29 @@ class StateDownload:
                 f"{self.kind_prefix}: no complete state within {cfg.timeout_s:.3g} s "
                 f"({len(self._have)} chunks held); tried {self.report.summary()}"
             ) from None
-        raise StateTransferError(
-            f"{self.kind_prefix}: every donor failed; tried {self.report.summary()}"
+        untrusted = decision is not None and decision.group is None and (
+            decision.reachable > 0 or bool(self.report.refused)
         )
+        error = UntrustedStateError if untrusted else StateTransferError
+        raise error(f"{self.kind_prefix}: no state installed; tried {self.report.summary()}")
+
+    def _decide(self, usable: list[tuple[PeerAddress, Manifest]]) -> QuorumDecision:
+        """The group to download from (choose_quorum); disagreement is logged with digests."""
+        decision = choose_quorum(group_manifests(usable))
+        self.report.quorum = decision
+        for group in decision.outvoted:
+            for donor, _ in group.members:
+                self.report.refused[donor.peer_id] = "not in the quorum"
+        if decision.group is None:
+            if decision.reachable:
+                logger.warning("%s: %s", self.kind_prefix, decision.reason)
+        elif decision.outvoted:
+            logger.warning(
+                "%s: state donors disagree; using %s; not using %s", self.kind_prefix,
+                describe_group(decision.group),
+                "; ".join(describe_group(g) for g in decision.outvoted),
+            )
+        return decision
 
     def _timeout(self, limit: float) -> float:
         return max(0.001, min(limit, self._deadline - asyncio.get_running_loop().time()))
@@ -178,15 +217,26 @@ class StateDownload:
             self.report.manifest_failures[donor.peer_id] = f"{type(exc).__name__}: {exc}"[:200]
             return None
         except (ValidationError, ValueError) as exc:
-            self.report.manifest_failures[donor.peer_id] = f"bad manifest: {str(exc)[:160]}"
+            self._refuse(donor, f"bad manifest: {str(exc)[:160]}")
             return None
         if manifest.chunk_bytes != cfg.chunk_bytes or manifest.total_bytes > cfg.max_state_bytes:
-            self.report.manifest_failures[donor.peer_id] = (
+            self._refuse(donor, (
                 f"manifest of {manifest.total_bytes} bytes in chunks of {manifest.chunk_bytes} "
                 f"(asked {cfg.chunk_bytes}, limit {cfg.max_state_bytes})"
-            )
+            ))
             return None
+        if self.expected is not None:
+            mismatch = layout_mismatch(manifest, self.expected)
+            if mismatch is not None:
+                self._refuse(donor, f"not this stage's layout: {mismatch}")
+                return None
         return manifest
+
+    def _refuse(self, donor: PeerAddress, reason: str) -> None:
+        """``donor`` answered with a state this stage cannot use: none of it is allocated."""
+        logger.warning("%s: refusing the state offered by %s: %s",
+                       self.kind_prefix, donor.peer_id[:12], reason[:300])
+        self.report.refused[donor.peer_id] = reason[:300]
 
     def _prepare(self, manifest: Manifest) -> set[int]:
         """Buffers for the manifest's layout; the chunks already held that it shares."""
@@ -358,11 +408,14 @@ async def download_state(
     chunk_bytes: int | None = None,
     max_parallel_per_donor: int | None = None,
     progress: Progress | None = None,
+    expected: StateLayout | None = None,
 ) -> Snapshot:
     """Download a stage's state from ``donors`` (see the module docstring).
 
     The keyword settings override ``config``; ``progress(done_bytes, total_bytes)`` is
-    called as chunks arrive. Raises StateTransferError when no donor can deliver.
+    called as chunks arrive; ``expected`` is the stage's own layout, which every manifest
+    must match. Raises StateTransferError when no donor can deliver (UntrustedStateError
+    when donors answered but none can be trusted).
     """
     overrides = {
         k: v for k, v in (("timeout_s", timeout_s), ("chunk_bytes", chunk_bytes),
@@ -375,6 +428,7 @@ async def download_state(
         else base
     )
     download = StateDownload(
-        endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress
+        endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress,
+        expected=expected,
     )
     return await download.run()

@@ -31,22 +31,11 @@ from ..errors import NodeError
 from .netlab import Lab
 
 BOOT_DHT_PORT = 31337
-# settings for every node: short record lifetimes and reads, so that a swarm of a few nodes
-# forms within seconds; synchronous averaging (docs/tiny_run.md); one micro-batch in flight
-# per trainer keeps gradients fresh on a handful of nodes
+# settings for every node: the defaults a volunteer gets, except a shorter shutdown so that
+# a run's teardown takes seconds rather than the default drain
 SWARM_SETTINGS: tuple[str, ...] = (
     "node.shutdown_timeout=20",
     "node.drain_grace=5",
-    "node.record_ttl=15",
-    "node.membership_period=3",
-    "node.join_backoff=2",
-    "trainer.max_in_flight=2",
-    "trainer.request_timeout_s=20",
-    "trainer.loss_ewma_alpha=0.2",
-    "averaging.matchmaking_time=3",
-    "averaging.delayed_updates=false",
-    "averaging.next_chunk_timeout=10",
-    "averaging.average_state_every=2",
 )
 
 

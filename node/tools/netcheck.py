@@ -95,7 +95,14 @@ def advice(result: dict[str, Any]) -> list[str]:
             f"Recommended: {forward}; or, where the router offers it, an endpoint-independent "
             "('full cone', 'EIM') NAT mode.",
         ]
-    return [f"Peers cannot dial this host: {forward}."]
+    if result["rendezvous"]:
+        return [
+            "Works: behind a NAT whose kind the check could not tell (a probe was lost), "
+            f"peers reach this node through the rendezvous {result['rendezvous']} by hole "
+            "punching or, failing that, a relay. Run netcheck again for the NAT kind.",
+            f"Optional: {forward}, so that peers dial you directly.",
+        ]
+    return [f"Peers cannot dial this host and no rendezvous answered: {forward}."]
 
 
 async def netcheck(config: NodeConfig, identity: Identity, dht: Dht) -> dict[str, Any]:

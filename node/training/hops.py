@@ -8,6 +8,12 @@ then ``HopFailed`` abandons its micro-batch. A ``cache_miss`` is no failure (the
 healthy but no longer holds the input): the caller's next attempt carries the input. While
 a stage has no online server, an attempt waits ``no_server_wait_s`` (jittered) instead.
 
+A reply whose values no honest server sends (``BadValues``: NaN/Inf, or beyond the run's
+``[limits]``; pipeline.py checks every stage output on receipt) is a failure of the server
+that sent it like any broken reply: it is banned and the hop goes elsewhere, so the value
+is never relayed. ``out_of_range`` from a server (our request or its result exceeds the
+bounds) re-routes the hop too.
+
 When a server refuses a payload that the trainer relayed undecoded (a stage output, as it
 came from the stage before), the trainer decodes it itself: if it is bad, its sender is
 banned and the micro-batch fails (the refusing server did nothing wrong); if not, the
@@ -31,7 +37,7 @@ from ...transport.tensors import PAYLOAD_ERROR_CODES, ReceivedTensor, Sendable, 
 from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..logs import get_logger
-from ..protocol import RETRY_ELSEWHERE, BadReply, ErrorCode, Kind, to_header
+from ..protocol import RETRY_ELSEWHERE, BadReply, BadValues, ErrorCode, Kind, to_header
 from ..timing import jittered
 from .routing import Router
 from .servers import ServerView
@@ -172,6 +178,11 @@ class HopSender:
             except (TransportError, BadReply) as exc:
                 self.counters.errors[type(exc).__name__] += 1
                 last = f"{server.peer_id}: {type(exc).__name__}: {exc}"
+                if isinstance(exc, BadValues):
+                    log.warning(
+                        "trainer: %s on stage %d: refused the reply of %s: %s",
+                        kind, stage, server.peer_id, exc,
+                    )
                 self._failed(server.peer_id, tried, loop.time())
                 continue
             self.router.finished(server.peer_id, ok=True, now=loop.time(), rng=self.rng)

@@ -19,12 +19,17 @@ Payloads use the run's codecs. A stage's output (activations forward, ``dL/dx`` 
 reaches the trainer already encoded with the run's codec by the server that computed it,
 and goes on to the next stage as it came (the endpoint's ``ReceivedTensor``): never
 decoded and re-encoded here, so quantized once. On receipt the walk checks what the
-headers say (shape, dtype, codec, payload length and codec header); the values are checked
-by whoever decodes them, the next stage's endpoint, which refuses a bad payload before
-computing on it (hops.py says whom that blames). Only a reply in another codec than the
-run's is decoded (with every check, on receipt) and re-encoded: activations with the
-forward codec, gradients with the backward codec through error feedback keyed by
-``(stage, "grad_output")``. Codec work on large tensors runs in a worker thread
+headers say (shape, dtype, codec, payload length and codec header) and the values: every
+stage output is decoded into a scratch copy (dropped at once: the payload goes on as it
+came) and refused unless finite and within the run's ``[limits]``, activations within
+``max_activation``, gradients within ``max_gradient``, a loss within ``max_loss``. An
+absurd reply (``BadValues``) is that server's fault: hops.py bans it and the hop is redone
+on another server of the stage, so a lying server's huge ``dL/dx`` never reaches an
+honest one (docs/hostile.md). The next stage's endpoint and contract check the values
+again before computing on them (hops.py says whom a refusal blames). Only a reply in
+another codec than the run's is kept decoded and re-encoded: activations with the forward
+codec, gradients with the backward codec through error feedback keyed by ``(stage,
+"grad_output")``. Codec work on large tensors runs in a worker thread
 (``transport.tensors.THREAD_BYTES``), never on the event loop.
 """
 
@@ -33,15 +38,17 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel
 
-from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
+from ...transport.codecs import CodecSpec, EncodedTensor, decode, encode, parse_codec
 from ...transport.endpoint import Response
 from ...transport.error_feedback import ErrorFeedback
+from ...transport.errors import ProtocolError
 from ...transport.tensors import ReceivedTensor, Sendable, off_loop, sendable_nbytes
 from ..config.runspec import RunSpec
 from ..protocol import (
     BackwardReply,
     BackwardRequest,
     BadReply,
+    BadValues,
     EvalLossRequest,
     EvalReply,
     ForwardLossRequest,
@@ -51,7 +58,10 @@ from ..protocol import (
     Kind,
     LossReply,
     check_relayed,
+    describe_excess,
+    max_abs,
     parse_reply,
+    within,
 )
 from .hops import HopSender
 from .trainer_config import TrainerConfig
@@ -75,6 +85,7 @@ class Pipeline:
         self.hops = hops
         self.forward_codec = parse_codec(spec.codecs.forward_activations)
         self.backward_codec = parse_codec(spec.codecs.backward_gradients)
+        self.limits = spec.limits
         self._ef = ef
 
     async def forward_backward(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -116,7 +127,7 @@ class Pipeline:
         async def check(response: Response) -> float:
             if response.tensors:
                 raise BadReply("eval_loss returns no tensor")
-            return parse_reply(EvalReply, response.header).loss
+            return self._loss(parse_reply(EvalReply, response.header).loss, "eval_loss")
 
         size = sendable_nbytes(x_last) + sendable_nbytes(targets)
         loss, _ = await self.hops.send(stage, Kind.EVAL_LOSS, make, lambda _: size, check)
@@ -145,7 +156,9 @@ class Pipeline:
 
         async def check(response: Response) -> tuple[ReceivedTensor, bool]:
             reply = parse_reply(ForwardReply, response.header)
-            y = await self._stage_output(response, shape, self.forward_codec, f"forward {stage}")
+            y = await self._stage_output(
+                response, shape, self.forward_codec, self.limits.max_activation, f"forward {stage}"
+            )
             return y, reply.cached
 
         (y, cached), peer = await self.hops.send(
@@ -162,12 +175,13 @@ class Pipeline:
 
         async def check(response: Response) -> tuple[float, ReceivedTensor | None]:
             reply = parse_reply(LossReply, response.header)
+            loss = self._loss(reply.loss, "forward_loss")
             if stage == 0:
                 if response.tensors:
                     raise BadReply("forward_loss on stage 0 returns no tensor")
-                return reply.loss, None
-            return reply.loss, await self._stage_output(
-                response, shape, self.backward_codec, "forward_loss"
+                return loss, None
+            return loss, await self._stage_output(
+                response, shape, self.backward_codec, self.limits.max_gradient, "forward_loss"
             )
 
         size = sendable_nbytes(x) + sendable_nbytes(targets)
@@ -204,7 +218,7 @@ class Pipeline:
                     raise BadReply("backward on stage 0 returns no tensor")
                 return None
             return await self._stage_output(
-                response, shape, self.backward_codec, f"backward {stage}"
+                response, shape, self.backward_codec, self.limits.max_gradient, f"backward {stage}"
             )
 
         def size(peer: str) -> int:
@@ -216,15 +230,37 @@ class Pipeline:
     # ---- stage outputs ------------------------------------------------------------------
 
     async def _stage_output(
-        self, response: Response, shape: tuple[int, int], codec: CodecSpec, what: str
+        self,
+        response: Response,
+        shape: tuple[int, int],
+        codec: CodecSpec,
+        bound: float,
+        what: str,
     ) -> ReceivedTensor:
-        """The reply's one tensor: float32 (B, T, C) by its header, to relay to the next
-        stage. One in another codec than the run's ``codec`` is decoded now (every check of
-        its values: a bad one fails this attempt) to be re-encoded by ``_relay``."""
+        """The reply's one tensor: float32 (B, T, C) by its header, finite and within
+        ``bound`` (else BadValues), to relay to the next stage. One in another codec than
+        the run's ``codec`` is kept decoded, to be re-encoded by ``_relay``."""
         t = check_relayed(response.tensors, (*shape, self.spec.model.d_model), torch.float32, what)
-        if t.codec != codec:
-            await t.decode()
+        keep = t.codec != codec
+
+        def peak() -> float:
+            # a relayed payload is decoded into a scratch copy, dropped after the check:
+            # kept, it would hold 4x the payload's bytes for the micro-batch's lifetime
+            return max_abs(t.tensor() if keep or t.is_decoded else decode(t.encoded))
+
+        try:
+            value = await off_loop(t.decoded_nbytes, peak)
+        except ProtocolError as exc:
+            raise BadValues(f"{what}: {exc}") from None
+        if not within(value, bound):
+            raise BadValues(f"{what}: " + describe_excess(value, bound, "the output's |value|"))
         return t
+
+    def _loss(self, loss: float, what: str) -> float:
+        """A loss a server reported (finite by the header's model): within ``max_loss``."""
+        if not within(loss, self.limits.max_loss):
+            raise BadValues(f"{what}: " + describe_excess(loss, self.limits.max_loss, "the loss"))
+        return loss
 
     async def _relay(
         self, t: ReceivedTensor, codec: CodecSpec, ef_key: tuple[int, str] | None = None

@@ -92,10 +92,11 @@ def _online(servers: Sequence[ServerInfo]) -> bool:
     return any(s.state == "online" for s in servers)
 
 
-def servers_from_peers(peers: Any) -> dict[int, list[ServerInfo]]:
-    """The ``ServerSource`` view of the daemon's PeerTable: online-capable servers by stage."""
+def servers_from_peers(peers: Any, run_id: str | None = None) -> dict[int, list[ServerInfo]]:
+    """The ``ServerSource`` view of the daemon's PeerTable: online-capable servers by stage,
+    of the run spec ``run_id`` when given (a record of another spec is never routed to)."""
     out: dict[int, list[ServerInfo]] = {}
-    for server in peers.servers():
+    for server in peers.servers(run_id=run_id):
         record = server.record
         out.setdefault(server.stage, []).append(
             ServerInfo(

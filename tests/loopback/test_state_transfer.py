@@ -185,7 +185,7 @@ def test_corrupt_chunk_is_detected_banned_and_fetched_elsewhere() -> None:
     run(main(), timeout=30)
 
 
-def test_newest_epoch_wins_and_an_older_one_is_the_fallback() -> None:
+def test_the_quorum_wins_over_a_newer_minority_which_never_serves() -> None:
     old, new = _state(4), _state(5)
 
     async def main() -> None:
@@ -195,19 +195,22 @@ def test_newest_epoch_wins_and_an_older_one_is_the_fallback() -> None:
             newest = StateDonor(eps[2], _snapshot(7, new), kind_prefix=PREFIX)
             addrs = [address(ep) for ep in eps]
             job = StateDownload(client, addrs, kind_prefix=PREFIX, config=_config())
-            _assert_identical(await job.run(), 7, new)
-            assert set(job.report.chunks_from) == {eps[2].peer_id}  # epoch-5 donors not used
+            _assert_identical(await job.run(), 5, old)  # 2 of 3 agree: the newer epoch alone loses
+            assert set(job.report.chunks_from) == {eps[0].peer_id, eps[1].peer_id}
+            assert job.report.refused == {eps[2].peer_id: "not in the quorum"}
+            assert newest.counts["chunks"] == 0
 
-            # the epoch-7 donor turns bad: the download falls back to epoch 5 from the others
+            # the quorum's donors fail: the minority still does not serve
             async def refuse(request: Request) -> Response:
                 raise RemoteError("internal", "disk on fire")
 
-            eps[2].register(chunk_kind(PREFIX), refuse)
+            for ep in eps[:2]:
+                ep.register(chunk_kind(PREFIX), refuse)
             job = StateDownload(client, addrs, kind_prefix=PREFIX, config=_config())
-            _assert_identical(await job.run(), 5, old)
-            assert [e for e, _ in job.report.groups_tried] == [7, 5]
-            assert set(job.report.chunks_from) == {eps[0].peer_id, eps[1].peer_id}
-            assert newest.counts["manifests"] == 2
+            with pytest.raises(StateTransferError):
+                await job.run()
+            assert [e for e, _ in job.report.groups_tried] == [5]
+            assert newest.counts["chunks"] == 0 and newest.counts["manifests"] == 2
 
     run(main(), timeout=30)
 

@@ -1,17 +1,26 @@
-"""NAT traversal over real QUIC on 127.0.0.1: observed address, dial-back, connection
-reversal, hole punching and relaying, with home routers' inbound filtering emulated on the
-sockets (:class:`InboundFilter`, which test_traversal_hostile.py uses too)."""
+"""NAT traversal over real QUIC on 127.0.0.1: observed address and mapping, dial-back,
+connection reversal, hole punching and relaying, with home routers' inbound filtering
+emulated on the sockets (:class:`InboundFilter`, which test_traversal_hostile.py uses too)
+and a symmetric NAT's per-destination mapping (:class:`PerDestinationMapping`)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from wanswarm.transport.config import TransportConfig, TraversalConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
+from wanswarm.transport.errors import RemoteError
 from wanswarm.transport.relay import RELAY_BYTE, is_virtual
+from wanswarm.transport.traversal_wire import OBSERVE, OBSERVE_PROBE, encode_probe
 
+from ..waiting import async_wait_for
 from .quic_helpers import address, config, endpoint, run
 
 
@@ -48,6 +57,42 @@ class InboundFilter:
         sock.datagram_received = datagram_received  # type: ignore[method-assign]
 
 
+class PerDestinationMapping:
+    """The outbound half of a symmetric NAT: datagrams to the first destination leave from
+    the endpoint's own socket, those to any other destination from a socket of their own
+    (another source port, as a NAT that maps per destination gives them). Nothing comes
+    back through the extra sockets: enough for an observer's alternate port, which never
+    answers. ``ports`` maps each other destination to its source port."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        sock = ep._connections.socket
+        self.first: tuple[str, int] | None = None
+        self.sockets: dict[tuple[str, int], socket.socket] = {}
+        send = sock.sendto
+
+        def sendto(data: bytes, addr: tuple[str, int]) -> None:
+            if self.first is None:
+                self.first = addr
+            if addr == self.first or is_virtual(addr):
+                send(data, addr)
+                return
+            out = self.sockets.get(addr)
+            if out is None:
+                out = self.sockets[addr] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                out.bind(("127.0.0.1", 0))
+            out.sendto(data, addr)
+
+        sock.sendto = sendto  # type: ignore[method-assign]
+
+    @property
+    def ports(self) -> dict[tuple[str, int], int]:
+        return {addr: out.getsockname()[1] for addr, out in self.sockets.items()}
+
+    def close(self) -> None:
+        for out in self.sockets.values():
+            out.close()
+
+
 class Capture:
     """Every datagram an endpoint's socket sends, with its destination."""
 
@@ -82,6 +127,10 @@ def _cfg(**traversal: Any) -> TransportConfig:
     return config(traversal=TraversalConfig(**fields))
 
 
+def _count_is(counts: Counter[str], key: str, n: int) -> Callable[[], bool]:
+    return lambda: counts[key] == n
+
+
 def _tensor(item: object) -> torch.Tensor:
     assert isinstance(item, torch.Tensor)
     return item
@@ -91,6 +140,106 @@ def test_observe_returns_the_requesters_socket_address() -> None:
     async def main() -> None:
         async with endpoint() as a, endpoint() as b:
             assert await a.observe(address(b), timeout=10) == a.address
+
+    run(main())
+
+
+def test_observe_mapping_sees_one_address_without_nat() -> None:
+    async def main() -> None:
+        async with endpoint() as a, endpoint() as b:
+            seen, probed = await a.observe_mapping(address(b), timeout=10)
+            assert seen == probed == a.address
+            counts = b.traversal_counts()
+            assert counts["probe_port.received"] >= 1
+            assert a.traversal_counts()["socket.probe.sent"] == 3
+            # the alternate port is one more port of b's host, opened once
+            port = b._traversal.probe_port
+            assert port is not None and port.address[0] == b.address[0]
+            assert port.address[1] != b.address[1]
+            assert await a.observe_mapping(address(b), timeout=10) == (a.address, a.address)
+            assert b._traversal.probe_port is port
+
+    run(main())
+
+
+def test_observe_mapping_tells_a_per_destination_mapping() -> None:
+    async def main() -> None:
+        async with endpoint() as a, endpoint() as b:
+            nat = PerDestinationMapping(a)
+            try:
+                seen, probed = await a.observe_mapping(address(b), timeout=10)
+                assert seen == a.address
+                port = b._traversal.probe_port
+                assert port is not None
+                assert probed == ("127.0.0.1", nat.ports[port.address])
+                assert probed != seen
+            finally:
+                nat.close()
+
+    run(main())
+
+
+def test_observe_mapping_without_an_alternate_port_cannot_tell() -> None:
+    async def main() -> None:
+        async with endpoint(_cfg(probe_port=False)) as b, endpoint() as a, \
+                endpoint(_cfg(probe_packets=0)) as c:
+            assert await a.observe_mapping(address(b), timeout=10) == (a.address, None)
+            assert b._traversal.probe_port is None
+            # a lookup there is refused: there is nothing to look in
+            with pytest.raises(RemoteError) as info:
+                await a.request(address(b), OBSERVE_PROBE, {"nonce": "00" * 16}, timeout=10)
+            assert info.value.code == "refused"
+            # a requester that sends no probes does not ask
+            assert await c.observe_mapping(address(a), timeout=10) == (c.address, None)
+            assert c.traversal_counts().get("socket.probe.sent", 0) == 0
+
+    run(main())
+
+
+def test_probe_lookups_refuse_unknown_and_malformed_nonces_and_floods() -> None:
+    async def main() -> None:
+        observer_cfg = _cfg(probe_wait_s=0.2, probes_per_minute=6.0)
+        async with endpoint(observer_cfg) as b, endpoint() as a, endpoint() as c:
+            reply = (await a.request(address(b), OBSERVE, {}, timeout=10)).header
+            alt = ("127.0.0.1", reply["alt_port"])
+            port = b._traversal.probe_port
+            assert port is not None and port.address == alt
+
+            async def refusal(ep: Endpoint, header: dict[str, Any]) -> str:
+                with pytest.raises(RemoteError) as info:
+                    await ep.request(address(b), OBSERVE_PROBE, header, timeout=10)
+                return info.value.code
+
+            for bad in (
+                {"nonce": "00" * 8},  # short
+                {"nonce": "zz" * 16},  # not hex
+                {"nonce": "AB" * 16},  # upper case
+                {"nonce": 5},  # wrong type
+                {},  # missing
+                {"nonce": "00" * 16, "host": "10.0.0.1"},  # an address to report on: no
+            ):
+                assert await refusal(c, bad) == "bad_request", bad
+            # junk and probes nobody asks about are recorded or dropped, never answered
+            junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                junk.bind(("127.0.0.1", 0))
+                for packet in (b"", b"\x23", b"\x23" + bytes(17), b"\x22" + bytes(8), b"x" * 1200):
+                    junk.sendto(packet, alt)
+                await async_wait_for(lambda: port.counts["dropped.not_probe"] == 5, 10, "junk")
+                for sent in range(50, 1250, 50):  # more than the table holds: the oldest go
+                    for _ in range(50):  # in batches, so that no receive buffer overflows
+                        junk.sendto(encode_probe(os.urandom(16)), alt)
+                    await async_wait_for(_count_is(port.counts, "received", sent), 10, "probes")
+                assert len(port.table) == port.table.max_entries
+            finally:
+                junk.close()
+            # a nonce whose probes never came: the observer waits probe_wait_s, then says so
+            assert await refusal(a, {"nonce": os.urandom(16).hex()}) == "unknown_nonce"
+            # a burst of 3, then rate_limited; other peers are not affected
+            codes = [await refusal(a, {"nonce": os.urandom(16).hex()}) for _ in range(3)]
+            assert codes == ["unknown_nonce", "unknown_nonce", "rate_limited"]
+            assert await c.observe_mapping(address(b), timeout=10) == (c.address, c.address)
+            assert port.waiting == 0
 
     run(main())
 

@@ -51,22 +51,32 @@ def _table(*records: ServerRecord) -> PeerTable:
 
 
 class ScriptedEndpoint:
-    """Answers observe/dial_back as the peers of a scenario would."""
+    """Answers observe_mapping/dial_back as the peers of a scenario would: ``seen`` on each
+    peer's QUIC port (None: it does not answer), ``probed`` on its second port (absent:
+    it could not tell)."""
 
-    def __init__(self, seen: dict[str, tuple[str, int] | None], dial_back: bool) -> None:
+    def __init__(
+        self,
+        seen: dict[str, tuple[str, int] | None],
+        dial_back: bool,
+        probed: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
         self.seen = seen
+        self.probed = probed or {}
         self.dial_back_answer = dial_back
         self.reachable = False
         self.kept: list[PeerAddress] = []
         self.released: list[str] = []
         self.asked: list[str] = []
 
-    async def observe(self, peer: PeerAddress, *, timeout: float) -> tuple[str, int]:
+    async def observe_mapping(
+        self, peer: PeerAddress, *, timeout: float
+    ) -> tuple[tuple[str, int], tuple[str, int] | None]:
         self.asked.append(peer.peer_id)
         answer = self.seen.get(peer.peer_id)
         if answer is None:
             raise ConnectError(f"{peer.peer_id} unreachable")
-        return answer
+        return answer, self.probed.get(peer.peer_id)
 
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool:
         return self.dial_back_answer
@@ -81,15 +91,22 @@ class ScriptedEndpoint:
         return {}
 
 
-def _check(
+def _reachability(
     table: PeerTable, endpoint: ScriptedEndpoint, local: list[str]
-) -> tuple[bool, list[tuple[QuicAddress, Reach]], Reachability]:
+) -> tuple[Reachability, list[tuple[QuicAddress, Reach]]]:
     published: list[tuple[QuicAddress, Reach]] = []
     reach = Reachability(
         endpoint, table, local_hosts=lambda: local, bound_port=5000,
         publish=lambda q, r: published.append((q, r)), period_s=60, timeout_s=1,
         rng=random.Random(0),
     )
+    return reach, published
+
+
+def _check(
+    table: PeerTable, endpoint: ScriptedEndpoint, local: list[str]
+) -> tuple[bool, list[tuple[QuicAddress, Reach]], Reachability]:
+    reach, published = _reachability(table, endpoint, local)
     known = asyncio.run(reach.check())
     return known, published, reach
 
@@ -101,6 +118,21 @@ def test_classify() -> None:
     assert classify(["192.168.1.2"], cone) == "cone"
     symmetric = [Observation(A, "11.1.0.10", 40001), Observation(B, "11.1.0.10", 51234)]
     assert classify(["192.168.1.2"], symmetric) == "symmetric"
+
+
+def test_classify_with_one_observers_two_ports() -> None:
+    lan = ["192.168.1.2"]
+    mapping = ("11.1.0.10", 40000)
+    assert classify(lan, [Observation(A, *mapping, probed=mapping)]) == "cone"
+    assert classify(lan, [Observation(A, *mapping, probed=("11.1.0.10", 40001))]) == "symmetric"
+    assert classify(lan, [Observation(A, *mapping, probed=("11.1.0.11", 40000))]) == "symmetric"
+    # one observation is no evidence either way
+    assert classify(lan, [Observation(A, *mapping)]) == "unknown"
+    # two observers that agree, one of whose second ports saw another mapping
+    mixed = [Observation(A, *mapping, probed=("11.1.0.10", 40002)), Observation(B, *mapping)]
+    assert classify(lan, mixed) == "symmetric"
+    # no NAT: the observed host is ours, whatever the ports
+    assert classify(["11.0.0.12"], [Observation(A, "11.0.0.12", 5000)]) == "public"
 
 
 def test_a_public_node_announces_its_own_address_as_reachable() -> None:
@@ -190,3 +222,62 @@ def test_reach_records_are_bounded() -> None:
         Reach(lan=many)
     record = _record(A, "11.0.0.10", reach=Reach(nat="symmetric"))
     assert decode_record(ServerRecord, encode_record(record)) == record
+
+
+def test_one_observer_tells_a_symmetric_nat_by_its_second_port() -> None:
+    # the acceptance lab's case: one public bootstrap, a home behind a symmetric NAT
+    table = _table(_record(A, "11.0.0.10"))
+    endpoint = ScriptedEndpoint(
+        {A: ("11.1.0.30", 40001)}, False, probed={A: ("11.1.0.30", 61017)}
+    )
+    _, published, _ = _check(table, endpoint, ["192.168.3.2"])
+    quic, announced = published[-1]
+    assert announced.nat == "symmetric" and not announced.reachable
+    assert quic == QuicAddress(host="11.1.0.30", port=40001)  # the QUIC port's mapping
+    assert announced.rendezvous is not None and announced.rendezvous.peer_id == A
+
+
+def test_one_observer_tells_a_cone_nat_by_its_second_port() -> None:
+    table = _table(_record(A, "11.0.0.10"))
+    mapping = ("11.1.0.10", 40000)
+    endpoint = ScriptedEndpoint({A: mapping}, False, probed={A: mapping})
+    _, published, _ = _check(table, endpoint, ["192.168.1.2"])
+    assert published[-1][1].nat == "cone"
+
+
+def test_one_observation_alone_decides_nothing() -> None:
+    table = _table(_record(A, "11.0.0.10"))
+    mapping = ("11.1.0.10", 40000)
+    endpoint = ScriptedEndpoint({A: mapping}, False)  # its second port saw nothing
+    reach, published = _reachability(table, endpoint, ["192.168.1.2"])
+
+    async def checks() -> None:
+        await reach.check()
+        assert published[-1][1].nat == "unknown"
+        assert published[-1][1].rendezvous is not None  # measured: not reachable
+        endpoint.probed = {A: ("11.1.0.10", 40007)}
+        await reach.check()
+        assert published[-1][1].nat == "symmetric"
+        endpoint.probed = {}  # the NAT behind the same address told us before
+        await reach.check()
+        assert published[-1][1].nat == "symmetric"
+        endpoint.seen = {A: ("11.9.0.1", 40000)}  # another network: it has not
+        await reach.check()
+        assert published[-1][1].nat == "unknown"
+
+    asyncio.run(checks())
+
+
+def test_a_peer_measured_unreachable_with_an_unknown_nat_is_not_asked() -> None:
+    rendezvous = PeerRef(peer_id=A, quic=QuicAddress(host="11.0.0.10", port=4000))
+    table = _table(
+        _record(A, "11.0.0.10"),
+        _record(B, "11.1.0.20", reach=Reach(nat="unknown", reachable=False,
+                                             rendezvous=rendezvous)),
+        _record(C, "11.0.0.11", reach=Reach()),  # not measured yet: asked
+    )
+    endpoint = ScriptedEndpoint(
+        {A: ("11.1.0.10", 40000), B: ("11.1.0.10", 40000), C: ("11.1.0.10", 40000)}, False
+    )
+    _check(table, endpoint, ["192.168.1.2"])
+    assert B not in endpoint.asked and set(endpoint.asked) == {A, C}

@@ -407,7 +407,8 @@ def _component_world(
     table = PeerTable(identity.peer_id)
     records = {
         pid: (ServerRecord(peer_id=pid, state="online", stage=stage, throughput=t,
-                           quic=QuicAddress(host="127.0.0.1", port=10 + i)), 4e9)
+                           quic=QuicAddress(host="127.0.0.1", port=10 + i),
+                           run_id=spec.run_id), 4e9)
         for i, (pid, (stage, t)) in enumerate(FAKE_PEERS.items())
     }
     table.apply(records, {}, now=0.0, wall_now=0.0)

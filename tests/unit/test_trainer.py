@@ -5,7 +5,8 @@ decoding payloads as the endpoint does (ReceivedTensors, lazy replies), and can 
 faults (an error answer, a lost connection) per server. Checks: hop and token accounting,
 stage outputs relayed undecoded, re-routing around a busy or dead server with bans,
 resending the input after a cache miss, a micro-batch that fails on every attempt fails
-alone, a malformed relayed output blamed on its sender, a reply in another codec
+alone, a non-finite stage output refused on receipt (its sender banned, the hop redone,
+nothing relayed), a reply in another codec
 re-encoded (gradients through error feedback), and the validation loss through the swarm
 equals the full model's.
 """
@@ -284,7 +285,7 @@ def test_a_reply_in_another_codec_is_reencoded_gradients_through_error_feedback(
     assert (1, "grad_output") in trainer._ef and (0, "grad_output") not in trainer._ef
 
 
-def test_a_malformed_relayed_output_is_blamed_on_its_sender() -> None:
+def test_a_non_finite_output_is_refused_on_receipt_and_never_relayed() -> None:
     spec = _spec("none")  # a raw payload can carry NaN past the header checks
     swarm = Swarm(spec, [1, 1, 1])
     poisoned: list[Response] = []
@@ -299,21 +300,25 @@ def test_a_malformed_relayed_output_is_blamed_on_its_sender() -> None:
     swarm.net.tamper = {"s0r0": poison_once}
     config = TrainerConfig(max_in_flight=1, request_timeout_s=30.0)
 
-    async def main() -> tuple[Trainer, tuple[int, int]]:
+    async def main() -> tuple[Trainer, tuple[bool, bool]]:
         async with swarm:
             trainer = swarm.trainer(config)
             await trainer.run(max_micro_batches=1)
-            failures = (trainer.router.failures("s0r0"), trainer.router.failures("s1r0"))
+            # (its retry succeeded on s0r0, which reset its failure count, not its ban)
+            bans = tuple(trainer.router.banned_until(p) is not None for p in ("s0r0", "s1r0"))
             await trainer.run(max_micro_batches=3)  # s0r0 answers honestly from now on
-            return trainer, failures
+            return trainer, (bans[0], bans[1])
 
-    trainer, (sender_failures, refuser_failures) = asyncio.run(main())
+    trainer, (sender_banned, next_banned) = asyncio.run(main())
     c = trainer.counters
-    assert (c.completed, c.failed) == (2, 1)
-    assert c.errors["non_finite"] == 1 and c.retried_hops == 0
-    # the sender of the NaN was banned; the stage that refused it was not, and computed nothing
-    assert (sender_failures, refuser_failures) == (1, 0)
-    assert swarm.servers["s1r0"].counters.forward == 2
+    # the trainer checks a stage output's values on receipt: the NaN is refused there, the
+    # hop is redone (on s0r0 again, the only stage-0 server, honest by then)
+    assert (c.completed, c.failed) == (3, 0)
+    assert c.errors["BadValues"] == 1 and c.retried_hops == 1
+    # the sender of the NaN was banned; the next stage never saw it
+    assert (sender_banned, next_banned) == (True, False)
+    s1 = swarm.servers["s1r0"].counters
+    assert (s1.forward, s1.failed, s1.refused) == (3, 0, 0)
 
 
 def test_busy_and_dead_servers_are_banned_and_routed_around() -> None:

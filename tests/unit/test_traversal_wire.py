@@ -1,5 +1,6 @@
-"""The pure parts of NAT traversal: relay packets and tables, token buckets, the traversal
-messages and the replay guard. No sockets, no clocks: time is passed in."""
+"""The pure parts of NAT traversal: relay and probe packets, the relay's and the probe port's
+tables, token buckets, the traversal messages and the replay guard. No sockets, no clocks:
+time is passed in."""
 
 from __future__ import annotations
 
@@ -26,7 +27,19 @@ from wanswarm.transport.relay import (
     is_quic,
     is_virtual,
 )
-from wanswarm.transport.traversal_wire import Introduce, Introduction, ReplayGuard, parse
+from wanswarm.transport.traversal_wire import (
+    PROBE_BYTE,
+    PROBE_BYTES,
+    Introduce,
+    Introduction,
+    ObserveReply,
+    ProbeQuery,
+    ProbeTable,
+    ReplayGuard,
+    decode_probe,
+    encode_probe,
+    parse,
+)
 
 A, B, R = ("10.0.0.1", 1000), ("10.0.0.2", 2000), ("10.0.0.3", 3000)
 
@@ -185,3 +198,54 @@ def test_replay_guard_refuses_stale_and_seen_nonces() -> None:
         assert guard.check(f"m{i}", ts=171.0, now=171.0) is None
     assert guard.check("m4", ts=171.0, now=171.0) == "replayed"
     assert guard.check("fresh", ts=time.time(), now=time.time()) is None
+
+
+def test_probe_packets_round_trip_and_are_not_quic() -> None:
+    nonce = bytes(range(16))
+    packet = encode_probe(nonce)
+    assert packet == bytes([PROBE_BYTE]) + nonce and len(packet) == PROBE_BYTES
+    assert not is_quic(packet) and decode_probe(packet) == nonce
+    for bad in (packet[:-1], packet + b"\0", b"", bytes([PUNCH_BYTE]) + nonce,
+                encode_punch(nonce)):
+        assert decode_probe(bad) is None
+    with pytest.raises(ValueError):
+        encode_probe(b"short")
+
+
+@given(st.binary(max_size=64))
+def test_random_bytes_are_a_probe_only_in_its_exact_form(data: bytes) -> None:
+    nonce = decode_probe(data)
+    assert (nonce is not None) == (len(data) == PROBE_BYTES and data[0] == PROBE_BYTE)
+    if nonce is not None:
+        assert encode_probe(nonce) == data
+
+
+def test_probe_table_keeps_the_first_source_expires_and_is_bounded() -> None:
+    table = ProbeTable(max_entries=3, ttl_s=30.0)
+    assert table.record(b"n1", A, 0.0) and not table.record(b"n1", B, 1.0)
+    assert table.take(b"n1", 2.0) == A  # the first source, once
+    assert table.take(b"n1", 2.0) is None
+    assert table.record(b"n2", A, 10.0)
+    assert table.take(b"n2", 40.0) is None  # expired
+    for i in range(5):
+        assert table.record(bytes([i]), B, 50.0)
+    assert len(table) == 3  # the oldest forgotten first
+    assert table.take(bytes([0]), 50.0) is None and table.take(bytes([4]), 50.0) == B
+    assert table.take(b"never", 50.0) is None
+
+
+def test_observe_and_probe_messages() -> None:
+    assert parse(ObserveReply, {"host": "1.2.3.4", "port": 5}).alt_port is None
+    assert parse(ObserveReply, {"host": "1.2.3.4", "port": 5, "alt_port": 6}).alt_port == 6
+    assert parse(ProbeQuery, {"nonce": "0f" * 16}).nonce == "0f" * 16
+    for model, bad in (
+        (ObserveReply, {"host": "1.2.3.4", "port": 5, "alt_port": 0}),
+        (ObserveReply, {"host": "1.2.3.4", "port": 5, "alt_port": "6"}),
+        (ProbeQuery, {"nonce": "0f" * 15}),
+        (ProbeQuery, {"nonce": "0F" * 16}),
+        (ProbeQuery, {"nonce": "0f" * 16, "to": "1.2.3.4"}),
+        (ProbeQuery, {}),
+    ):
+        with pytest.raises(RemoteError) as info:
+            parse(model, bad)
+        assert info.value.code == "bad_request", bad
