@@ -63,6 +63,12 @@ async def _tcp_dialback(
 
 def advice(result: dict[str, Any]) -> list[str]:
     """What a volunteer here must (nothing) or may do, from a netcheck result."""
+    if result["peers"] == 0:
+        return [
+            "No peer of this run is known: pass the swarm's address with --initial-peers "
+            "(a running node prints it under 'dht' in 'wanswarm status'), and --run if the "
+            "run is not the default one.",
+        ]
     if result["observed"] is None:
         return [
             "No reachable peer answered. Check --initial-peers (wanswarm status on a running "
