@@ -304,10 +304,12 @@ def _load_client(args: argparse.Namespace) -> ClientConfig:
 
 def _join(args: argparse.Namespace) -> int:
     config = _load(args)
-    from .daemon import run_daemon  # imports hivemind and torch: only for 'join'
+    from .daemon import exit_past_abandoned_threads, run_daemon  # hivemind, torch: 'join' only
     from .swarm_node import build_components
 
-    return run_daemon(config, build_components(config))
+    code = run_daemon(config, build_components(config))
+    exit_past_abandoned_threads(code)
+    return code
 
 
 def _status(args: argparse.Namespace) -> int:

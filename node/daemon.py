@@ -14,7 +14,10 @@ Lifecycle::
 The leave path, whatever asked for it: announce ``draining`` and send STOPPING=1; drain every
 component (stop accepting work, finish in-flight work) until ``node.shutdown_timeout`` after the
 request; stay listed as draining for at least ``node.drain_grace``; withdraw the record
-(tombstone); stop the loops; close the components, the control socket and the DHT; exit 0.
+(tombstone); stop the loops; close the components (within CLOSE_GRACE_S past the drain's
+deadline), the control socket and the DHT; exit 0. ``wanswarm join`` then exits without
+waiting for a device thread still stuck in work the drain abandoned
+(:func:`exit_past_abandoned_threads`).
 A second signal skips what is left of the drain and the grace. A crash of any task cancels the
 others (TaskGroup) and the daemon exits 1, which systemd's Restart=on-failure answers.
 """
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -52,6 +57,10 @@ from .status import DaemonState, PeerStatus, StatusReport
 from .timing import jittered
 
 log = get_logger(__name__)
+# after the drain's deadline, the components' close gets this long in all
+CLOSE_GRACE_S = 5.0
+# how long a returned daemon waits for its other threads before exiting without them
+ABANDONED_THREAD_WAIT_S = 2.0
 
 
 def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
@@ -90,6 +99,29 @@ def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
         lock.release()
 
 
+def exit_past_abandoned_threads(code: int, wait_s: float = ABANDONED_THREAD_WAIT_S) -> None:
+    """Exit the process now with ``code`` if threads other than daemon threads are still
+    running ``wait_s`` after the daemon returned (call it only from ``wanswarm join``'s own
+    process). A stage's device thread can still be inside a synchronous averaging step whose
+    peers left (hivemind waits out its own timeouts); the leave already abandoned that work
+    and logged it, and waiting for the interpreter to join the thread would overrun
+    ``node.shutdown_timeout`` and the service manager's stop timeout."""
+    deadline = time.monotonic() + wait_s
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [
+        t.name for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if not stuck:
+        return
+    log.warning("exiting without waiting for busy threads: %s", ", ".join(stuck))
+    logging.shutdown()
+    os._exit(code)
+
+
 class Daemon:
     """One node: membership, probing, control and components under one TaskGroup."""
 
@@ -120,6 +152,7 @@ class Daemon:
         self._leave: asyncio.Event | None = None
         self._hurry: asyncio.Event | None = None
         self._drain_deadline: float | None = None
+        self._close_by: float | None = None  # set by the graceful leave (_close_components)
         self._loops: list[asyncio.Task[Any]] = []
         self._started_components: list[Component] = []
 
@@ -334,6 +367,7 @@ class Daemon:
         cfg = self.config.node
         deadline = loop.time() + cfg.shutdown_timeout
         self._drain_deadline = deadline
+        self._close_by = deadline + CLOSE_GRACE_S
         self._set_state("draining")
         if self.notifier is not None:
             self.notifier.stopping("draining")
@@ -390,9 +424,15 @@ class Daemon:
                 log.error("%s failed while draining: %s", component.name, drain.exception())
 
     async def _close_components(self) -> None:
+        """Close every started component; after a graceful leave all of them together get
+        until CLOSE_GRACE_S past the drain's deadline (each at least one second)."""
+        loop = asyncio.get_running_loop()
         for component in reversed(self._started_components):
+            budget = self.config.node.shutdown_timeout
+            if self._close_by is not None:
+                budget = max(1.0, self._close_by - loop.time())
             try:
-                async with asyncio.timeout(self.config.node.shutdown_timeout):
+                async with asyncio.timeout(budget):
                     await component.close()
             except Exception as exc:
                 log.error("closing %s failed: %s", component.name, exc)
