@@ -61,6 +61,8 @@ log = get_logger(__name__)
 CLOSE_GRACE_S = 5.0
 # how long a returned daemon waits for its other threads before exiting without them
 ABANDONED_THREAD_WAIT_S = 2.0
+# in the name of every stage device thread (node/stage/device_queue.py: "stage{s}-device")
+DEVICE_THREAD_MARK = "-device"
 
 
 def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
@@ -100,24 +102,23 @@ def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
 
 
 def exit_past_abandoned_threads(code: int, wait_s: float = ABANDONED_THREAD_WAIT_S) -> None:
-    """Exit the process now with ``code`` if threads other than daemon threads are still
-    running ``wait_s`` after the daemon returned (call it only from ``wanswarm join``'s own
-    process). A stage's device thread can still be inside a synchronous averaging step whose
-    peers left (hivemind waits out its own timeouts); the leave already abandoned that work
-    and logged it, and waiting for the interpreter to join the thread would overrun
-    ``node.shutdown_timeout`` and the service manager's stop timeout."""
+    """Exit the process now with ``code`` if a stage's device thread is still running
+    ``wait_s`` after the daemon returned (call it only from ``wanswarm join``'s own
+    process); other threads are left to the interpreter. A device thread can still be
+    inside a synchronous averaging step whose peers left (hivemind waits out its own
+    timeouts); the leave already abandoned that work and logged it, and waiting for the
+    interpreter to join the thread would overrun ``node.shutdown_timeout`` and the service
+    manager's stop timeout."""
     deadline = time.monotonic() + wait_s
-    for thread in threading.enumerate():
-        if thread is threading.main_thread() or thread.daemon:
-            continue
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [
-        t.name for t in threading.enumerate()
-        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    device = [
+        t for t in threading.enumerate() if DEVICE_THREAD_MARK in t.name and not t.daemon
     ]
+    for thread in device:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in device if t.is_alive()]
     if not stuck:
         return
-    log.warning("exiting without waiting for busy threads: %s", ", ".join(stuck))
+    log.warning("exiting without waiting for busy device threads: %s", ", ".join(stuck))
     logging.shutdown()
     os._exit(code)
 
