@@ -19,7 +19,7 @@ import socket
 import struct
 
 from ...transport.endpoint import PeerAddress
-from .records import QuicAddress, ServerRecord
+from .records import QuicAddress, Reach, ServerRecord
 
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
@@ -87,6 +87,15 @@ def local_hosts(bound: str, toward: list[str]) -> list[str]:
     return hosts or ["127.0.0.1"]
 
 
+def dialable(reach: Reach | None) -> bool:
+    """Whether others can dial a peer announcing ``reach``. Not measured (no reach, or an
+    unknown NAT and no rendezvous: a first node has nobody to ask) counts as yes; a peer that
+    names a rendezvous was measured unreachable, even when it could not tell its NAT's kind."""
+    if reach is None or reach.reachable:
+        return True
+    return reach.nat == "unknown" and reach.rendezvous is None
+
+
 def peer_address(record: ServerRecord, own_public_host: str | None = None) -> PeerAddress | None:
     """How to reach the peer of ``record`` (see the module docstring); None without an
     announced QUIC address."""
@@ -107,14 +116,13 @@ def peer_address(record: ServerRecord, own_public_host: str | None = None) -> Pe
         record.peer_id,
         quic.host,
         quic.port,
-        # unknown without a rendezvous: not measured yet (a first node has nobody to ask): dial
-        # what it announces; with one, it is behind a NAT it could not classify
-        reachable=reach.reachable or (reach.nat == "unknown" and reach.rendezvous is None),
+        reachable=dialable(reach),
         rendezvous=rendezvous,
     )
 
 
 __all__ = [
+    "dialable",
     "interface_addresses",
     "is_loopback",
     "is_wildcard",

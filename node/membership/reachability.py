@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from ...transport.endpoint import PeerAddress
 from ...transport.errors import TransportError
 from ..logs import get_logger, short_peer
-from .addresses import is_loopback, peer_address
+from .addresses import dialable, is_loopback, peer_address
 from .peers import Peer, PeerTable
 from .records import NatKind, PeerRef, QuicAddress, Reach
 
@@ -169,7 +169,7 @@ class Reachability:
             record = peer.record
             if record.quic is None or is_loopback(record.quic.host):
                 continue
-            if not _dialable(record.reach) and peer.peer_id not in connected:
+            if not dialable(record.reach) and peer.peer_id not in connected:
                 continue
             address = peer_address(record)
             if address is None:
@@ -277,15 +277,6 @@ class Reachability:
             "rendezvous": state.rendezvous,
             "checks": state.checks,
         }
-
-
-def _dialable(reach: Reach | None) -> bool:
-    """Whether others can dial a peer announcing ``reach``. Not measured (no reach, or an
-    unknown NAT and no rendezvous) counts as yes; a peer that names a rendezvous was
-    measured unreachable, even when one observation could not tell its NAT's kind."""
-    if reach is None or reach.reachable:
-        return True
-    return reach.nat == "unknown" and reach.rendezvous is None
 
 
 __all__ = ["Observation", "Reachability", "ReachEndpoint", "ReachState", "classify"]
