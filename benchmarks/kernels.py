@@ -9,15 +9,19 @@ written (input + codes + scales), and the payload size relative to bf16. The cod
 those of the registry (``wanswarm.kernels.registry``) except raw ones, each with its
 default parameters and, where it has one, its stochastic-rounding variant; ``--codecs``
 names others (``parse_codec`` forms). On CUDA the Triton kernels (of the codecs that
-have them) and the reference run on the GPU and the table adds the fraction of the
-device's peak memory bandwidth (target: at least 0.8 for the Triton kernels at large
-sizes). Without a GPU only the reference runs (on the CPU): the Triton interpreter is a
-correctness tool, not something to time.
+have them) and the reference run on the GPU, at 16-256 MiB by default, and the table
+and the JSON add the fraction of the device's peak memory bandwidth (target: at least 0.9
+for the Triton kernels from 64 MiB up), and ``copy_gbps``, what a plain device-to-device
+copy of the largest size reaches (the bandwidth actually available). Without a GPU only
+the reference runs (on the CPU): the Triton interpreter is a correctness tool, not
+something to time.
 
 Timing: warm-up runs, then the median of repeats; on CUDA with events around each run.
 The last line of output is JSON:
-``{"device", "peak_gbps", "results": [{"codec", "size_mb", "impl", "quant_gbps",
-"dequant_gbps", "ratio_vs_bf16"}, ...]}``.
+``{"device", "peak_gbps", "copy_gbps", "results": [{"codec", "size_mb", "impl",
+"quant_gbps", "dequant_gbps", "ratio_vs_bf16"[, "quant_fraction_of_peak",
+"dequant_fraction_of_peak"]}, ...]}`` (the fractions and ``copy_gbps`` on CUDA only, where
+the peak is known).
 """
 
 from __future__ import annotations
@@ -159,6 +163,29 @@ def bench_one(
     return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
 
 
+def copy_gbps(device: torch.device, size_mb: float, warmup: int, repeats: int) -> float:
+    """GB/s (read + written) of a device-to-device copy of ``size_mb`` MiB."""
+    src = torch.empty(int(size_mb * 2**20), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_median(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.numel() / seconds / 1e9
+
+
+def _as_json(r: Result, peak: float | None) -> dict[str, object]:
+    out: dict[str, object] = {
+        "codec": r.codec,
+        "size_mb": r.size_mb,
+        "impl": r.impl,
+        "quant_gbps": round(r.quant_gbps, 3),
+        "dequant_gbps": round(r.dequant_gbps, 3),
+        "ratio_vs_bf16": round(r.ratio_vs_bf16, 4),
+    }
+    if peak:
+        out["quant_fraction_of_peak"] = round(r.quant_gbps / peak, 4)
+        out["dequant_fraction_of_peak"] = round(r.dequant_gbps / peak, 4)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=None, help="input sizes in MiB, comma-separated")
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    default_sizes = "1,16" if args.quick else "1,4,16,64,256"
+    default_sizes = "16,64" if args.quick else "16,32,64,128,256"
     if not cuda and args.sizes is None:
         default_sizes = "1,4" if args.quick else "1,4,16"
     sizes = [float(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
@@ -198,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
             "no GPU present: timing the pure-torch reference on the CPU only "
             "(the Triton interpreter is not a performance target)"
         )
-    print(f"device: {name}" + (f"   peak memory bandwidth: {peak:.0f} GB/s" if peak else ""))
+    copy = copy_gbps(device, max(sizes), warmup, repeats) if cuda else None
+    print(
+        f"device: {name}"
+        + (f"   peak memory bandwidth: {peak:.0f} GB/s" if peak else "")
+        + (f"   device copy: {copy:.0f} GB/s" if copy else "")
+    )
     print(f"input dtype: {args.dtype}; GB/s count bytes read + written; ratio = payload / bf16")
     header = (
         f"{'codec':<18}{'MiB':>7}  {'impl':<10}{'quant GB/s':>11}{'dequant GB/s':>13}{'ratio':>7}"
@@ -232,17 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "device": name,
                 "peak_gbps": peak,
-                "results": [
-                    {
-                        "codec": r.codec,
-                        "size_mb": r.size_mb,
-                        "impl": r.impl,
-                        "quant_gbps": round(r.quant_gbps, 3),
-                        "dequant_gbps": round(r.dequant_gbps, 3),
-                        "ratio_vs_bf16": round(r.ratio_vs_bf16, 4),
-                    }
-                    for r in results
-                ],
+                "copy_gbps": None if copy is None else round(copy, 1),
+                "results": [_as_json(r, peak) for r in results],
             }
         )
     )

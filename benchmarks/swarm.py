@@ -158,7 +158,8 @@ def to_toml(data: dict[str, Any], _prefix: str = "") -> str:
 def spec_variant(spec: RunSpec, codec: str) -> tuple[RunSpec, str]:
     """The spec with both wire codecs set to ``codec``, and its TOML text (which parses back to
     it)."""
-    raw = spec.model_dump(mode="json")
+    # None has no TOML form; every None in a run spec is its field's default ("not set")
+    raw = spec.model_dump(mode="json", exclude_none=True)
     raw["codecs"] = {"forward_activations": codec, "backward_gradients": codec}
     text = (
         f"# {spec.name} with codecs {codec} (benchmarks/swarm.py); "

@@ -7,6 +7,14 @@ context variable) force one implementation; tests use it to run the Triton kerne
 CPU tensors under ``TRITON_INTERPRET=1``. Triton itself is imported only when a Triton
 launch is actually chosen, so importing this module on a CPU machine never loads it.
 
+Where Triton cannot run (not installed, no C compiler to build the kernels' launcher, a
+GPU too old for its code generator, any other exception from a launch), the call runs
+the reference on the same device instead: the failure is logged once per device, and
+later automatic choices go straight to the reference there (:func:`triton_failures`).
+A :class:`.errors.KernelError` from a launcher (bad input, NaN/Inf) is the answer, not a
+failure, and propagates. With ``impl="triton"`` forced, a failure still falls back but
+every call tries Triton first.
+
 The dispatcher checks every argument against the codec's layout before any launch, and
 every result of a codec function against it after, so a codec's functions see (and
 produce) exactly the shapes and dtypes that :class:`.registry.Layout` describes.
@@ -20,14 +28,15 @@ import functools
 import importlib.util
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
 from . import reference, registry
-from .errors import NonFiniteInput, RegistrationError, UnsupportedInput
-from .registry import Codec
+from .errors import KernelError, NonFiniteInput, RegistrationError, UnsupportedInput
+from .registry import Codec, TritonKernels
 
 logger = logging.getLogger(__name__)
 
@@ -120,17 +129,24 @@ def quantize(
     scales_shape = (layout.scales_numel(n, block_size),)
     _check_out(codes_out, codes_shape, layout.code_dtype, x)
     _check_out(scales_out, scales_shape, scale_dtype, x)
-    if entry.triton is not None and resolve_impl(x, impl) == "triton":
-        codes, scales = entry.triton.quantize(
-            x,
-            block_size,
-            scale_dtype,
-            seed=seed,
-            codes_out=codes_out,
-            scales_out=scales_out,
-            check_finite=check_finite,
-        )
-    else:
+    triton = _usable_triton(entry, x, impl)
+    codes = scales = None
+    if triton is not None:
+        try:
+            codes, scales = triton.quantize(
+                x,
+                block_size,
+                scale_dtype,
+                seed=seed,
+                codes_out=codes_out,
+                scales_out=scales_out,
+                check_finite=check_finite,
+            )
+        except KernelError:
+            raise
+        except Exception as exc:  # no compiler, an old GPU, a Triton bug: the reference
+            _triton_failed(entry.name, x.device, exc)
+    if codes is None or scales is None:
         codes, scales = entry.quantize(x, block_size, scale_dtype, seed=seed)
     _check_result(entry, "codes", codes, codes_shape, layout.code_dtype, x.device)
     _check_result(entry, "scales", scales, scales_shape, scale_dtype, x.device)
@@ -183,12 +199,61 @@ def dequantize(
         raise UnsupportedInput("dequantizers take contiguous codes and scales")
     if codes.device != scales.device:
         raise UnsupportedInput(f"codes on {codes.device} but scales on {scales.device}")
-    if entry.triton is not None and resolve_impl(codes, impl) == "triton":
-        out = entry.triton.dequantize(codes, scales, block_size, numel, out_dtype)
-    else:
+    triton = _usable_triton(entry, codes, impl)
+    out: torch.Tensor | None = None
+    if triton is not None:
+        try:
+            out = triton.dequantize(codes, scales, block_size, numel, out_dtype)
+        except KernelError:
+            raise
+        except Exception as exc:  # no compiler, an old GPU, a Triton bug: the reference
+            _triton_failed(entry.name, codes.device, exc)
+    if out is None:
         out = entry.dequantize(codes, scales, block_size, numel, out_dtype)
     _check_result(entry, "output", out, (numel,), out_dtype, codes.device)
     return out
+
+
+_failed_lock = threading.Lock()
+_failed: dict[str, str] = {}  # device -> why Triton cannot run there
+
+
+def _usable_triton(entry: Codec, t: torch.Tensor, impl: Impl | None) -> TritonKernels | None:
+    """The codec's Triton launchers when they are chosen for ``t`` and have not failed on
+    its device; None: the reference."""
+    if entry.triton is None or resolve_impl(t, impl) != "triton":
+        return None
+    if impl is None and _forced.get() is None and str(t.device) in _failed:
+        return None  # automatic choice: once failed on a device, the reference there
+    return entry.triton
+
+
+def _triton_failed(codec: str, device: torch.device, exc: Exception) -> None:
+    """Log once per device that Triton cannot run there; later automatic choices skip it."""
+    key = str(device)
+    with _failed_lock:
+        first = key not in _failed
+        _failed.setdefault(key, f"{type(exc).__name__}: {exc}"[:500])
+    if first:
+        logger.warning(
+            "Triton kernels failed on %s (codec %s: %s); using the pure-torch reference "
+            "there from now on",
+            key,
+            codec,
+            _failed[key],
+        )
+
+
+def triton_failures() -> dict[str, str]:
+    """Devices on which a Triton launch failed, with why (selftest, status)."""
+    with _failed_lock:
+        return dict(_failed)
+
+
+def reset_triton_failures() -> None:
+    """Forget the failures (tests; a node whose driver was fixed restarts anyway)."""
+    with _failed_lock:
+        _failed.clear()
 
 
 def validate_scales(scales: torch.Tensor, codec: str, out_dtype: torch.dtype) -> None:

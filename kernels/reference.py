@@ -268,8 +268,9 @@ def quantize(
     check_seed(seed, fmt)
     n = x.numel()
     xb = _blocked(x, block_size)  # (nb, bs), may alias x: never written to
-    # max |x| per block without a full-size temporary; NaN propagates through both.
-    amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg())  # (nb,)
+    # max |x| per block without a full-size temporary; NaN propagates through both. abs_:
+    # torch.maximum(0.0, -0.0) may give -0.0 (by vectorization), and |x| is never -0.0
+    amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg()).abs_()  # (nb,)
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteInput(first_nonfinite_block(amax, block_size))
     qmax = QMAX[fmt]

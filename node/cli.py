@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import __version__
-from .config.layers import Override, parse_assignment
+from .config.layers import Override, default_state_dir, parse_assignment
 from .config.sections import ClientConfig, load_client_config
 from .control import ControlClient
 from .errors import ConfigError, NodeError
+from .service.completion import completion_script
+from .service.statedir import client_control_socket
 from .status import render_text
+from .tools import model_cli
 
 if TYPE_CHECKING:
     from .config.node_config import NodeConfig
@@ -57,6 +60,8 @@ examples:
   wanswarm status                       # the daemon using ~/.local/share/wanswarm
   wanswarm status --state-dir /tmp/b    # another daemon on the same machine
   wanswarm status --json | jq -r '.dht_addrs[0]'   # an address for --initial-peers
+  sudo wanswarm status                  # the system service (/var/lib/wanswarm), when no
+                                        # daemon of this user runs
 
 Exits 1 when no daemon is running.
 """
@@ -76,7 +81,22 @@ examples:
   wanswarm demo --wan wan                 # every QUIC link through a 100 ms, 1%-loss emulated WAN
   wanswarm demo --replicas 1 --tokens 200000 --json   # short; ends with one JSON line
   wanswarm demo --duration 60 --keep      # keep the daemons' state dirs and logs
+  wanswarm demo --chaos --json            # SIGKILL and restart daemons while it trains
 Ctrl-C stops every daemon gracefully (SIGTERM, then SIGKILL after the shutdown timeout).
+
+A daemon that dies is reported (which, when, what is left of its stage, its log) and
+training goes on; a stage left without a server is reported with how long it stayed empty.
+--chaos plan (seeded by --chaos-seed, the same for the same seed): the first SIGKILL
+--chaos-period/2 s into training, then one every --chaos-period s on average (each gap
+0.5-1.5x); the victim is random among the daemons up whose stage keeps another replica up
+(a restarted daemon counts as down until 30 s after its restart), so a stage is never
+left empty unless --chaos-empty; each victim restarts --chaos-down s later with its own
+state dir (same identity; it downloads its stage's state from the replicas). When training
+ends, every killed daemon is restarted before the final evaluation.
+
+At the end the loss curve (the swarm's training and validation loss against the
+single-process reference, trained alongside in one thread and cached under
+~/.cache/wanswarm/reference) is written as a PNG and its path printed.
 """
 NETCHECK_EPILOG = """\
 examples:
@@ -87,6 +107,19 @@ Uses a throwaway identity and DHT port, so it runs beside a daemon (then it chec
 another UDP port: a symmetric NAT may map it differently). Needs at least one peer that
 others can dial. Behind a home NAT a node needs nothing configured: see docs/nat.md.
 Exits 1 when no peer answered.
+"""
+PAUSE_EPILOG = """\
+examples:
+  wanswarm pause                        # stop taking work; stay in the swarm, keep state
+  wanswarm resume                       # take work again
+  wanswarm pause --state-dir /tmp/b     # another daemon on the same machine
+
+'wanswarm status' shows 'paused' while it holds. Exits 1 when no daemon is running.
+"""
+COMPLETION_EPILOG = """\
+examples:
+  wanswarm completion bash > ~/.local/share/bash-completion/completions/wanswarm
+  wanswarm completion zsh > "${fpath[1]}/_wanswarm"     # then: autoload -U compinit && compinit
 """
 CONFIG_EPILOG = """\
 examples:
@@ -187,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-wait", action="store_true", help="return once the daemon accepted the request"
     )
 
-    from .tools.demo import DEMO_DURATION_S  # no torch: the module imports it only when it runs
+    # no torch: the module imports it only when it runs
+    from .tools.demo import DEMO_DURATION_S, DEMO_TOKENS
 
     demo = sub.add_parser(
         "demo", help="train the default run on a local swarm of daemons and show its progress",
@@ -206,11 +240,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEMO_DURATION_S,
         metavar="SECONDS",
-        help=f"stop training after this long (default {DEMO_DURATION_S:.0f}: with start-up, "
-        "evaluation and shutdown the whole demo takes under 10 minutes on 2 idle cores)",
+        help=f"stop training after this long even if --tokens is not reached "
+        f"(default {DEMO_DURATION_S:.0f})",
     )
-    demo.add_argument("--tokens", type=int, default=1_500_000, metavar="N",
-                      help="stop once the trainers completed this many tokens (default 1500000)")
+    demo.add_argument("--tokens", type=int, default=DEMO_TOKENS, metavar="N",
+                      help="stop once the trainers completed this many tokens "
+                      f"(default {DEMO_TOKENS})")
+    demo.add_argument("--chaos", action="store_true",
+                      help="SIGKILL and restart daemons on a seeded plan while training "
+                      "(see below)")
+    demo.add_argument("--chaos-seed", type=int, default=0, metavar="N",
+                      help="seed of the --chaos plan (default 0)")
+    demo.add_argument("--chaos-period", type=float, default=60.0, metavar="SECONDS",
+                      help="mean seconds between two --chaos kills (default 60)")
+    demo.add_argument("--chaos-down", type=float, default=20.0, metavar="SECONDS",
+                      help="seconds a killed daemon stays down before its restart (default 20)")
+    demo.add_argument("--chaos-empty", action="store_true",
+                      help="let --chaos kill the last replica of a stage (training then waits)")
+    demo.add_argument("--loss-curve", type=Path, metavar="PATH",
+                      help="where to write the loss curve PNG (default: "
+                      "wanswarm-demo-<date>-<time>.png in the current directory)")
+    demo.add_argument("--no-loss-curve", action="store_true",
+                      help="no loss curve and no single-process reference")
     demo.add_argument(
         "--wan",
         choices=["lan", "home", "wan", "bad"],
@@ -254,6 +305,48 @@ def build_parser() -> argparse.ArgumentParser:
     _add_join_flags(netcheck)
     netcheck.add_argument("--json", action="store_true", help="print one JSON object")
 
+    selftest = sub.add_parser(
+        "selftest",
+        help="check that this machine can serve a stage: device, precision, kernels, a stage",
+        formatter_class=fmt,
+        description=(
+            "Check the device a stage server would use, the run's precision there, every "
+            "codec's kernels against the reference bit for bit, and a forward/backward of "
+            "one stage (docs/gpu.md). Exits 1 when a check fails."
+        ),
+    )
+    _add_config_flags(selftest)
+    selftest.add_argument("--device", help="'auto', 'cpu' or 'cuda[:N]' (default: the config's)")
+    selftest.add_argument(
+        "--precision", choices=["auto", "fp32", "bf16", "fp16"], help="override the run spec's"
+    )
+    selftest.add_argument(
+        "--require-triton", action="store_true",
+        help="fail when the Triton kernels do not run (instead of a warning)",
+    )
+    selftest.add_argument(
+        "--once", type=Path, metavar="FILE",
+        help="do nothing when FILE exists; create it after a pass (a HEALTHCHECK's first run)",
+    )
+    selftest.add_argument("--json", action="store_true", help="print one JSON object")
+
+    for name, text in (
+        ("pause", "stop taking work (stay in the swarm, keep state) until 'wanswarm resume'"),
+        ("resume", "take work again after 'wanswarm pause'"),
+    ):
+        paused = sub.add_parser(
+            name, help=text, epilog=PAUSE_EPILOG, formatter_class=fmt,
+            description=text[0].upper() + text[1:] + ".",
+        )
+        _add_config_flags(paused)
+
+    completion = sub.add_parser(
+        "completion", help="print a shell completion script (bash or zsh)",
+        epilog=COMPLETION_EPILOG, formatter_class=fmt,
+        description="Print a completion script for the shell, generated from these commands.",
+    )
+    completion.add_argument("shell", choices=["bash", "zsh"], help="the shell")
+
     config = sub.add_parser(
         "config", help="print the effective settings, or every default with its description",
         epilog=CONFIG_EPILOG, formatter_class=fmt,
@@ -264,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument(
         "--defaults", action="store_true", help="print the commented template of all settings"
     )
+    model_cli.add_commands(sub, fmt)  # tokenizer, fingerprint, export (tools/model_cli.py)
     return parser
 
 
@@ -302,6 +396,15 @@ def _load_client(args: argparse.Namespace) -> ClientConfig:
     return load_client_config(file=args.config, environ=os.environ, overrides=_overrides(args))
 
 
+def _control_client(args: argparse.Namespace) -> ControlClient:
+    """The client of the daemon the flags name, else of a system service when no user-level
+    daemon runs (service/statedir.py)."""
+    config = _load_client(args)
+    default = Path(os.path.abspath(default_state_dir(os.environ).expanduser())) / "control.sock"
+    path = client_control_socket(config.control_socket, default)
+    return ControlClient(path, timeout=config.control.request_timeout)
+
+
 def _join(args: argparse.Namespace) -> int:
     config = _load(args)
     from .daemon import exit_past_abandoned_threads, run_daemon  # hivemind, torch: 'join' only
@@ -313,8 +416,7 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    config = _load_client(args)
-    report = ControlClient(config.control_socket, timeout=config.control.request_timeout).status()
+    report = _control_client(args).status()
     if args.json:
         print(report.model_dump_json(indent=2))
     else:
@@ -323,8 +425,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _leave(args: argparse.Namespace) -> int:
-    config = _load_client(args)
-    client = ControlClient(config.control_socket, timeout=config.control.request_timeout)
+    client = _control_client(args)
     ack = client.leave()
     if ack.already_leaving:
         print(f"daemon (pid {ack.pid}) was already leaving; asked it to hurry", flush=True)
@@ -345,6 +446,22 @@ def _leave(args: argparse.Namespace) -> int:
     return 1
 
 
+def _pause(args: argparse.Namespace) -> int:
+    ack = _control_client(args).pause(args.command == "pause")
+    told = ", ".join(ack.components) or "no component takes work"
+    if ack.paused:
+        print(f"daemon (pid {ack.pid}) paused: taking no work ({told}); "
+              "'wanswarm resume' takes it again")
+    else:
+        print(f"daemon (pid {ack.pid}) resumed ({told})")
+    return 0
+
+
+def _completion(args: argparse.Namespace) -> int:
+    print(completion_script(args.shell, build_parser(), PROG), end="")
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from .config.node_config import NodeConfig
     from .config.template import render_template, render_values
@@ -361,7 +478,9 @@ def _demo(args: argparse.Namespace) -> int:
         parse_assignment(item)  # a usage error now, not six daemons failing later
     if args.replicas < 1 or args.duration <= 0 or args.tokens < 1 or args.eval_windows < 1:
         raise ConfigError("--replicas, --tokens and --eval-windows must be >= 1, --duration > 0")
-    from .tools.demo import DemoOptions, run_demo  # imports torch: only for 'demo'
+    if args.chaos_period <= 0 or args.chaos_down <= 0:
+        raise ConfigError("--chaos-period and --chaos-down must be > 0")
+    from .tools.demo import DemoOptions, demo_chaos, loss_curve_path, run_demo  # imports torch
 
     return run_demo(
         DemoOptions(
@@ -374,6 +493,9 @@ def _demo(args: argparse.Namespace) -> int:
             eval_windows=args.eval_windows,
             extra=tuple(args.set),
             run_spec=args.run_spec,
+            chaos=demo_chaos(args.chaos, args.chaos_period, args.chaos_down, args.chaos_empty),
+            chaos_seed=args.chaos_seed,
+            loss_curve=None if args.no_loss_curve else loss_curve_path(args.loss_curve),
         )
     )
 
@@ -385,6 +507,16 @@ def _netcheck(args: argparse.Namespace) -> int:
     return run_netcheck(config, as_json=args.json)
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from .tools.selftest import run_selftest  # imports torch: only for 'selftest'
+
+    return run_selftest(
+        config, device=args.device, precision=args.precision,
+        require_triton=args.require_triton, as_json=args.json, once=args.once,
+    )
+
+
 COMMANDS = {
     "join": _join,
     "status": _status,
@@ -392,6 +524,11 @@ COMMANDS = {
     "config": _config,
     "demo": _demo,
     "netcheck": _netcheck,
+    "selftest": _selftest,
+    "pause": _pause,
+    "resume": _pause,
+    "completion": _completion,
+    **model_cli.COMMANDS,
 }
 
 

@@ -1,4 +1,5 @@
-"""The control API: a Unix socket in the state directory that ``wanswarm status``/``leave`` use.
+"""The control API: a Unix socket in the state directory for ``wanswarm status``, ``leave``,
+``pause`` and ``resume``.
 
 Wire format, version 1: one request per connection, one JSON object per line, validated by
 pydantic on both sides::
@@ -7,6 +8,8 @@ pydantic on both sides::
     <- {"v": 1, "ok": true, "result": {...StatusReport...}}
     -> {"v": 1, "op": "leave"}
     <- {"v": 1, "ok": true, "result": {"accepted": true, "already_leaving": false, ...}}
+    -> {"v": 1, "op": "pause"}          (or "resume")
+    <- {"v": 1, "ok": true, "result": {"paused": true, "components": ["stage_server", ...]}}
     <- {"v": 1, "ok": false, "error": {"code": "bad_request", "message": "..."}}
 
 The socket is created mode 0600 inside the 0700 state directory: only the daemon's user may
@@ -70,8 +73,15 @@ class LeaveRequest(_Message):
     op: Literal["leave"] = "leave"
 
 
-Request = Annotated[StatusRequest | LeaveRequest, Field(discriminator="op")]
-_REQUEST: TypeAdapter[StatusRequest | LeaveRequest] = TypeAdapter(Request)
+class PauseRequest(_Message):
+    """Take no work (stay in the swarm, keep state); ``resume`` takes it again."""
+
+    v: Literal[1] = CONTROL_VERSION
+    op: Literal["pause", "resume"] = "pause"
+
+
+Request = Annotated[StatusRequest | LeaveRequest | PauseRequest, Field(discriminator="op")]
+_REQUEST: TypeAdapter[StatusRequest | LeaveRequest | PauseRequest] = TypeAdapter(Request)
 
 
 class LeaveAck(_Message):
@@ -81,6 +91,14 @@ class LeaveAck(_Message):
     already_leaving: bool
     pid: int
     shutdown_timeout_s: float
+
+
+class PauseAck(_Message):
+    """The daemon's answer to ``pause``/``resume``: its new state and the components told."""
+
+    paused: bool
+    components: list[str]
+    pid: int
 
 
 class ErrorBody(_Message):
@@ -110,6 +128,8 @@ class ControlHandler(Protocol):
     def status(self) -> StatusReport: ...
 
     def request_leave(self, reason: str) -> LeaveAck: ...
+
+    def pause(self, paused: bool) -> dict[str, Any]: ...
 
 
 def check_socket_path(path: Path) -> None:
@@ -218,6 +238,8 @@ class ControlServer:
         try:
             if isinstance(request, StatusRequest):
                 return OkResponse(result=self.handler.status().model_dump(mode="json"))
+            if isinstance(request, PauseRequest):
+                return OkResponse(result=self.handler.pause(request.op == "pause"))
             return OkResponse(
                 result=self.handler.request_leave("control request").model_dump(mode="json")
             )
@@ -280,6 +302,15 @@ class ControlClient:
                 f"daemon sent an invalid leave answer: {exc.errors()[0]['msg']}"
             ) from None
 
+    def pause(self, paused: bool = True) -> PauseAck:
+        result = self._call(PauseRequest(op="pause" if paused else "resume"))
+        try:
+            return PauseAck.model_validate(result)
+        except ValidationError as exc:
+            raise ControlProtocolError(
+                f"daemon sent an invalid pause answer: {exc.errors()[0]['msg']}"
+            ) from None
+
     def wait_until_gone(self, pid: int, timeout: float, on_progress: Callable[[str], None]) -> bool:
         """After ``leave``: report the daemon's progress until its socket closes and ``pid`` exits.
 
@@ -305,7 +336,7 @@ class ControlClient:
             time.sleep(0.1)
         return False
 
-    def _call(self, request: StatusRequest | LeaveRequest) -> dict[str, Any]:
+    def _call(self, request: StatusRequest | LeaveRequest | PauseRequest) -> dict[str, Any]:
         check_socket_path(self.path)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(self.timeout)

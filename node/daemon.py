@@ -51,6 +51,8 @@ from .membership.prober import Prober, RttSource
 from .membership.tracker import Membership
 from .metrics import NodeMetrics
 from .service import lifeline
+from .service.lifetime import LifetimeTotals
+from .service.page import PageServer
 from .service.sdnotify import SdNotifier, notifier_from_env
 from .service.statedir import StateDirLock, load_identity, prepare_state_dir
 from .status import DaemonState, PeerStatus, StatusReport
@@ -63,6 +65,8 @@ CLOSE_GRACE_S = 5.0
 ABANDONED_THREAD_WAIT_S = 2.0
 # in the name of every stage device thread (node/stage/device_queue.py: "stage{s}-device")
 DEVICE_THREAD_MARK = "-device"
+# how often the observer feeds status into the metrics, the page's history and lifetime totals
+OBSERVE_PERIOD_S = 1.0
 
 
 def run_daemon(config: NodeConfig, components: Sequence[Component] = ()) -> int:
@@ -156,6 +160,10 @@ class Daemon:
         self._close_by: float | None = None  # set by the graceful leave (_close_components)
         self._loops: list[asyncio.Task[Any]] = []
         self._started_components: list[Component] = []
+        self._starting: Component | None = None  # the component whose start() runs now
+        self.paused = False
+        self.lifetime = LifetimeTotals(config.state_dir)
+        self.page: PageServer | None = None
 
     # ----------------------------------------------------------------- control handler
 
@@ -178,9 +186,25 @@ class Daemon:
             shutdown_timeout_s=self.config.node.shutdown_timeout,
         )
 
+    def pause(self, paused: bool) -> dict[str, Any]:
+        """``wanswarm pause`` / ``resume``: take no work (or take it again), stay in the swarm,
+        keep state. Each component that can (``pause()`` / ``resume()``) is told; the answer
+        names them."""
+        self.paused = paused
+        told = []
+        for component in self._started_components:
+            method = getattr(component, "pause" if paused else "resume", None)
+            if callable(method):
+                method()
+                told.append(component.name)
+        log.info("%s (%s)", "paused: taking no work" if paused else "resumed",
+                 ", ".join(told) or "no component takes work")
+        return {"paused": paused, "components": told, "pid": os.getpid()}
+
     def status(self) -> StatusReport:
         now = time.monotonic()
-        components = {c.name: c.status() for c in self._started_components}
+        started = [*self._started_components, *([self._starting] if self._starting else [])]
+        components = {c.name: c.status() for c in started}
         paths: dict[str, str] = components.get("endpoint", {}).get("paths", {})
         peers = []
         for peer in self.table.peers():
@@ -228,6 +252,11 @@ class Daemon:
             drain_deadline_s=left,
             shutdown_timeout_s=self.config.node.shutdown_timeout,
             components=components,
+            paused=self.paused,
+            n_stages=next((int(c.spec.n_stages) for c in self.components if hasattr(c, "spec")),
+                          None),
+            upload_limit_mbps=getattr(self.config.transport, "upload_limit_mbps", None),
+            lifetime=self.lifetime.as_dict(),
         )
 
     def _traffic(self) -> tuple[int, int] | None:
@@ -256,6 +285,12 @@ class Daemon:
             if self.config.metrics.port:
                 host, port = self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
                 log.info("metrics on http://%s/metrics", _hostport(host, port))
+            if self.config.metrics.page_port:
+                self.page = PageServer(
+                    self.config.metrics.host, self.config.metrics.page_port, self.status
+                )
+                host, port = await self.page.start()
+                log.info("status page on http://%s/", _hostport(host, port))
             code = await self._supervise(control)
         except NodeError as exc:
             log.error("%s", exc)
@@ -264,7 +299,10 @@ class Daemon:
                 loop.remove_signal_handler(sig)
             await self._close_components()
             await control.close()
+            if self.page is not None:
+                await self.page.close()
             self.metrics.close()
+            self.lifetime.save()
             await self.dht.shutdown(timeout=max(5.0, self.config.dht.rpc_timeout))
         if code == 0:
             log.info("left the swarm")
@@ -285,6 +323,7 @@ class Daemon:
                 spawn = _Spawner(tg, self._loops)
                 spawn(control.serve(), "control")
                 spawn(self._watch_dht(), "dht-watch")
+                spawn(self._observe(), "observer")
                 if self.notifier is not None and self.notifier.watchdog_interval is not None:
                     interval = self.notifier.watchdog_interval
                     spawn(self._watchdog(self.notifier, interval), "watchdog")
@@ -346,7 +385,9 @@ class Daemon:
         )
         for component in self.components:
             log.info("starting %s", component.name)
+            self._starting = component
             await component.start(ctx)
+            self._starting = None
             self._started_components.append(component)
             # hivemind's averager sets SIGINT to SIG_IGN in *our* process when it starts
             # (DecentralizedAverager.run_in_background): take the leave signals back
@@ -489,6 +530,18 @@ class Daemon:
                 self.metrics.set_traffic(*traffic)
             self.metrics.set_refused(self.dht.validator.rejected)
             self._sd_status(self._summary())
+
+    async def _observe(self) -> None:
+        """Every OBSERVE_PERIOD_S: the status report into the metrics, the page's history and
+        the lifetime totals (written to the state directory every minute)."""
+        while True:
+            await asyncio.sleep(OBSERVE_PERIOD_S)
+            report = self.status()
+            self.metrics.observe_status(report, self.paused)
+            self.lifetime.observe(report)
+            self.lifetime.save_if_due()
+            if self.page is not None:
+                self.page.observe(report)
 
     def _summary(self) -> str:
         stage = "-" if self.membership.stage is None else self.membership.stage

@@ -25,6 +25,9 @@ import json
 import random
 from typing import Any
 
+import torch
+
+from ..transport.codecs import CodecSpec
 from ..transport.config import TransportConfig
 from ..transport.endpoint import Endpoint, Request, Response
 from ..transport.errors import RemoteError, TransportError
@@ -36,6 +39,7 @@ from .membership.addresses import local_hosts, peer_address
 from .membership.peers import PeerTable
 from .membership.reachability import Reachability
 from .membership.records import QuicAddress, Reach
+from .protocol import Kind
 
 log = get_logger(__name__)
 
@@ -86,9 +90,12 @@ class EndpointComponent:
         self._tcp_dialing = 0
 
     async def start(self, ctx: ComponentContext) -> None:
-        endpoint = Endpoint(ctx.identity, self.config)
-        endpoint.register(RUN_SPEC_KIND, self._on_run_spec)
-        endpoint.register(TCP_DIALBACK_KIND, self._on_tcp_dialback)
+        # kinds take no tensors unless declared: the stage kinds' sizes follow from the spec
+        endpoint = Endpoint(ctx.identity, self.config, default_request_bytes=0)
+        for kind, max_bytes in stage_request_limits(self.spec).items():
+            endpoint.limit(kind, max_bytes)
+        endpoint.register(RUN_SPEC_KIND, self._on_run_spec, max_bytes=0)
+        endpoint.register(TCP_DIALBACK_KIND, self._on_tcp_dialback, max_bytes=0)
         await endpoint.start(self.config.host, self.config.port)
         self.endpoint = endpoint
         self._peers = ctx.peers
@@ -239,4 +246,24 @@ class EndpointComponent:
         }
 
 
-__all__ = ["RUN_SPEC_KIND", "TCP_DIALBACK_KIND", "EndpointComponent"]
+def stage_request_limits(spec: RunSpec) -> dict[str, int]:
+    """The most payload bytes a request of each stage kind can carry in this run, from
+    the spec alone: a micro-batch of at most ``micro_batch_size`` x ``seq_len`` tokens
+    (int64) or activations of ``d_model`` float32 values each, uncompressed (the largest
+    encoding any codec gives; a quantized payload is smaller). A request announcing more
+    is refused from its header (``too_large``), before anything is allocated."""
+    none = CodecSpec("none")
+    cells = spec.batch.micro_batch_size * spec.model.seq_len
+    tokens = none.payload_nbytes(cells, torch.int64)  # ids or targets, (B, T)
+    activation = none.payload_nbytes(cells * spec.model.d_model, torch.float32)  # (B, T, C)
+    x = max(tokens, activation)  # stage 0 takes ids, the others activations
+    return {
+        str(Kind.FORWARD): x,
+        str(Kind.FORWARD_LOSS): x + tokens,
+        str(Kind.EVAL_LOSS): x + tokens,
+        str(Kind.BACKWARD): x + activation,  # [x, dL/dy], or [dL/dy] with x cached
+        str(Kind.STAGE_INFO): 0,
+    }
+
+
+__all__ = ["RUN_SPEC_KIND", "TCP_DIALBACK_KIND", "EndpointComponent", "stage_request_limits"]

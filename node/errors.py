@@ -16,8 +16,15 @@ statuses: ``ConfigError`` is 2 (a usage error), everything else 1. The tree::
     │   └── DhtTimeout               a DHT operation missed its deadline
     ├── ProbeError                   a ping got no answer in time
     ├── AveragingError               the stage's collaborative optimizer failed (averaging.py)
+    ├── PseudoGradientError          an unusable DiLoCo pseudo-gradient (pseudo_gradient.py)
     ├── CheckpointError              a stage checkpoint that does not fit the stage (checkpoint.py)
+    ├── StageMemoryError             the stage does not fit the device's memory (memory.py)
     ├── StateTransferError           no donor could serve the stage's state (state_plan.py)
+    │   └── UntrustedStateError      donors answered, but no state could be trusted
+    ├── DataError                    the run's data unreadable or not the run's (datasets.py)
+    ├── TokenizerError               the run's tokenizer missing or not the run's (tokenizer.py)
+    ├── PretrainedError              a pretrained checkpoint that does not fit the run (hf_llama.py)
+    ├── ExportError                  the stages' state could not be exported (export.py)
     ├── BadReply                     a server's reply broke the protocol (protocol.py)
     ├── HopFailed                    a hop failed on every attempt (hops.py)
     ├── DemoError                    the demo swarm did not start or lost a daemon (demo_daemons.py)

@@ -6,6 +6,11 @@ which adds ``peer`` and ``stage`` from the process-wide :class:`LogContext`. The
 that every line names the node it comes from; that matters once several daemons write to one
 journal or one ``docker compose logs``. Nothing is configured at import time: the daemon and
 the CLI call :func:`setup_logging` once.
+
+Under systemd (``$JOURNAL_STREAM`` names the device and inode of our stderr) every line
+starts with its syslog priority, ``<3>`` error to ``<7>`` debug (sd-daemon(3)), so that
+``journalctl -p warning`` filters them, and text lines carry no timestamp of their own: the
+journal stamps each line already.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -93,24 +99,67 @@ def short_peer(peer_id: str | None) -> str:
     return "…" + peer_id[-8:] if len(peer_id) > 12 else peer_id
 
 
+# syslog priorities (RFC 5424 §6.2.1) of our levels, as sd-daemon(3)'s "<N>" line prefixes
+_PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+               logging.CRITICAL: 2}
+
+
+def syslog_priority(levelno: int) -> int:
+    """The syslog priority of a logging level (levels between ours round to the more severe)."""
+    for level in sorted(_PRIORITIES, reverse=True):
+        if levelno >= level:
+            return _PRIORITIES[level]
+    return 7
+
+
+def writes_to_journal(stream: TextIO, environ: dict[str, str] | None = None) -> bool:
+    """Whether ``stream`` is the journal's stream systemd gave us (``$JOURNAL_STREAM`` is
+    ``<device>:<inode>`` of it; a redirected stderr does not match)."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(part) for part in value.split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def _journal_lines(text: str, levelno: int) -> str:
+    """Every line of ``text`` with the priority prefix (journald reads one entry per line)."""
+    prefix = f"<{syslog_priority(levelno)}>"
+    return "\n".join(prefix + line for line in text.split("\n"))
+
+
 class TextFormatter(logging.Formatter):
-    """``2024-05-01 12:00:00.123 INFO [peer=…Ab12Cd34 stage=1] wanswarm.node.daemon: joined``"""
+    """``2024-05-01 12:00:00.123 INFO [peer=…Ab12Cd34 stage=1] wanswarm.node.daemon: joined``;
+    for the journal (``journal=True``): ``<6>INFO [peer=…] ...``, no timestamp."""
+
+    def __init__(self, journal: bool = False) -> None:
+        super().__init__()
+        self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        stamp = datetime.datetime.fromtimestamp(record.created).strftime("%Y-%m-%d %H:%M:%S")
         stage = getattr(record, "stage", None)
         line = (
-            f"{stamp}.{int(record.msecs):03d} {record.levelname:<7} "
+            f"{record.levelname:<7} "
             f"[peer={short_peer(getattr(record, 'peer', None))} "
             f"stage={'-' if stage is None else stage}] {record.name}: {record.getMessage()}"
         )
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        if self.journal:
+            return _journal_lines(line, record.levelno)
+        stamp = datetime.datetime.fromtimestamp(record.created).strftime("%Y-%m-%d %H:%M:%S")
+        return f"{stamp}.{int(record.msecs):03d} {line}"
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line with ts, level, logger, peer, stage, process, msg (and exc)."""
+    """One JSON object per line with ts, level, logger, peer, stage, process, msg (and exc);
+    for the journal (``journal=True``) behind its priority prefix."""
+
+    def __init__(self, journal: bool = False) -> None:
+        super().__init__()
+        self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -126,7 +175,8 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        text = json.dumps(entry, ensure_ascii=False, default=str)  # one line: \n is escaped
+        return f"<{syslog_priority(record.levelno)}>{text}" if self.journal else text
 
 
 def setup_logging(config: LogConfig, stream: TextIO | None = None) -> None:
@@ -136,9 +186,13 @@ def setup_logging(config: LogConfig, stream: TextIO | None = None) -> None:
     hivemind's loggers are kept at WARNING unless the level is DEBUG: its INFO lines are
     about its own internals, not about the swarm.
     """
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    out = stream if stream is not None else sys.stderr
+    handler = logging.StreamHandler(out)
     handler.addFilter(_ContextFilter())
-    handler.setFormatter(JsonFormatter() if config.format == "json" else TextFormatter())
+    journal = writes_to_journal(out)
+    handler.setFormatter(
+        JsonFormatter(journal) if config.format == "json" else TextFormatter(journal)
+    )
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

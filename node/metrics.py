@@ -3,7 +3,14 @@
 Off unless ``metrics.port`` is set. The daemon pushes values from its event loop into the
 metric objects (prometheus-client's metrics are thread-safe); the HTTP server runs in
 prometheus-client's own thread and only reads them. Metrics live in a private registry, so
-several daemons in one test process never collide.
+several daemons in one test process never collide; the registry also holds
+prometheus-client's process and platform collectors (``process_*``, ``python_info``).
+
+The training figures (stage, loss, tokens/s, queue, optimizer step, averaging rounds, state
+transfers, refusals and hop errors by reason) come from the daemon's status report:
+:meth:`NodeMetrics.observe_status` takes one report (the daemon's observer loop, about once a
+second) and :class:`_TrainingCollector` exposes it at scrape time. Every name is listed in
+docs/operations.md and the README's metrics table.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import ipaddress
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -21,15 +29,18 @@ from prometheus_client import (
     Enum,
     Gauge,
     Info,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import NodeError
 from .membership.peers import PeerTable
+from .status import StatusReport
 
 STATES = ["starting", "joining", "online", "draining", "left"]
 
@@ -45,6 +56,15 @@ class MetricsConfig(BaseModel):
     )
     port: int = Field(
         default=0, ge=0, le=65535, description="TCP port of the metrics server; 0 turns it off."
+    )
+    page_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "TCP port of the local status page (http://<host>:<port>/, the same host as the "
+            "metrics server); 0 turns it off."
+        ),
     )
 
     @field_validator("host")
@@ -79,6 +99,178 @@ class _TotalsCollector(Collector):
             "Forged or malformed records our DHT node refused (in stores and lookup answers).",
             value=float(self.refused),
         )
+
+
+# server counters (StageServerCounters) exposed as refusals, by reason
+_REFUSAL_REASONS = ("busy", "refused", "expired", "failed", "out_of_range")
+_REQUEST_KINDS = ("forward", "forward_loss", "backward", "eval_loss", "info")
+# protocol.ErrorCode's values (that module imports torch), exposed at 0 until counted
+_HOP_ERROR_CODES = ("busy", "wrong_run", "wrong_stage", "cache_miss", "bad_request", "expired",
+                    "not_ready", "draining", "internal", "out_of_range")
+
+
+class _TrainingCollector(Collector):
+    """The training figures of the last status report, rendered at scrape time.
+
+    ``observe`` runs on the event loop; ``collect`` on the HTTP thread reads the fields it
+    set (each a whole value, replaced, never mutated in place).
+    """
+
+    def __init__(self) -> None:
+        self.report: StatusReport | None = None
+        self.paused = False
+        self.downloads = 0
+        self.download_bytes = 0
+        self.averaging_rounds = 0
+        self._last_download: dict[str, Any] | None = None
+        self._last_epoch: tuple[int | None, int] | None = None  # (stage, epoch) last seen
+
+    def observe(self, report: StatusReport, paused: bool) -> None:
+        server = report.components.get("stage_server") or {}
+        download = server.get("state_download")
+        if isinstance(download, dict) and download != self._last_download:
+            self.downloads += 1
+            self.download_bytes += int(download.get("bytes", 0) or 0)
+        self._last_download = download if isinstance(download, dict) else self._last_download
+        epoch = server.get("epoch")
+        if isinstance(epoch, int):
+            key = (server.get("stage"), epoch)
+            last = self._last_epoch
+            if (
+                last is not None
+                and last[0] == key[0]
+                and epoch > last[1]
+                and int(server.get("replicas_seen", 1) or 1) > 1
+            ):
+                self.averaging_rounds += epoch - last[1]
+            self._last_epoch = key
+        self.paused = paused
+        self.report = report
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.report
+        yield GaugeMetricFamily(
+            "wanswarm_paused", "1 while 'wanswarm pause' holds the node.",
+            value=1.0 if self.paused else 0.0,
+        )
+        stage = GaugeMetricFamily("wanswarm_stage", "The stage this node serves (absent: none).")
+        if report is not None and report.stage is not None:
+            stage.add_metric([], float(report.stage))
+        yield stage
+        comps = report.components if report is not None else {}
+        yield from _trainer_families(comps.get("trainer") or {})
+        yield from self._server_families(comps.get("stage_server") or {})
+
+    def _server_families(self, server: dict[str, Any]) -> Iterator[Metric]:
+        gauges = [
+            ("wanswarm_server_queue_length", "Requests queued or running on the device thread.",
+             server.get("queue")),
+            ("wanswarm_server_throughput_samples_per_second",
+             "The stage's measured forward+backward throughput (announced), samples/s.",
+             server.get("throughput")),
+            ("wanswarm_server_optimizer_step", "The stage optimizer's local epoch (step).",
+             server.get("epoch")),
+            ("wanswarm_averaging_replicas",
+             "Replicas of the stage (this one included) that reported progress recently.",
+             server.get("replicas_seen")),
+        ]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc)
+            if isinstance(value, int | float):
+                family.add_metric([], float(value))
+            yield family
+        yield CounterMetricFamily(
+            "wanswarm_server_micro_batches_served",
+            "Micro-batches whose gradients this server accumulated.",
+            value=float(server.get("applied", 0) or 0),
+        )
+        requests = CounterMetricFamily(
+            "wanswarm_server_requests", "Requests answered, by kind.", labels=["kind"]
+        )
+        for kind in _REQUEST_KINDS:
+            requests.add_metric([kind], float(server.get(kind, 0) or 0))
+        yield requests
+        refusals = CounterMetricFamily(
+            "wanswarm_server_refusals",
+            "Requests the server did not run, by reason: busy (queue full or paused), refused "
+            "(wrong run/stage, malformed, not ready, draining), expired, failed, out_of_range.",
+            labels=["reason"],
+        )
+        for reason in _REFUSAL_REASONS:
+            refusals.add_metric([reason], float(server.get(reason, 0) or 0))
+        yield refusals
+        yield CounterMetricFamily(
+            "wanswarm_averaging_rounds",
+            "Optimizer steps this server took with other replicas of its stage (one all-reduce "
+            "round each).",
+            value=float(self.averaging_rounds),
+        )
+        yield CounterMetricFamily(
+            "wanswarm_state_downloads", "Stage states downloaded from peers.",
+            value=float(self.downloads),
+        )
+        yield CounterMetricFamily(
+            "wanswarm_state_download_bytes", "Bytes of the stage states downloaded from peers.",
+            value=float(self.download_bytes),
+        )
+        donated = server.get("state_donated") or {}
+        donations = CounterMetricFamily(
+            "wanswarm_state_donations", "State requests this server answered, by part.",
+            labels=["part"],
+        )
+        for part in ("manifests", "chunks"):
+            donations.add_metric([part], float(donated.get(part, 0) or 0))
+        yield donations
+        progress = server.get("state_download_progress") or {}
+        for name, key, doc in (
+            ("wanswarm_state_download_progress_bytes", "done_bytes",
+             "Bytes of the stage state downloaded so far (absent: no download running)."),
+            ("wanswarm_state_download_total_bytes", "total_bytes",
+             "Size of the stage state being downloaded (absent: no download running)."),
+        ):
+            family = GaugeMetricFamily(name, doc)
+            if isinstance(progress.get(key), int | float):
+                family.add_metric([], float(progress[key]))
+            yield family
+
+
+def _trainer_families(trainer: dict[str, Any]) -> Iterator[Metric]:
+    for name, doc, value in (
+        ("wanswarm_trainer_loss",
+         "Training loss (nats/token), moving average over completed micro-batches.",
+         trainer.get("loss_ewma")),
+        ("wanswarm_trainer_validation_loss", "Last validation loss measured (nats/token).",
+         trainer.get("val_loss")),
+        ("wanswarm_trainer_tokens_per_second",
+         "Tokens of completed micro-batches per second over the last 30 s.",
+         trainer.get("tokens_per_s")),
+    ):
+        family = GaugeMetricFamily(name, doc)
+        if isinstance(value, int | float):
+            family.add_metric([], float(value))
+        yield family
+    yield CounterMetricFamily(
+        "wanswarm_trainer_tokens", "Tokens of completed micro-batches.",
+        value=float(trainer.get("tokens", 0) or 0),
+    )
+    mb = trainer.get("micro_batches") or {}
+    batches = CounterMetricFamily(
+        "wanswarm_trainer_micro_batches", "Micro-batches this trainer finished, by result.",
+        labels=["result"],
+    )
+    for result in ("completed", "failed"):
+        batches.add_metric([result], float(mb.get(result, 0) or 0))
+    yield batches
+    errors = CounterMetricFamily(
+        "wanswarm_trainer_hop_errors",
+        "Failed hop attempts, by error code or exception; each but cache_miss bans the server "
+        "for a back-off and sends the hop elsewhere.",
+        labels=["reason"],
+    )
+    counted = trainer.get("errors") or {}
+    for reason in sorted(set(_HOP_ERROR_CODES) | set(counted)):
+        errors.add_metric([str(reason)], float(counted.get(reason, 0)))
+    yield errors
 
 
 class NodeMetrics:
@@ -131,8 +323,19 @@ class NodeMetrics:
             ["peer", "kind"],
             registry=r,
         )
+        # the labels known in advance are exposed at 0 from the start (a scrape finds the name)
+        for reason in ("malformed", "forged", "unsupported_version"):
+            self.records_dropped.labels(reason)
+        for result in ("ok", "failed"):
+            self.membership_reads.labels(result)
+        self.probes.labels("ok")
         self._totals = _TotalsCollector()
         r.register(self._totals)
+        self._training = _TrainingCollector()
+        r.register(self._training)
+        # the default registry's process and platform collectors, in ours
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self._rtt_peers: set[str] = set()
         self._stages: set[str] = set()
         self._server: WSGIServer | None = None
@@ -175,6 +378,10 @@ class NodeMetrics:
                 with contextlib.suppress(KeyError):
                     self.rtt.remove(gone, kind)
         self._rtt_peers = present
+
+    def observe_status(self, report: StatusReport, paused: bool = False) -> None:
+        """Take the training figures of ``report`` (event-loop thread)."""
+        self._training.observe(report, paused)
 
     def count_dropped(self, reasons: Iterable[str]) -> None:
         for reason in reasons:

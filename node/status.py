@@ -3,6 +3,10 @@
 The daemon builds a :class:`StatusReport`, the control socket carries it as JSON, and the CLI
 prints either that JSON or :func:`render_text`. ``dht_addrs`` are full multiaddrs (with
 ``/p2p/<peer id>``) that another node can pass as ``--initial-peers``.
+
+:func:`stage_summary` and :func:`waiting_for` derive, from one report, the servers of every
+stage (empty ones included) and what the node waits for; the text form and the status page
+(service/page.py) both show them.
 """
 
 from __future__ import annotations
@@ -79,6 +83,81 @@ class StatusReport(_Model):
     )
     shutdown_timeout_s: float = 0.0
     components: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    paused: bool = Field(
+        default=False, description="'wanswarm pause' holds the node: it takes no work."
+    )
+    n_stages: int | None = Field(default=None, description="Stages of the run (None: unknown).")
+    upload_limit_mbps: float | None = Field(
+        default=None, description="Upload bandwidth limit of the QUIC socket, Mb/s (None: none)."
+    )
+    lifetime: dict[str, float] | None = Field(
+        default=None,
+        description="Totals over every run of this state directory (service/lifetime.py).",
+    )
+
+
+class StageSummary(_Model):
+    """The servers of one stage as this node sees them (itself included)."""
+
+    stage: int
+    online: int = Field(description="Servers online (the ones trainers route to).")
+    joining: int = Field(description="Servers loading the stage's state.")
+    throughput: float = Field(description="Sum of the online servers' throughput, samples/s.")
+
+
+def stage_summary(report: StatusReport) -> list[StageSummary]:
+    """Every stage of the run (0..n_stages-1, and any other one a peer announces), with its
+    online and joining servers; a stage nobody serves is listed with zeros."""
+    online: dict[int, int] = {}
+    joining: dict[int, int] = {}
+    rate: dict[int, float] = {}
+
+    def count(stage: int, state: str, throughput: float) -> None:
+        if state == "online":
+            online[stage] = online.get(stage, 0) + 1
+            rate[stage] = rate.get(stage, 0.0) + throughput
+        elif state == "joining":
+            joining[stage] = joining.get(stage, 0) + 1
+
+    for peer in report.peers:
+        if peer.stage is not None:
+            count(peer.stage, peer.state, peer.throughput)
+    server = report.components.get("stage_server") or {}
+    if report.server and isinstance(server.get("stage"), int):
+        state = "joining" if report.paused else str(server.get("state"))
+        count(int(server["stage"]), state, float(server.get("throughput") or 0.0))
+    stages = set(online) | set(joining)
+    if report.n_stages is not None:
+        stages |= set(range(report.n_stages))
+    return [
+        StageSummary(
+            stage=s, online=online.get(s, 0), joining=joining.get(s, 0),
+            throughput=round(rate.get(s, 0.0), 2),
+        )
+        for s in sorted(stages)
+    ]
+
+
+def waiting_for(report: StatusReport) -> str | None:
+    """Why this node does no training work now, in words; None when nothing holds it."""
+    if report.paused:
+        return "paused ('wanswarm resume' to take work again)"
+    if report.state in ("starting", "joining"):
+        server = report.components.get("stage_server") or {}
+        progress = server.get("state_download_progress")
+        if progress:
+            return "downloading the stage's state"
+        return "joining the swarm"
+    if report.state != "online":
+        return None
+    server = report.components.get("stage_server") or {}
+    if report.server and server.get("state") == "joining":
+        return f"loading the state of stage {server.get('stage')}"
+    if report.trainer and report.n_stages is not None:
+        empty = [s.stage for s in stage_summary(report) if s.online == 0]
+        if empty:
+            return f"servers of stage(s) {empty}: training waits until every stage has one"
+    return None
 
 
 def format_duration(seconds: float) -> str:
@@ -116,10 +195,11 @@ def render_text(report: StatusReport) -> str:
         "+".join(r for r, on in (("server", report.server), ("trainer", report.trainer)) if on)
         or "none"
     )
+    state = f"{report.state} (paused)" if report.paused else report.state
     lines = [
         f"peer id   {report.peer_id}",
         f"run       {report.run}   stage {'-' if report.stage is None else report.stage}   "
-        f"state {report.state}   roles {roles}",
+        f"state {state}   roles {roles}",
         f"uptime    {format_duration(report.uptime_s)}   pid {report.pid}   "
         f"version {report.version}",
     ]
@@ -131,7 +211,21 @@ def render_text(report: StatusReport) -> str:
         "dht       " + ("\n          ".join(report.dht_addrs) if report.dht_addrs else "-")
     )
     lines.append(f"quic      {report.quic_addr or '-'}{_reach_line(report)}")
-    lines.append(f"traffic   in {_bytes(report.bytes_in)}   out {_bytes(report.bytes_out)}")
+    limit = (
+        f"   upload limit {report.upload_limit_mbps:g} Mb/s"
+        if report.upload_limit_mbps is not None else ""
+    )
+    lines.append(
+        f"traffic   in {_bytes(report.bytes_in)}   out {_bytes(report.bytes_out)}{limit}"
+    )
+    if report.lifetime:
+        life = report.lifetime
+        lines.append(
+            f"lifetime  {int(life.get('micro_batches_served', 0))} micro-batches served   "
+            f"{int(life.get('tokens', 0))} tokens trained   "
+            f"up {format_duration(life.get('uptime_s', 0.0))}   "
+            f"out {_bytes(int(life.get('bytes_out', 0)))}"
+        )
     lines.append(f"peers     {len(report.peers)} known")
     if report.peers:
         lines.append(
@@ -155,6 +249,43 @@ def render_text(report: StatusReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stage_text(summary: StageSummary) -> str:
+    if summary.online == 0 and summary.joining == 0:
+        return f"{summary.stage}: EMPTY"
+    text = f"{summary.stage}: {summary.online} replica{'s' if summary.online != 1 else ''}"
+    if summary.joining:
+        text += f" (+{summary.joining} joining)"
+    return text
+
+
+def download_text(progress: dict[str, Any]) -> str:
+    """``12.0 MiB of 48.0 MiB (25%) from 2 donors, ETA 9s`` from a download's progress."""
+    done, total = int(progress.get("done_bytes", 0)), int(progress.get("total_bytes", 0))
+    text = f"{_bytes(done)} of {_bytes(total)}"
+    if total > 0:
+        text += f" ({100 * done / total:.0f}%)"
+    donors = progress.get("donors")
+    if donors is not None:
+        text += f" from {donors} donor{'s' if donors != 1 else ''}"
+    eta = progress.get("eta_s")
+    if isinstance(eta, int | float):
+        text += f", ETA {format_duration(float(eta))}"
+    return text
+
+
+def _memory_text(server: dict[str, Any]) -> str:
+    """The device memory limit and the stage's estimated footprint, when the server has them."""
+    limit, estimate = server.get("memory_limit_mb"), server.get("memory_estimate_mb")
+    parts = []
+    if isinstance(estimate, int | float):
+        parts.append(f"stage needs about {_bytes(int(estimate * 2**20))}")
+    if isinstance(limit, int | float):
+        parts.append(f"limit {_bytes(int(limit * 2**20))}")
+    elif parts:
+        parts.append("no limit")
+    return ", ".join(parts)
+
+
 def _reach_line(report: StatusReport) -> str:
     """``   nat cone, not reachable, rendezvous 12D3…`` from the endpoint's reachability."""
     reach = report.components.get("endpoint", {}).get("reach")
@@ -174,15 +305,12 @@ def _training_lines(report: StatusReport) -> list[str]:
     """Replicas per stage, the server's work and optimizer step, the trainer's loss and rate."""
     comps = report.components
     lines = []
-    replicas: dict[int, int] = {}
-    for peer in report.peers:
-        if peer.stage is not None and peer.state != "draining":
-            replicas[peer.stage] = replicas.get(peer.stage, 0) + 1
-    if report.stage is not None and report.server:
-        replicas[report.stage] = replicas.get(report.stage, 0) + 1
-    if replicas:
-        lines.append("stages    " + "   ".join(f"{s}: {n} replica{'s' if n != 1 else ''}"
-                                                for s, n in sorted(replicas.items())))
+    stages = stage_summary(report)
+    if stages:
+        lines.append("stages    " + "   ".join(_stage_text(s) for s in stages))
+    reason = waiting_for(report)
+    if reason is not None:
+        lines.append(f"waiting   {reason}")
     server = comps.get("stage_server")
     if server:
         lines.append(
@@ -191,9 +319,15 @@ def _training_lines(report: StatusReport) -> list[str]:
             f"optimizer step {server.get('epoch', 0)}   "
             f"queue {server.get('queue', 0)}   {server.get('throughput', 0)} samples/s"
         )
+        averaging = server.get("averaging")
+        if isinstance(averaging, dict):  # mode, last round, participants, bytes sent
+            lines.append("averaging " + "   ".join(f"{k} {v}" for k, v in averaging.items()))
         state = [f"state from {server['resumed_from']}"] if server.get("resumed_from") else []
-        if server.get("checkpoint_epoch") is not None:
-            state.append(f"checkpoint at step {server['checkpoint_epoch']}")
+        checkpoint = server.get("checkpoint_epoch")
+        if isinstance(checkpoint, int) and checkpoint >= 0:  # -1: none written yet
+            state.append(f"checkpoint at step {checkpoint}")
+        elif server.get("checkpoint_epoch") is not None:
+            state.append("no checkpoint written yet")
         last = server.get("last_move") or {}
         if server.get("moves"):
             state.append(f"moves {server['moves']} (last {last.get('from')} -> {last.get('to')})")
@@ -206,6 +340,12 @@ def _training_lines(report: StatusReport) -> list[str]:
             )
         if state:
             lines.append("          " + "   ".join(state))
+        progress = server.get("state_download_progress")
+        if progress:
+            lines.append("download  " + download_text(progress))
+        memory = _memory_text(server)
+        if memory:
+            lines.append(f"memory    {memory}")
     trainer = comps.get("trainer")
     if trainer:
         mb = trainer.get("micro_batches", {})

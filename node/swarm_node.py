@@ -29,7 +29,9 @@ from .endpoint import EndpointComponent
 from .errors import JoinError, NodeError
 from .logs import get_logger
 from .stage.placement import ServerComponent
+from .training.datasets import DataError, check_fingerprint
 from .training.servers import ServerInfo, servers_from_peers
+from .training.tokenizer import TokenizerError, load_tokenizer
 from .training.trainer import Trainer
 from .training.trainer_config import TrainerConfig
 
@@ -66,6 +68,17 @@ def own_server_info(
     )
 
 
+def check_local_data(spec: RunSpec) -> None:
+    """JoinError naming the difference when this node's data or tokenizer is not the run's
+    (the run spec pins both by content: data.fingerprint, data.tokenizer_sha256). A trainer
+    on other data would train the run's model on something else without anyone noticing."""
+    try:
+        check_fingerprint(spec.data)
+        load_tokenizer(spec)
+    except (DataError, TokenizerError) as exc:
+        raise JoinError(f"this node's data is not the run's: {exc}") from None
+
+
 class TrainerComponent:
     """The trainer over the node's endpoint; sees the peers' servers and our own."""
 
@@ -87,10 +100,23 @@ class TrainerComponent:
         self.trainer: Trainer | None = None
         self._ratios: dict[str, float] = {}
         self.val_loss_first: float | None = None  # the first validation loss measured
+        self._paused = False
         self.evaluations = 0
+
+    def pause(self) -> None:
+        """``wanswarm pause``: the trainer starts no new micro-batch (in-flight ones finish)."""
+        self._paused = True
+        if self.trainer is not None:
+            self.trainer.pause()
+
+    def resume(self) -> None:
+        self._paused = False
+        if self.trainer is not None:
+            self.trainer.resume()
 
     async def start(self, ctx: ComponentContext) -> None:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
+        await asyncio.to_thread(check_local_data, self.spec)
 
         def servers() -> dict[int, list[ServerInfo]]:
             view = servers_from_peers(ctx.peers, self.spec.run_id)
@@ -103,6 +129,8 @@ class TrainerComponent:
         self.trainer = Trainer(
             self.spec, self.config, endpoint=self.endpoint.endpoint, servers=servers, rng=self.rng
         )
+        if self._paused:  # paused while the node was starting
+            self.trainer.pause()
         self._ratios = await asyncio.to_thread(codec_ratios, self.spec)
         await self.trainer.start(ctx)
         if self.config.eval_period_s > 0:

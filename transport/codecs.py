@@ -32,6 +32,7 @@ from ..kernels import ops, registry
 from ..kernels import reference as kref
 from ..kernels.errors import KernelError, NonFiniteInput
 from ..kernels.registry import Codec, Layout
+from . import staging
 from .errors import CodecError, PayloadError
 
 logger = logging.getLogger(__name__)
@@ -298,29 +299,57 @@ def parse_codec(s: str) -> CodecSpec:
 
 
 def encode(
-    t: torch.Tensor, spec: CodecSpec, *, generator: torch.Generator | None = None
+    t: torch.Tensor,
+    spec: CodecSpec,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
 ) -> EncodedTensor:
     """Encode ``t`` (any shape and device) with ``spec``.
 
-    ``generator`` drives the stochastic-rounding seed (default: torch's global RNG).
-    Raises CodecError if the codec cannot carry ``t``'s dtype and PayloadError if a
-    quantizing codec meets NaN/Inf.
+    ``dtype`` is the dtype the payload decodes to (default ``t.dtype``): a bfloat16
+    activation can travel as a float32 payload, quantized straight from its bf16 values
+    (no float32 copy is made when the codec reads the source dtype itself, see
+    :func:`encodes_directly`). ``generator`` drives the stochastic-rounding seed (default:
+    torch's global RNG). Raises CodecError if the codec cannot carry the dtype and
+    PayloadError if a quantizing codec meets NaN/Inf.
     """
-    _, host = _encode_to_buffer(t, spec, generator)
-    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(host))
+    wire = t.dtype if dtype is None else dtype
+    _, host = _encode_to_buffer(t, spec, generator, wire)
+    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=wire, payload=_to_bytes(host))
 
 
 def encode_roundtrip(
-    t: torch.Tensor, spec: CodecSpec, *, generator: torch.Generator | None = None
+    t: torch.Tensor,
+    spec: CodecSpec,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[EncodedTensor, torch.Tensor]:
     """Encode ``t`` and also return what the receiver will decode, on ``t``'s device.
 
     The second tensor equals ``decode(encoded, device=t.device)`` bit for bit, without
     the round trip through host bytes (error feedback needs it for its residual).
     """
-    buf, host = _encode_to_buffer(t, spec, generator)
-    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=t.dtype, payload=_to_bytes(host))
-    return encoded, _decode_buffer(buf, spec, encoded.shape, t.dtype, t.device, untrusted=False)
+    wire = t.dtype if dtype is None else dtype
+    buf, host = _encode_to_buffer(t, spec, generator, wire)
+    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=wire, payload=_to_bytes(host))
+    return encoded, _decode_buffer(buf, spec, encoded.shape, wire, t.device, untrusted=False)
+
+
+def encodes_directly(spec: CodecSpec, source: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether ``spec`` encodes a ``source`` tensor as a ``wire`` payload without a cast.
+
+    Same dtype: always. Otherwise the codec must read float inputs itself (not a raw
+    layout, whose body is the tensor's own bytes) and every finite ``source`` value must
+    be finite in ``wire`` (a blockwise encoder caps its scales for the source dtype, which
+    must then pass the decoder's check for the wire dtype).
+    """
+    if source == wire:
+        return True
+    if spec.codec.layout.raw or source not in FLOAT_DTYPES or wire not in FLOAT_DTYPES:
+        return False
+    return torch.finfo(source).max <= torch.finfo(wire).max
 
 
 def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
@@ -328,16 +357,19 @@ def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _encode_to_buffer(
-    t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
+    t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole payload as a uint8 tensor: (on ``t``'s device, on the host).
+    """The whole payload of ``t`` as a ``dtype`` payload, as a uint8 tensor: (on ``t``'s
+    device, on the host).
 
     The codec writes its scales and codes straight into the payload buffer, on the
-    tensor's device (Triton there when the codec has kernels and ``t`` is on CUDA).
+    tensor's device (Triton there when the codec has kernels and ``t`` is on CUDA); on
+    CUDA the host copy lands in pinned memory (:mod:`.staging`).
     """
-    dtype = t.dtype
     layout = spec.codec.layout
     spec.check_dtype(dtype)
+    if not encodes_directly(spec, t.dtype, dtype):
+        t = t.to(dtype)
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -369,7 +401,7 @@ def _encode_to_buffer(
     buf[:HEADER_NBYTES].copy_(header)
     if buf.device.type == "cpu":
         return buf, buf
-    host = buf.cpu()
+    host = staging.to_host(buf)
     if not layout.blockwise:
         return buf, host
     try:  # a device kernel marked NaN/Inf blocks with NaN scales: check the host copy
@@ -495,7 +527,7 @@ def _decode_buffer(
             scales = _split_payload(buf, spec, layout, n, dtype)[0]
             ops.validate_scales(scales, spec.name, dtype)
         if buf.device != target:
-            buf = buf.to(target)
+            buf = staging.to_device(buf, target)
         scales, codes = _split_payload(buf, spec, layout, n, dtype)
         out = ops.dequantize(codes, scales, spec.name, spec.block_size, n, dtype)
     except KernelError as exc:

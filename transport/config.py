@@ -6,6 +6,8 @@ transport components receive only this tree or their own sub-section of it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -38,11 +40,19 @@ class LimitsConfig(_Section):
         description="Largest FEC transfer control frame (repair request, completion), bytes.",
     )
     max_inflight_bytes: int = Field(
-        default=2 << 30,
+        default=1 << 30,
         ge=1024,
         description="Most payload bytes one connection may have announced to us and not yet "
         "finished, all its messages together (FEC receivers allocate a payload up front); "
         "a message beyond it is answered 'busy'.",
+    )
+    max_inbound_bytes: int = Field(
+        default=2 << 30,
+        ge=1024,
+        description="Most payload bytes all connections together may have announced to us "
+        "and not yet finished: the node's memory budget for inbound transfers, reserved when "
+        "a header arrives (before anything is allocated) and released when its exchange "
+        "ends; a message beyond it is answered 'busy'.",
     )
 
 
@@ -502,6 +512,14 @@ class TransportConfig(_Section):
     port: int = Field(
         default=0, ge=0, le=65535, description="UDP port for QUIC; 0 picks a free one."
     )
+    upload_limit_mbps: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Most the QUIC port sends, Mb/s of UDP payload, every connection together "
+        "(upload_limit.py: a token bucket; the wait it adds makes the congestion controller "
+        "settle at the limit). Unset: no limit.",
+    )
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
     fec: FecConfig = Field(default_factory=FecConfig)
     congestion: CongestionConfig = Field(default_factory=CongestionConfig)
@@ -574,10 +592,50 @@ class TransportConfig(_Section):
         description="close(): how long in-flight handlers may run before they are cancelled.",
     )
     max_connections: int = Field(
-        default=1024, ge=1, description="Most QUIC connections at once, both directions."
+        default=1024,
+        ge=1,
+        description="Most incoming QUIC connections at once. Outgoing ones are counted "
+        "apart (max_outgoing_connections), so that a flood of incoming ones never blocks "
+        "our own connects.",
+    )
+    max_outgoing_connections: int = Field(
+        default=1024, ge=1, description="Most outgoing QUIC connections at once."
     )
     max_unauthenticated: int = Field(
         default=64,
         ge=1,
         description="Most incoming connections still in their TLS or identity handshake.",
+    )
+    max_connections_per_host: int = Field(
+        default=64,
+        ge=1,
+        description="Most incoming connections from one source IP address at once (peers "
+        "behind one NAT share an address).",
+    )
+    max_unauthenticated_per_host: int = Field(
+        default=8,
+        ge=1,
+        description="Most incoming connections from one source IP address still in their "
+        "TLS or identity handshake.",
+    )
+    max_connections_per_peer: int = Field(
+        default=4,
+        ge=1,
+        description="Most authenticated incoming connections of one peer id; a newer one "
+        "closes its oldest (only the key's holder can make them, and an honest peer that "
+        "restarted must get through).",
+    )
+    retry: Literal["never", "pressure", "always"] = Field(
+        default="pressure",
+        description="QUIC Retry (RFC 9000 §8.1.2) for new incoming connections: the client "
+        "must echo a token bound to its address before any state is kept, so spoofed "
+        "sources hold no slot. 'pressure': only while at least retry_pressure of "
+        "max_unauthenticated is taken (a Retry costs a round trip per handshake).",
+    )
+    retry_pressure: float = Field(
+        default=0.25,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of max_unauthenticated in use from which retry='pressure' "
+        "answers new connections with a Retry.",
     )

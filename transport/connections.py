@@ -211,6 +211,7 @@ class Connections:
         def on_closed(closed: QuicLink) -> None:
             if not first.done():
                 first.set_exception(closed.closed_error())
+                first.exception()  # seen: the authentication may be over (cancelled)
 
         link.on_stream = on_stream
         link.on_closed.append(on_closed)
@@ -236,6 +237,20 @@ class Connections:
                 link.path = expected[0]
         logger.info("authenticated %s at %s (%s)", peer_id, link.remote_address, link.path)
         self._register(link)
+        self._cap_peer(peer_id)
+
+    def _cap_peer(self, peer_id: str) -> None:
+        """Close the oldest incoming connections of ``peer_id`` beyond
+        ``max_connections_per_peer``: only the key's holder can make them, so an honest
+        peer that restarted (its old connection not yet known dead) gets through."""
+        incoming = [
+            link for link in self._by_peer.get(peer_id, [])
+            if not link.is_client and not link.is_closed
+        ]
+        for old in incoming[: max(0, len(incoming) - self.config.max_connections_per_peer)]:
+            logger.info("closing an older connection of %s: over max_connections_per_peer",
+                        peer_id)
+            old.close(CloseCode.SHUTDOWN, "too many connections of this peer")
 
     def _refuse(self, link: QuicLink, exc: BaseException) -> None:
         if link.is_closed:

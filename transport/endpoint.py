@@ -58,6 +58,7 @@ from typing import Any, Self
 import torch
 from pydantic import ValidationError
 
+from .budget import InboundBudget
 from .codecs import CodecSpec, EncodedTensor
 from .config import TransportConfig
 from .connections import Connections
@@ -136,6 +137,8 @@ class PathStats:
 class _Registration:
     handler: Handler
     allow_nonfinite: bool
+    max_bytes: int | None  # None: limit(kind), else the endpoint's default
+    device: str | None = None  # where the request's tensors are decoded (None: the CPU)
 
 
 class _StaleConnection(Exception):
@@ -145,9 +148,25 @@ class _StaleConnection(Exception):
 class Endpoint:
     """Authenticated request/response over QUIC. See the module docstring."""
 
-    def __init__(self, identity: Identity, config: TransportConfig) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        config: TransportConfig,
+        *,
+        default_request_bytes: int | None = None,
+    ) -> None:
+        """``default_request_bytes``: the most payload bytes a request of a kind with no
+        declared limit (``register(max_bytes=)`` or :meth:`limit`) may announce; None is
+        ``limits.max_message_bytes``. A daemon sets it to 0: its kinds that take tensors
+        declare their sizes, every other kind takes none."""
         self.identity = identity
         self.config = config
+        self.budget = InboundBudget(config.limits.max_inbound_bytes)
+        self._default_bytes = (
+            config.limits.max_message_bytes if default_request_bytes is None
+            else default_request_bytes
+        )
+        self._limits: dict[str, int] = {}
         self._connections = Connections(identity, config, self._on_link)
         self._handlers: dict[str, _Registration] = {}
         self._serving: set[asyncio.Task[None]] = set()
@@ -159,8 +178,8 @@ class Endpoint:
         self._started = False
         self._closing = False
         self._traversal = Traversal(identity, config, self._connections, self._ask)
-        for kind, builtin in self._traversal.handlers().items():
-            self._handlers[kind] = _Registration(_builtin(builtin), allow_nonfinite=False)
+        for kind, builtin in self._traversal.handlers().items():  # they take no tensors
+            self._handlers[kind] = _Registration(_builtin(builtin), False, max_bytes=0)
 
     # lifecycle
 
@@ -212,16 +231,59 @@ class Endpoint:
 
     # serving
 
-    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
+    def register(
+        self,
+        kind: str,
+        handler: Handler,
+        *,
+        allow_nonfinite: bool = False,
+        max_bytes: int | None = None,
+        device: str | None = None,
+    ) -> None:
         """Serve requests of ``kind``; tensors with NaN/Inf are refused unless allowed.
-        Kinds starting with ``_`` are the endpoint's own."""
+        ``max_bytes``: the most payload bytes (all tensors, encoded) one request may
+        announce, refused as ``too_large`` from its header alone; None takes the limit
+        set with :meth:`limit`, else the endpoint's default. ``device``: decode the
+        request's tensors there (a stage server's GPU: the dequantize kernel writes
+        straight into device memory; None: the CPU). Kinds starting with ``_`` are the
+        endpoint's own."""
         if kind.startswith("_"):
             raise ValueError(f"{kind!r}: kinds starting with '_' are reserved")
-        try:
-            MessageHeader(version=WIRE_VERSION, type="request", request_id=0, kind=kind)
-        except ValidationError as exc:
-            raise ValueError(f"{kind!r} cannot be a request kind on the wire: {exc}") from None
-        self._handlers[kind] = _Registration(handler, allow_nonfinite)
+        _check_kind(kind)
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._handlers[kind] = _Registration(handler, allow_nonfinite, max_bytes, device)
+
+    def limit(self, kind: str, max_bytes: int) -> None:
+        """Declare the most payload bytes a request of ``kind`` may announce (whoever
+        registers its handler, before or after); ``register(max_bytes=)`` overrides it."""
+        _check_kind(kind)
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._limits[kind] = max_bytes
+
+    def max_request_bytes(self, kind: str) -> int | None:
+        """The payload limit of requests of ``kind``; None if no handler serves it."""
+        registration = self._handlers.get(kind)
+        if registration is None:
+            return None
+        if registration.max_bytes is not None:
+            return registration.max_bytes
+        return self._limits.get(kind, self._default_bytes)
+
+    def _admit(self, header: MessageHeader, nbytes: int) -> None:
+        """A request's header, before anything is reserved or allocated: its kind is
+        served and its payload within the kind's limit (else refused, unread)."""
+        limit = self.max_request_bytes(header.kind)
+        if limit is None:
+            raise FramingError(f"no handler for {header.kind!r}", code="unknown_kind")
+        if nbytes > limit:
+            self._count(f"refused_size.{header.kind}")
+            raise FramingError(
+                f"a {header.kind!r} request carries at most {limit} payload bytes, "
+                f"this one announces {nbytes}",
+                code="too_large",
+            )
 
     def _on_link(self, link: QuicLink) -> None:
         """An authenticated connection (either direction): serve its streams."""
@@ -229,7 +291,7 @@ class Endpoint:
         loss = self._loss.get(peer_id)
         if loss is None:
             loss = self._loss[peer_id] = LossEstimator(self.config.fec)
-        self._hubs[link] = TransferHub(link, self.config, loss)
+        self._hubs[link] = TransferHub(link, self.config, loss, self.budget)
         link.on_stream = lambda stream: self._on_stream(link, stream)
         link.on_closed.append(self._forget_link)
         self._traversal.on_link(link)
@@ -253,7 +315,7 @@ class Endpoint:
         if hub is None:  # the connection closed under us
             stream.abort(StreamCode.CANCELLED)
             return
-        inbound = Inbound(stream, hub, self.config, "request")
+        inbound = Inbound(stream, hub, self.config, "request", admit=self._admit)
         outgoing: Outgoing | None = None
         request_id = 0
         try:
@@ -265,7 +327,7 @@ class Endpoint:
                 if registration is None:
                     raise RemoteError("unknown_kind", f"no handler for {message.header.kind!r}")
                 received = _received(message, registration.allow_nonfinite, peer_id)
-                tensors = await decode_all(received)
+                tensors = await decode_all(received, registration.device)
                 request = Request(
                     peer_id, message.header.kind, message.header.header, tensors,
                     remote=link.remote_address,
@@ -608,7 +670,8 @@ class Endpoint:
         )
 
     def totals(self) -> dict[str, int]:
-        """Counters: bytes_in/bytes_out (UDP), requests_sent/served, errors by code."""
+        """Counters: bytes_in/bytes_out (UDP), requests_sent/served, errors by code, the
+        inbound budget's bytes reserved now and at peak, and its 'busy' refusals."""
         totals = Counter(self._counts)
         totals.update(self._closed_bytes)
         for link in self._connections.socket.links:
@@ -616,6 +679,9 @@ class Endpoint:
             totals["bytes_out"] += link.bytes_sent
         for key in ("bytes_in", "bytes_out", "requests_sent", "requests_served"):
             totals.setdefault(key, 0)
+        totals["inbound_reserved"] = self.budget.used
+        totals["inbound_peak"] = self.budget.peak
+        totals["inbound_busy"] = self.budget.counts["refused"]
         return dict(totals)
 
     def _count(self, key: str) -> None:
@@ -629,6 +695,13 @@ class Endpoint:
         if len(tensors) > self.config.limits.max_tensors:
             raise FramingError(f"{len(tensors)} tensors exceed max_tensors")
         return await encode_all(tensors, codec)
+
+
+def _check_kind(kind: str) -> None:
+    try:
+        MessageHeader(version=WIRE_VERSION, type="request", request_id=0, kind=kind)
+    except ValidationError as exc:
+        raise ValueError(f"{kind!r} cannot be a request kind on the wire: {exc}") from None
 
 
 def _builtin(handler: BuiltinHandler) -> Handler:

@@ -15,7 +15,7 @@ the requester's CONTROL frames for its response transfers until the requester's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +125,12 @@ class Inbound:
         config: TransportConfig,
         expect: MessageType,
         senders: dict[int, SenderTransfer] | None = None,
+        admit: Callable[[MessageHeader, int], None] | None = None,
     ) -> None:
         self.stream = stream
+        # checks a header and its total payload bytes before anything is reserved or
+        # allocated (the request kind's limit); raises a ProtocolError to refuse it
+        self._admit = admit
         self.hub = hub
         self.config = config
         self.senders = senders if senders is not None else {}
@@ -164,9 +168,12 @@ class Inbound:
         await asyncio.shield(self.task)
 
     def close(self) -> None:
-        """Stop reading and drop this message's incoming transfers (idempotent)."""
+        """Stop reading, drop this message's incoming transfers and give back its
+        reservation (idempotent). The exchange is over: whatever the peer still sends on
+        this direction is refused (STOP_SENDING) and dropped, never buffered."""
         if not self.task.done():
             self.task.cancel()
+        self.stream.stop_receiving()
         if not self._header.done():
             self._header.cancel()
         for transfer_id in self._transfer_ids:
@@ -197,7 +204,10 @@ class Inbound:
                         raise FramingError(
                             f"expected a {self._allowed[0]}, got {event.header.type}"
                         )
-                    self.hub.reserve(total := sum(p.spec.nbytes for p in event.plans))
+                    total = sum(p.spec.nbytes for p in event.plans)
+                    if self._admit is not None:
+                        self._admit(event.header, total)
+                    self.hub.reserve(total)
                     self._reserved = total
                     message = Message(event.header, event.plans)
                     waiting = 0

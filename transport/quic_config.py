@@ -24,6 +24,9 @@ import ssl
 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.quic.stream import QuicStream
 from aioquic.tls import hkdf_expand_label, load_pem_private_key, load_pem_x509_certificates
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -36,6 +39,7 @@ from .identity import Identity, peer_id_from_certificate
 __all__ = [
     "ALPN",
     "CID_LENGTH",
+    "CreditedConnection",
     "ServerConnection",
     "build_configuration",
     "certificate_peer_id",
@@ -76,7 +80,50 @@ def build_configuration(
     return qc
 
 
-class ServerConnection(QuicConnection):
+class CreditedConnection(QuicConnection):
+    """A connection that grants flow-control credit for data delivered, not data seen.
+
+    aioquic doubles a stream's receive limit once the highest offset seen passes half of
+    it, and the connection's once the highest offsets of all streams together do: credit
+    for arrival, not for delivery. Bytes sent beyond a hole are kept (and the hole
+    zero-filled) until the hole is filled, so a peer leaving holes could make it hold
+    ever more; and data on a stream nobody reads any more would earn credit forever.
+    Here the same doubling rules count only bytes delivered in order (a stream's
+    ``receiver.starting_offset()``, the connection's highest offsets less what is not yet
+    delivered), and a stream we asked to stop sending (STOP_SENDING:
+    ``receiver._stop_error_code`` set) gets no more credit at all: a peer that goes on
+    sending past the limit it already had is closed by aioquic (FLOW_CONTROL_ERROR).
+    tests/unit/test_aioquic_internals.py pins the private parts used here.
+    """
+
+    def _write_stream_limits(
+        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
+    ) -> None:
+        receiver = stream.receiver
+        if receiver._stop_error_code is not None:
+            return  # we stopped reading: no more credit
+        highest = receiver.highest_offset
+        receiver.highest_offset = receiver.starting_offset()
+        try:
+            super()._write_stream_limits(builder, space, stream)
+        finally:
+            receiver.highest_offset = highest
+
+    def _write_connection_limits(self, builder: QuicPacketBuilder, space: QuicPacketSpace) -> None:
+        undelivered = sum(
+            s.receiver.highest_offset - s.receiver.starting_offset()
+            for s in self._streams.values()
+        )
+        limit = self._local_max_data
+        used = limit.used
+        limit.used = max(0, used - undelivered)
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            limit.used = used
+
+
+class ServerConnection(CreditedConnection):
     """A server connection that asks the client for its certificate (mutual TLS)."""
 
     def _initialize(self, peer_cid: bytes) -> None:

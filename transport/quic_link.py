@@ -487,6 +487,7 @@ class QuicLink:
         error = self.closed_error()
         if not self.handshake_done.done():
             self.handshake_done.set_exception(error)
+            self.handshake_done.exception()  # seen: nobody may be waiting any more
         for stream in list(self._streams.values()):
             stream.on_closed(error)
         self._streams.clear()
@@ -538,6 +539,15 @@ class QuicLink:
         stream.on_closed(ConnectError(f"stream {stream.stream_id} aborted (code {code:#x})"))
         self._wake_writer(stream.stream_id)
         self._streams.pop(stream.stream_id, None)
+
+    def stop_receiving(self, stream: QuicStream, code: StreamCode) -> None:
+        if not self.is_closed:
+            try:
+                self._quic.stop_stream(stream.stream_id, int(code))
+            except ValueError:  # aioquic already discarded it: nothing more can arrive
+                pass
+            self.schedule_transmit()
+        self._forget_if_finished(stream)
 
     def _forget_if_finished(self, stream: QuicStream) -> None:
         if stream.finished:

@@ -4,7 +4,11 @@
 port, demultiplexing packets by destination connection id, so that a peer is always
 reached at the address it announces. Each connection is a :class:`~.quic_link.QuicLink`;
 the socket only routes packets to links, answers unknown QUIC versions (RFC 9000 §6) and
-caps how many connections, and how many still unauthenticated, it holds.
+caps the connections it holds: incoming ones (all, per source address, and those still
+unauthenticated, all and per address) apart from outgoing ones, so that a flood of
+incoming connections never blocks our own connects. While the unauthenticated pool is
+under pressure (``retry``), a new connection first gets a QUIC Retry (RFC 9000 §8.1.2):
+only a client that receives at its address and echoes the token gets a slot.
 
 The same port carries NAT traversal's non-QUIC datagrams (relay.py), told apart by their
 first byte: punch packets are dropped (they only opened a NAT mapping on the way), relay
@@ -21,19 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from aioquic.buffer import Buffer
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, encode_quic_version_negotiation, pull_quic_header
+from aioquic.quic.packet import (
+    QuicHeader,
+    QuicPacketType,
+    encode_quic_retry,
+    encode_quic_version_negotiation,
+    pull_quic_header,
+)
+from aioquic.quic.retry import QuicRetryTokenHandler
 
 from .config import TransportConfig
 from .errors import AuthenticationError, ConnectError
 from .identity import Identity
-from .quic_config import CID_LENGTH, ServerConnection, build_configuration
+from .quic_config import CID_LENGTH, CreditedConnection, ServerConnection, build_configuration
 from .quic_link import Address, CloseCode, QuicLink
 from .relay import (
     PUNCH_BYTE,
@@ -46,6 +57,7 @@ from .relay import (
     is_virtual,
 )
 from .traversal_wire import ProbeTable, decode_probe, encode_probe
+from .upload_limit import UploadLimiter
 
 __all__ = ["ProbePort", "QuicSocket"]
 
@@ -109,6 +121,10 @@ class QuicSocket:
         self._links: set[QuicLink] = set()
         self.accepting = True
         self.address: Address = ("", 0)
+        self._retry = QuicRetryTokenHandler()  # a fresh key per socket: tokens live 30 s
+        # transport.upload_limit_mbps: every datagram we send goes through it (None: no limit)
+        self._upload = UploadLimiter.from_mbps(config.upload_limit_mbps, self._send_now)
+        self._warned = 0
 
     @property
     def links(self) -> list[QuicLink]:
@@ -125,6 +141,12 @@ class QuicSocket:
             if wrapped is None:  # the channel is gone: QUIC sees it as loss
                 return
             data, addr = wrapped
+        if self._upload is not None:
+            self._upload.sendto(data, addr)
+        else:
+            self._send_now(data, addr)
+
+    def _send_now(self, data: bytes, addr: Address) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.sendto(data, addr)
 
@@ -191,10 +213,67 @@ class QuicSocket:
                 or len(data) < MIN_INITIAL_BYTES
             ):
                 return
-            link = self._accept(header.destination_cid, addr)
+            link = self._admit_initial(header, addr)
             if link is None:
                 return
         link.datagram_received(data, addr)
+
+    def _admit_initial(self, header: QuicHeader, addr: Address) -> QuicLink | None:
+        """A new connection for a client's first Initial, a Retry in its place (the
+        address not yet validated while unauthenticated slots are under pressure), or
+        None (dropped: over a cap, or a token that is not ours for this address)."""
+        odcid: bytes = header.destination_cid
+        retry_scid: bytes | None = None
+        if header.token and not is_virtual(addr):
+            try:
+                odcid = self._retry.validate_token(
+                    address=addr, destination_cid=header.destination_cid,
+                    token=header.token, now=asyncio.get_running_loop().time(),
+                )
+            except ValueError:
+                self.counts["retry.bad_token"] += 1
+                return None
+            retry_scid = header.destination_cid
+        elif self._wants_retry(addr) and header.version is not None:
+            scid = os.urandom(CID_LENGTH)
+            token = self._retry.create_token(
+                address=addr, original_destination_connection_id=header.destination_cid,
+                retry_source_connection_id=scid, now=asyncio.get_running_loop().time(),
+            )
+            self.sendto(
+                encode_quic_retry(
+                    version=header.version, source_cid=scid,
+                    destination_cid=header.source_cid,
+                    original_destination_cid=header.destination_cid, retry_token=token,
+                ),
+                addr,
+            )
+            self.counts["retry.sent"] += 1
+            return None
+        return self._accept(header.destination_cid, addr, odcid, retry_scid)
+
+    def _wants_retry(self, addr: Address) -> bool:
+        """Whether a new connection from ``addr`` must first echo a Retry token."""
+        if is_virtual(addr):  # a relay channel: its relay checked the path already
+            return False
+        mode = self.config.retry
+        if mode == "never":
+            return False
+        if mode == "always":
+            return True
+        pressure = self.config.retry_pressure * self.config.max_unauthenticated
+        return self._count_incoming()[1] >= pressure
+
+    def _count_incoming(self, host: str | None = None) -> tuple[int, int]:
+        """(incoming connections, those still unauthenticated), all or from ``host``."""
+        total = unauthenticated = 0
+        for link in self._links:
+            if link.is_client or (host is not None and link.remote_address[0] != host):
+                continue
+            total += 1
+            if link.peer_id is None:
+                unauthenticated += 1
+        return total, unauthenticated
 
     def _traversal_datagram(self, data: bytes, addr: Address) -> None:
         """A relay or punch packet (relay.py); anything else that is not QUIC is dropped."""
@@ -214,18 +293,34 @@ class QuicSocket:
         else:
             self.counts["dropped.not_quic"] += 1
 
-    def _accept(self, dcid: bytes, addr: Address) -> QuicLink | None:
-        unauthenticated = sum(1 for link in self._links if link.peer_id is None)
-        if (
-            len(self._links) >= self.config.max_connections
-            or unauthenticated >= self.config.max_unauthenticated
-        ):
-            logger.warning("ignoring a new connection from %s: too many connections", addr)
+    def _accept(
+        self, dcid: bytes, addr: Address, odcid: bytes, retry_scid: bytes | None
+    ) -> QuicLink | None:
+        """An incoming connection, unless a cap is reached: incoming connections
+        (``max_connections``; outgoing ones are not counted), unauthenticated ones, and
+        both from one source address."""
+        cfg = self.config
+        total, unauthenticated = self._count_incoming()
+        on_host, unauthenticated_on_host = self._count_incoming(addr[0])
+        refused = (
+            "incoming connections" if total >= cfg.max_connections
+            else "unauthenticated connections" if unauthenticated >= cfg.max_unauthenticated
+            else "connections from this host" if on_host >= cfg.max_connections_per_host
+            else "unauthenticated connections from this host"
+            if unauthenticated_on_host >= cfg.max_unauthenticated_per_host
+            else None
+        )
+        if refused is not None:
+            self.counts["refused.caps"] += 1
+            if self._warned < 10:  # a flood must not flood the log too
+                self._warned += 1
+                logger.warning("ignoring a new connection from %s: too many %s", addr, refused)
             return None
         relayed = is_virtual(addr)
         quic = ServerConnection(
             configuration=self._relayed_server_config if relayed else self._server_config,
-            original_destination_connection_id=dcid,
+            original_destination_connection_id=odcid,
+            retry_source_connection_id=retry_scid,
         )
         link = QuicLink(
             self, quic, addr, is_client=False,
@@ -245,8 +340,9 @@ class QuicSocket:
         The caller checks ``tls_peer_id`` and authenticates."""
         if self._transport is None:
             raise ConnectError("QUIC socket not started")
-        if len(self._links) >= self.config.max_connections:
-            raise ConnectError("too many connections")
+        outgoing = sum(1 for link in self._links if link.is_client)
+        if outgoing >= self.config.max_outgoing_connections:
+            raise ConnectError("too many outgoing connections")
         relayed = is_virtual((host, port))
         if relayed:
             if self.relay_ends.get((host, port)) is None:
@@ -254,7 +350,7 @@ class QuicSocket:
             addr: Address = (host, port)
         else:
             addr = await self._resolve(host, port)
-        quic = QuicConnection(
+        quic = CreditedConnection(
             configuration=self._relayed_client_config if relayed else self._client_config
         )
         link = QuicLink(
@@ -303,6 +399,8 @@ class QuicSocket:
                 waiter.cancel()
         for link in list(self._links):
             link.abandon(CloseCode.SHUTDOWN, "endpoint closed")
+        if self._upload is not None:
+            self._upload.close()
         if self._transport is not None:
             self._transport.close()
             self._transport = None

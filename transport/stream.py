@@ -35,6 +35,10 @@ class StreamOwner(Protocol):
 
     def abort_stream(self, stream: QuicStream, code: StreamCode) -> None: ...
 
+    def stop_receiving(self, stream: QuicStream, code: StreamCode) -> None:
+        """Send STOP_SENDING and grant the stream no more flow-control credit."""
+        ...
+
     @property
     def write_chunk(self) -> int: ...
 
@@ -46,6 +50,7 @@ class QuicStream:
         self.owner = owner
         self.stream_id = stream_id
         self.bytes_received = 0
+        self.bytes_discarded = 0  # arrived after we stopped reading: dropped, not kept
         self._chunks: deque[bytes] = deque()
         self._eof = False
         self._recv_error: ConnectError | None = None
@@ -101,8 +106,21 @@ class QuicStream:
             self._send(b"", end=True)
 
     def abort(self, code: StreamCode = StreamCode.CANCELLED) -> None:
-        """Reset our direction and ask the peer to stop sending (idempotent)."""
+        """Reset our direction and ask the peer to stop sending (idempotent); what was
+        received and not read is dropped."""
         self.owner.abort_stream(self, code)
+        self._chunks.clear()
+
+    def stop_receiving(self, code: StreamCode = StreamCode.CANCELLED) -> None:
+        """We will read no more (the exchange is over): ask the peer to stop sending
+        (STOP_SENDING), drop what is buffered, and drop whatever still arrives, which
+        earns no more flow-control credit (quic_config.CreditedConnection). Our own
+        direction is left as it is (idempotent)."""
+        self._chunks.clear()
+        if self.can_receive:
+            self._recv_error = ConnectError(f"stopped reading stream {self.stream_id}")
+            self.owner.stop_receiving(self, StreamCode(code))
+            self._wake()
 
     def _send(self, data: bytes | memoryview, *, end: bool) -> None:
         if self._send_error is not None:
@@ -138,6 +156,7 @@ class QuicStream:
 
     def on_data(self, data: bytes, end: bool) -> None:
         if not self.can_receive:
+            self.bytes_discarded += len(data)
             return
         if data:
             self._chunks.append(data)

@@ -28,7 +28,7 @@ from typing import Final, TypeAlias, TypeVar, cast
 
 import torch
 
-from .codecs import HEADER_NBYTES, CodecSpec, EncodedTensor, encode
+from .codecs import HEADER_NBYTES, CodecSpec, EncodedTensor, decode, encode
 from .errors import CodecError, FramingError, PayloadError, ProtocolError
 from .framing import NON_FINITE, TensorPlan, decode_tensor, tensor_spec
 
@@ -142,25 +142,47 @@ class ReceivedTensor:
 
     # decoding
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The decoded, fully checked tensor (decoded on the first call, in this thread);
-        the ProtocolError of a payload that fails the checks, on every call."""
+        the ProtocolError of a payload that fails the checks, on every call.
+
+        ``device``: where to decode (default the CPU). On a GPU the payload goes to the
+        device through pinned memory and is decoded there by the codec's kernels
+        (:func:`.codecs.decode`), so only the encoded bytes cross the bus. The first call
+        decides where the kept tensor lives; a later call for another device gets a copy.
+        """
+        target = None if device is None else torch.device(device)
         with self._lock:
             if self._tensor is None and self._error is None:
                 try:
-                    self._tensor = decode_tensor(
-                        self.plan, self.payload, allow_nonfinite=self.allow_nonfinite
-                    )
+                    if target is None or target.type == "cpu":
+                        self._tensor = decode_tensor(
+                            self.plan, self.payload, allow_nonfinite=self.allow_nonfinite
+                        )
+                    else:
+                        self._tensor = self._decode_on(target)
                 except ProtocolError as exc:
                     self._error = exc
             if self._error is not None:
                 raise self._error
             assert self._tensor is not None
+            if target is not None and self._tensor.device != target:
+                return self._tensor.to(target)
             return self._tensor
 
-    async def decode(self) -> torch.Tensor:
+    def _decode_on(self, device: torch.device) -> torch.Tensor:
+        """:func:`.framing.decode_tensor`'s checks, decoding on ``device``."""
+        plan = self.plan
+        encoded = EncodedTensor(plan.codec, plan.spec.shape, plan.dtype, cast(bytes, self.payload))
+        t = decode(encoded, device=device)
+        if not self.allow_nonfinite and t.is_floating_point() and t.numel():
+            if not bool(torch.isfinite(t).all()):
+                raise PayloadError("tensor holds NaN or Inf values", code=NON_FINITE)
+        return t
+
+    async def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
         """:meth:`tensor`, in a worker thread when it is large (THREAD_BYTES)."""
-        return await off_loop(self.decoded_nbytes, self.tensor)
+        return await off_loop(self.decoded_nbytes, lambda: self.tensor(device))
 
     def __repr__(self) -> str:
         state = "decoded" if self._tensor is not None else "failed" if self._error else "encoded"
@@ -207,8 +229,10 @@ async def encode_all(tensors: Sequence[Sendable], codec: CodecSpec | None) -> li
     return await off_loop(plain, run)
 
 
-async def decode_all(tensors: Sequence[ReceivedTensor]) -> list[torch.Tensor]:
-    """Every tensor decoded and checked (the first ProtocolError otherwise); in a worker
-    thread when large."""
+async def decode_all(
+    tensors: Sequence[ReceivedTensor], device: torch.device | str | None = None
+) -> list[torch.Tensor]:
+    """Every tensor decoded and checked (the first ProtocolError otherwise), on ``device``
+    (default the CPU; see :meth:`ReceivedTensor.tensor`); in a worker thread when large."""
     total = sum(t.decoded_nbytes for t in tensors)
-    return await off_loop(total, lambda: [t.tensor() for t in tensors])
+    return await off_loop(total, lambda: [t.tensor(device) for t in tensors])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from .budget import InboundBudget
 from .config import TransportConfig
 from .datagram_router import DatagramRouter
 from .errors import FecError, FramingError
@@ -56,10 +57,18 @@ class _Incoming:
 class TransferHub:
     """Sending and receiving FEC transfers on one connection."""
 
-    def __init__(self, link: QuicLink, config: TransportConfig, loss: LossEstimator) -> None:
+    def __init__(
+        self,
+        link: QuicLink,
+        config: TransportConfig,
+        loss: LossEstimator,
+        budget: InboundBudget | None = None,
+    ) -> None:
         self.link = link
         self.config = config
         self.loss = loss
+        # the node's budget, shared by every connection (None: this connection's only)
+        self.budget = budget
         self._loop = asyncio.get_running_loop()
         self._router = DatagramRouter(config.fec)
         self._incoming: dict[int, _Incoming] = {}
@@ -73,7 +82,9 @@ class TransferHub:
 
     def reserve(self, nbytes: int) -> None:
         """Count a message's payload against the connection's in-flight budget
-        (``limits.max_inflight_bytes``); FramingError with code ``busy`` beyond it."""
+        (``limits.max_inflight_bytes``) and the node's (``limits.max_inbound_bytes``),
+        before anything is allocated; FramingError with code ``busy`` (nothing reserved)
+        beyond either."""
         limit = self.config.limits.max_inflight_bytes
         if self._inflight + nbytes > limit:
             raise FramingError(
@@ -81,10 +92,15 @@ class TransferHub:
                 f"{nbytes} more exceed max_inflight_bytes={limit}",
                 code="busy",
             )
+        if self.budget is not None:
+            self.budget.reserve(nbytes)
         self._inflight += nbytes
 
     def release(self, nbytes: int) -> None:
-        self._inflight = max(0, self._inflight - nbytes)
+        nbytes = min(nbytes, self._inflight)
+        self._inflight -= nbytes
+        if self.budget is not None:
+            self.budget.release(nbytes)
 
     def rtt(self) -> float:
         rtt = self.link.stats().smoothed_rtt

@@ -26,10 +26,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .averaging_spec import AveragingSpec
+
 # Bumped when the meaning of a field changes, so that old and new peers get different ids.
 RUN_SPEC_VERSION = 1
 VOCAB_SIZE = 256  # byte-level: one token per byte, nothing to download
 STDLIB_CORPUS = "stdlib"  # sentinel: the Python standard library's own *.py files
+# <files>f-<bytes>b-<16 hex> (node/training/fingerprint.py writes them)
+FINGERPRINT_PATTERN = r"^[0-9]{1,9}f-[0-9]{1,19}b-[0-9a-f]{16}$"
 
 
 class RunSpecError(ValueError):
@@ -41,10 +45,23 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """Shape of the byte-level GPT (pre-LN decoder, untied head)."""
+    """Shape of the model: the byte-level GPT block or a Llama-style one (docs/models.md)."""
 
-    vocab_size: Literal[256] = Field(
-        default=256, description="Vocabulary size; byte-level, so always 256."
+    architecture: Literal["gpt", "llama"] = Field(
+        default="gpt",
+        description=(
+            "'gpt': pre-LayerNorm blocks with a GELU MLP; 'llama': RMSNorm, SwiGLU, rotary "
+            "and grouped-query attention, as Hugging Face's LlamaForCausalLM."
+        ),
+    )
+    vocab_size: int = Field(
+        default=VOCAB_SIZE,
+        ge=2,
+        le=1 << 20,
+        description=(
+            "Vocabulary size: 256 for byte-level data (no data.tokenizer); otherwise at least "
+            "the tokenizer's (and the pretrained checkpoint's when model.pretrained is set)."
+        ),
     )
     d_model: int = Field(
         default=128, ge=8, le=16384, description="Width of the residual stream (C)."
@@ -90,6 +107,51 @@ class ModelSpec(_Section):
         ),
     )
 
+    n_kv_heads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description=(
+            "Key/value heads of grouped-query attention ('llama' only); must divide n_heads; "
+            "unset: n_heads (plain multi-head attention)."
+        ),
+    )
+    intermediate_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="MLP hidden width; unset: round(mlp_ratio * d_model).",
+    )
+    rms_norm_eps: float = Field(
+        default=1e-5, gt=0.0, le=1.0, description="Epsilon of RMSNorm ('llama' only)."
+    )
+    tie_embeddings: bool = Field(
+        default=False,
+        description=(
+            "'llama' only: the LM head starts as the token embedding. With one stage they are "
+            "one parameter; across stages each end holds its own copy, trained separately "
+            "(docs/models.md). Needs logit_multiplier = 1."
+        ),
+    )
+    pretrained: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description=(
+            "Local Hugging Face Llama checkpoint directory (config.json + safetensors) to "
+            "start from instead of a random init; relative paths resolve against the "
+            "current directory. Each stage reads only its own tensors."
+        ),
+    )
+    pretrained_fingerprint: str | None = Field(
+        default=None,
+        pattern=FINGERPRINT_PATTERN,
+        description=(
+            "Fingerprint of the pretrained checkpoint's files (wanswarm fingerprint); "
+            "required with model.pretrained, checked when a stage loads it."
+        ),
+    )
+
     @field_validator("dropout")
     @classmethod
     def _no_dropout(cls, value: float) -> float:
@@ -107,11 +169,48 @@ class ModelSpec(_Section):
                 f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}); "
                 "change one of them"
             )
+        if self.architecture == "llama":
+            self._check_llama()
+        else:
+            for name in ("n_kv_heads", "pretrained"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} needs architecture = 'llama'")
+            if self.tie_embeddings:
+                raise ValueError("model.tie_embeddings needs architecture = 'llama'")
         return self
+
+    def _check_llama(self) -> None:
+        if self.positions != "rotary":
+            raise ValueError("architecture 'llama' uses rotary positions; set positions = 'rotary'")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head width d_model / n_heads = {self.head_dim} must be even (RoPE)")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})"
+            )
+        if self.tie_embeddings and self.logit_multiplier != 1.0:
+            raise ValueError("tie_embeddings needs logit_multiplier = 1.0 (one matrix, two uses)")
+        if (self.pretrained is None) != (self.pretrained_fingerprint is None):
+            raise ValueError(
+                "model.pretrained and model.pretrained_fingerprint go together; "
+                "`wanswarm fingerprint --run-spec FILE` prints the fingerprint"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (D)."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when unset."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def mlp_hidden(self) -> int:
         """Hidden width of each MLP."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
         return max(1, round(self.mlp_ratio * self.d_model))
 
 
@@ -300,6 +399,62 @@ class DataSpec(_Section):
     validation_windows: int = Field(
         default=64, ge=1, le=1_000_000, description="Fixed, seeded validation windows for val loss."
     )
+    format: Literal["bytes", "text", "jsonl", "parquet", "hf_disk"] = Field(
+        default="bytes",
+        description=(
+            "'bytes': the corpus read whole into memory, one token per byte (windows drawn "
+            "at random). Streamed and tokenized on the fly (docs/models.md): 'text' (plain "
+            "text files or directories), 'jsonl' (JSON lines with text_field), 'parquet' "
+            "(column text_field), 'hf_disk' (a Hugging Face dataset saved with save_to_disk)."
+        ),
+    )
+    text_field: str = Field(
+        default="text",
+        min_length=1,
+        max_length=256,
+        description="The text field of 'jsonl' records and the text column of 'parquet'/'hf_disk'.",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description=(
+            "Hugging Face tokenizers JSON file (local path; `wanswarm tokenizer train` writes "
+            "one); unset: byte-level (UTF-8 bytes, vocabulary 256). Streamed formats only."
+        ),
+    )
+    tokenizer_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the tokenizer file; required with tokenizer, checked on load.",
+    )
+    eos_token: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description=(
+            "Special token appended after each document (must be in the tokenizer); unset: "
+            "documents are joined by a newline."
+        ),
+    )
+    fingerprint: str | None = Field(
+        default=None,
+        pattern=FINGERPRINT_PATTERN,
+        description=(
+            "Content fingerprint of the data files (sizes and hashes of a sample of each; "
+            "`wanswarm fingerprint --run-spec FILE` prints it). When set, a trainer whose "
+            "local data differs refuses to join, naming the difference."
+        ),
+    )
+    shards: int = Field(
+        default=1,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Streamed formats: records split into this many disjoint shards; a trainer reads "
+            "shard (trainer.data_seed mod shards) first, then the others in turn."
+        ),
+    )
 
     @field_validator("corpus")
     @classmethod
@@ -310,6 +465,19 @@ class DataSpec(_Section):
         if STDLIB_CORPUS in value and len(value) > 1:
             raise ValueError(f"'{STDLIB_CORPUS}' must be the only corpus entry when used")
         return value
+
+    @model_validator(mode="after")
+    def _tokenizer_fields(self) -> DataSpec:
+        if (self.tokenizer is None) != (self.tokenizer_sha256 is None):
+            raise ValueError(
+                "data.tokenizer and data.tokenizer_sha256 go together; "
+                "`wanswarm tokenizer train` prints both"
+            )
+        if self.format == "bytes" and (self.tokenizer is not None or self.eos_token is not None):
+            raise ValueError("format 'bytes' is byte-level: no tokenizer or eos_token")
+        if self.eos_token is not None and self.tokenizer is None:
+            raise ValueError("data.eos_token needs data.tokenizer")
+        return self
 
 
 class LimitsSpec(_Section):
@@ -361,6 +529,20 @@ class LimitsSpec(_Section):
     )
 
 
+class PrecisionSpec(_Section):
+    """The arithmetic of the stages' compute (docs/gpu.md). Master weights and optimizer
+    state stay float32 in every mode; activations cross the wire as the codecs say."""
+
+    compute: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto",
+        description=(
+            "'auto': bf16 autocast on CUDA (fp16 with a loss scaler on GPUs without bf16), "
+            "fp32 on the CPU; 'bf16' or 'fp16' (with a loss scaler): that autocast on every "
+            "device; 'fp32': no autocast."
+        ),
+    )
+
+
 class RunSpec(_Section):
     """One training run. Every peer of the run holds the same spec (same ``run_id``)."""
 
@@ -385,6 +567,14 @@ class RunSpec(_Section):
         default_factory=LimitsSpec,
         description="Bounds on exchanged values; left out of run_id while at the defaults.",
     )
+    averaging: AveragingSpec = Field(
+        default_factory=AveragingSpec,
+        description="How a stage's replicas average; left out of run_id while at the defaults.",
+    )
+    precision: PrecisionSpec = Field(
+        default_factory=PrecisionSpec,
+        description="Compute precision of the stages; left out of run_id while at the defaults.",
+    )
 
     @model_validator(mode="after")
     def _layout_matches_model(self) -> RunSpec:
@@ -393,6 +583,11 @@ class RunSpec(_Section):
             raise ValueError(
                 f"stages.blocks_per_stage {list(self.stages.blocks_per_stage)} sums to {total} "
                 f"but model.n_layers = {self.model.n_layers}; make them agree"
+            )
+        if self.data.tokenizer is None and self.model.vocab_size != VOCAB_SIZE:
+            raise ValueError(
+                f"model.vocab_size = {self.model.vocab_size} but the data is byte-level "
+                f"(no data.tokenizer): set vocab_size = {VOCAB_SIZE} or name a tokenizer"
             )
         return self
 
@@ -409,6 +604,15 @@ class RunSpec(_Section):
         spec = self.model_dump(mode="json")
         if self.limits == LimitsSpec():
             del spec["limits"]
+        for section, names in _ADDED_FIELDS.items():  # omitted at their defaults, as limits
+            defaults = _ADDED_DEFAULTS[section]
+            for name in names:
+                if spec[section][name] == defaults[name]:
+                    del spec[section][name]
+        if self.averaging == AveragingSpec():
+            del spec["averaging"]
+        if self.precision == PrecisionSpec():
+            del spec["precision"]
         payload = {"run_spec_version": RUN_SPEC_VERSION, "spec": spec}
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
@@ -416,6 +620,24 @@ class RunSpec(_Section):
     def run_id(self) -> str:
         """16 hex characters of the SHA-256 of ``canonical_json()``: equal iff specs equal."""
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+# Fields added after run ids were first published: left out of the canonical JSON while at
+# their defaults, so that every earlier spec keeps its run id.
+_ADDED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "architecture", "n_kv_heads", "intermediate_size", "rms_norm_eps", "tie_embeddings",
+        "pretrained", "pretrained_fingerprint",
+    ),
+    "data": (
+        "format", "text_field", "tokenizer", "tokenizer_sha256", "eos_token", "fingerprint",
+        "shards",
+    ),
+}
+_ADDED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": ModelSpec().model_dump(mode="json"),
+    "data": DataSpec().model_dump(mode="json"),
+}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

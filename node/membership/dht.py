@@ -416,6 +416,11 @@ class Dht:
 
         return Optimizer(dht=self._process, **options)
 
+    def hivemind_averager(self, factory: Callable[..., Any], **options: Any) -> Any:
+        """A hivemind averager (``factory``: a ``DecentralizedAverager`` subclass, diloco.py)
+        on this DHT: ``options`` are its keyword arguments other than ``dht``."""
+        return factory(dht=self._process, **options)
+
     @property
     def sentinel(self) -> int:
         """A file descriptor that becomes readable when the DHT process ends."""

@@ -88,3 +88,28 @@ def load_identity(state_dir: Path) -> tuple[Identity, Path]:
     if created:
         log.info("created a new identity %s in %s", identity.peer_id, path)
     return identity, path
+
+
+# systemd's StateDirectory=wanswarm of configs/systemd/wanswarm.service
+SYSTEM_STATE_DIR = Path("/var/lib/wanswarm")
+
+
+def client_control_socket(
+    configured: Path, default: Path, system_dir: Path = SYSTEM_STATE_DIR
+) -> Path:
+    """The control socket 'wanswarm status'/'leave' talk to.
+
+    ``configured`` is the socket the config resolves to and ``default`` the one it resolves
+    to when nothing names a state directory. When nothing did (``configured == default``), no
+    daemon listens there, and a system service's socket exists in ``system_dir``, that one:
+    ``sudo wanswarm status`` then finds the service without ``--state-dir``.
+    """
+    if configured != default or configured.exists():
+        return configured
+    system = system_dir / "control.sock"
+    try:
+        if system.exists():
+            return system
+    except OSError:  # not ours to read (the service's directory is 0700): keep the default
+        pass
+    return configured

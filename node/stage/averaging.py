@@ -47,6 +47,13 @@ gradients of the stage, right before AdamW; the learning rate follows
 :class:`~.optimizer.StageOptimizer` contract this class keeps are optimizer.py's, shared with
 the solo ``LocalOptimizer``.
 
+Modes and hostile records. This is the run spec's ``[averaging] mode = "allreduce"`` (the
+default); the constructor refuses another mode (diloco.py's ``make_stage_optimizer`` builds
+the right optimizer). The progress records of the stage's replicas, which hivemind's tracker
+reads from the DHT, are screened first (progress_guard.py): an absurd epoch, sample count,
+rate or timestamp is ignored and counted (``progress_screen``), so that one forged record
+cannot make every replica resync in a loop.
+
 Checkpoints. ``export_state`` and ``import_state`` behave as optimizer.py describes, on
 hivemind's offloaded main parameters and optimizer state. ``import_state`` mirrors
 ``hivemind.Optimizer.load_state_from_peers``: those tensors are written under the
@@ -60,6 +67,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, Protocol
 
@@ -71,6 +79,8 @@ from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..training.model import param_groups
 from .optimizer import make_adamw, make_schedule, set_schedule_epoch
+from .progress_guard import ProgressBounds, guard_tracker
+from .resync import CatchUp, catch_up_through
 from .state_tensors import (
     MODEL_PREFIX,
     check_fits,
@@ -86,6 +96,11 @@ logger = logging.getLogger(__name__)
 
 CompressionName = Literal["none", "fp16", "scaled_fp16", "uint8", "quantile8"]
 
+
+# bytes a value of each hivemind wire compression (8-bit ones: fp16 below 2^16 values, ignored)
+_BYTES_PER_VALUE: dict[str, float] = {
+    "none": 4.0, "fp16": 2.0, "scaled_fp16": 2.0, "uint8": 1.0, "quantile8": 1.0,
+}
 
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
 IDLE_ROUND_WEIGHT = 1e-3
@@ -238,6 +253,11 @@ class CollaborativeOptimizer:
             )
         from hivemind.utils.crypto import RSAPrivateKey
 
+        if spec.averaging.mode != "allreduce":
+            raise AveragingError(
+                f"averaging.mode = {spec.averaging.mode!r}: build the stage's optimizer with "
+                "diloco.make_stage_optimizer (CollaborativeOptimizer is the 'allreduce' mode)"
+            )
         self.run_id = averaging_run_id(spec, stage)
         self.config = config
         self._module = module
@@ -279,9 +299,19 @@ class CollaborativeOptimizer:
         finally:
             if sigint is not None:
                 signal.signal(signal.SIGINT, sigint)
+        try:
+            # hostile progress records (an epoch of 10^15, absurd sample counts) are screened
+            # before hivemind's tracker reads them (progress_guard.py)
+            self.progress_screen = guard_tracker(
+                self._opt.tracker, ProgressBounds(target_batch_size=spec.batch.target_batch_size)
+            )
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            self._opt.shutdown()
+            raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
         for p in module.parameters():
             p.grad = None
         self._shut = False
+        self.catch_up: CatchUp | None = None  # catch_up_with() installs it
         self._last_call: float | None = None
         self.call_interval_s = 0.0  # EMA of the time between step / step_if_due calls
         self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
@@ -359,6 +389,11 @@ class CollaborativeOptimizer:
             return
         self.rounds_formed_early += 1
 
+    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+        # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
+        # is behind: our transport instead, hivemind's download once, attempts spaced
+        self.catch_up = catch_up_through(self._opt, fetch)
+
     def load_state_from_peers(self) -> bool:
         epoch = self.local_epoch
         try:
@@ -413,6 +448,31 @@ class CollaborativeOptimizer:
         with torch.no_grad(), averager.lock_averaged_tensors:
             tensors = snapshot(self._live_tensors())
             return self.local_epoch, tensors, optimizer_meta(averager.optimizer)
+
+    def export_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        return self.export_state()
+
+    def averaging_status(self) -> dict[str, Any]:
+        """The per-step all-reduce's fields for ``wanswarm status``: the last round is the
+        last epoch (hivemind reports neither its group nor its bytes: ``bytes_sent`` is what
+        a butterfly all-reduce of the stage's gradients sends per replica and round,
+        ``2 (n - 1) / n`` of them at the compression's bytes a value), the progress records
+        refused."""
+        n = max(1, self.num_peers)
+        per_value = _BYTES_PER_VALUE[self.config.grad_compression]
+        numel = sum(p.numel() for p in self._module.parameters())
+        return {
+            "mode": "allreduce",
+            "last_round": self.local_epoch,
+            "participants": n,
+            "bytes_sent": int(2 * (n - 1) / n * per_value * numel),
+            "grad_compression": self.config.grad_compression,
+            "rounds_formed_early": self.rounds_formed_early,
+            "failed_rounds_dropped": self.failed_rounds_dropped,
+            "progress_records_refused": self.progress_screen.refused,
+            # fell behind and caught up: through our transport, hivemind's, failed, deferred
+            "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,
+        }
 
     def import_state(
         self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]

@@ -8,6 +8,13 @@ up (the endpoint cancels the handler when the request stream is reset) or whose 
 out before it reached the device is dropped unrun. A job's slot is held until the job
 really finishes on the device thread, whether or not its requester still waits.
 
+Fair shares between peers (issue #13): one peer may hold at most ``max_peer_share`` of the
+capacity (half by default), so a peer that floods the queue leaves room for the others;
+and the device thread takes queued jobs round-robin by peer, not in arrival order, so
+another peer's job waits behind at most one job of each other peer, not behind a
+flooder's whole backlog (which would expire it). Identities are free to make: a peer
+running several identities gets several shares (docs/hostile.md).
+
 A job that fails answers its error: a ``RemoteError`` as raised, anything else (a bug, a
 torch failure) as ``internal``; the device thread goes on serving.
 """
@@ -15,10 +22,13 @@ torch failure) as ``internal``; the device thread goes on serving.
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...transport.endpoint import Response
@@ -38,9 +48,15 @@ class QueueCounts(Protocol):
     compute_s: float  # device thread: time spent running jobs
 
 
+MAX_PEER_SHARE = 0.5  # of the capacity, one peer's at most
+
+
 @dataclass
 class _Job:
+    peer: str
     deadline: float  # time.monotonic()
+    work: Callable[[], Response]
+    future: asyncio.Future[Response] = field(repr=False)
     cancelled: bool = False  # the requester gave up (set from the event loop)
 
 
@@ -58,9 +74,12 @@ class DeviceQueue:
         *,
         clock: Callable[[], float],
         on_change: Callable[[int], None],
+        max_peer_share: float = MAX_PEER_SHARE,
     ) -> None:
         self.stage = stage
         self.capacity = capacity
+        # a lone server of capacity 1 must still serve someone
+        self.peer_capacity = max(1, math.floor(capacity * max_peer_share))
         self.counters = counters
         self.clock = clock
         # other device-thread work (state transfer, checkpoints, the optimizer's flush and
@@ -68,31 +87,61 @@ class DeviceQueue:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-device")
         self._on_change = on_change
         self._pending = 0
+        self._per_peer: dict[str, int] = {}  # jobs queued or running, by peer
         self._idle = asyncio.Event()
         self._idle.set()
+        # jobs not yet started, by peer, and the round-robin order of peers that have some
+        # (touched by the event loop and the device thread: under the lock)
+        self._lock = threading.Lock()
+        self._waiting: dict[str, deque[_Job]] = {}
+        self._turns: deque[str] = deque()
 
     @property
     def pending(self) -> int:
         """Jobs queued or running on the device thread."""
         return self._pending
 
-    def admit(self) -> None:
-        """Refuse with ``busy`` when the queue is full."""
+    def pending_of(self, peer: str) -> int:
+        """Jobs of ``peer`` queued or running."""
+        return self._per_peer.get(peer, 0)
+
+    def admit(self, peer: str) -> None:
+        """Refuse with ``busy`` when the queue is full, or ``peer`` holds its share of it."""
         if self._pending >= self.capacity:
             self.counters.busy += 1
             raise refuse(ErrorCode.BUSY, f"{self._pending} jobs queued")
+        if self._per_peer.get(peer, 0) >= self.peer_capacity:
+            self.counters.busy += 1
+            raise refuse(
+                ErrorCode.BUSY, f"you hold {self.peer_capacity} of the {self.capacity} slots"
+            )
 
-    async def run(self, budget_s: float, work: Callable[[], Response]) -> Response:
-        """Queue ``work`` on the device thread; the slot is held until it really finishes."""
-        job = _Job(deadline=self.clock() + budget_s)
+    async def run(self, peer: str, budget_s: float, work: Callable[[], Response]) -> Response:
+        """Queue ``peer``'s ``work`` for the device thread (taken round-robin by peer); the
+        slot is held until it really finishes."""
+        loop = asyncio.get_running_loop()
+        job = _Job(peer, self.clock() + budget_s, work, loop.create_future())
+        with self._lock:
+            queue = self._waiting.get(peer)
+            if queue is None:
+                queue = self._waiting[peer] = deque()
+                self._turns.append(peer)
+            queue.append(job)
         self._pending += 1
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self._idle.clear()
         self._on_change(self._pending)
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self._device, job, work)
-        future.add_done_callback(self._job_done)
+        job.future.add_done_callback(lambda f: self._job_done(peer, f))
+        try:
+            # one turn of the device thread per job; which job it runs is the fair pick
+            self.executor.submit(self._device_next, loop)
+        except RuntimeError:  # shut down
+            self._drop(job)
+            if not job.future.done():
+                job.future.set_exception(refuse(ErrorCode.DRAINING, "the stage is closing"))
         try:
             # shielded: a cancelled handler must not free the slot of a job that still runs
-            return await asyncio.shield(future)
+            return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             job.cancelled = True
             raise
@@ -102,25 +151,75 @@ class DeviceQueue:
         await self._idle.wait()
 
     def shutdown(self) -> None:
-        """Stop the device thread; queued work is cancelled, a running job finishes."""
+        """Stop the device thread; queued work is refused (``draining``), a running job
+        finishes. Call on the event loop."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            jobs = [job for queue in self._waiting.values() for job in queue]
+            self._waiting.clear()
+            self._turns.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(refuse(ErrorCode.DRAINING, "the stage is closing"))
 
-    def _job_done(self, future: asyncio.Future[Response]) -> None:
+    def _drop(self, job: _Job) -> None:
+        with self._lock:
+            queue = self._waiting.get(job.peer)
+            if queue is not None and job in queue:
+                queue.remove(job)
+                if not queue:
+                    del self._waiting[job.peer]
+                    self._turns.remove(job.peer)
+
+    def _job_done(self, peer: str, future: asyncio.Future[Response]) -> None:
         self._pending -= 1
+        left = self._per_peer.get(peer, 1) - 1
+        if left > 0:
+            self._per_peer[peer] = left
+        else:
+            self._per_peer.pop(peer, None)
         if self._pending == 0:
             self._idle.set()
         self._on_change(self._pending)
         if not future.cancelled():
             future.exception()  # retrieved: a shielded job whose requester left is not an error
 
-    def _device(self, job: _Job, work: Callable[[], Response]) -> Response:
+    def _next_job(self) -> _Job | None:
+        """The next job, round-robin by peer (device thread)."""
+        with self._lock:
+            if not self._turns:
+                return None
+            peer = self._turns.popleft()
+            queue = self._waiting[peer]
+            job = queue.popleft()
+            if queue:
+                self._turns.append(peer)
+            else:
+                del self._waiting[peer]
+            return job
+
+    def _device_next(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs on the device thread: one turn, the next job in fair order."""
+        job = self._next_job()
+        if job is None:
+            return
+        try:
+            result: Response | BaseException = self._device(job)
+        except BaseException as exc:  # settled on the loop; nothing escapes the thread
+            result = exc
+        try:
+            loop.call_soon_threadsafe(_settle, job.future, result)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _device(self, job: _Job) -> Response:
         """Runs on the device thread."""
         if job.cancelled or self.clock() > job.deadline:
             self.counters.expired += 1
             raise refuse(ErrorCode.EXPIRED, "the request's budget ran out in the queue")
         started = time.perf_counter()
         try:
-            return work()
+            return job.work()
         except RemoteError:
             self.counters.failed += 1
             raise
@@ -130,3 +229,12 @@ class DeviceQueue:
             raise refuse(ErrorCode.INTERNAL, type(exc).__name__) from exc
         finally:
             self.counters.compute_s += time.perf_counter() - started
+
+
+def _settle(future: asyncio.Future[Response], result: Response | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -7,10 +7,15 @@ One method per request kind, each run as one job of the device queue (device_que
   instead of resending it;
 - ``forward_loss`` (last stage): loss and ``dL/dx`` in one round trip, accumulating the
   parameter gradients;
-- ``backward`` (stateless): recomputes the forward from the carried or cached ``x``
-  (``cache_miss`` if the reference is gone: the trainer resends), accumulates the parameter
-  gradients and returns ``dL/dx`` (nothing on stage 0);
+- ``backward``: runs from the autograd graph the forward kept (up to ``max_in_flight``
+  micro-batches, memory.GraphCache), else recomputes the forward from the carried or
+  cached ``x`` (``cache_miss`` if the reference is gone: the trainer resends), accumulates
+  the parameter gradients and returns ``dL/dx`` (nothing on stage 0);
 - ``eval_loss`` (last stage, no grad).
+
+Every job computes in the run's precision (precision.py: fp32, or bf16/fp16 autocast over
+float32 parameters; activations of any float dtype are accepted and cast to it) and sends
+its activations and gradients as float32 payloads, quantized from their own dtype.
 
 Every job checks its tensors against the stage's contract before computing on them: shape,
 dtype and the run's value bounds (``[limits]`` of the run spec; docs/hostile.md). Its own
@@ -38,6 +43,7 @@ half-updated state; the checkpointer's writer thread does the disk work).
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
@@ -73,11 +79,16 @@ from ..protocol import (
 )
 from ..training.model import StageModule
 from .checkpointer import Checkpointer
-from .memory import AppliedLog, InputCache
+from .memory import AppliedLog, GraphCache, InputCache
 from .optimizer import StageOptimizer
+from .precision import ComputePrecision, resolve_precision
 from .server_config import StageServerConfig
 
 log = get_logger(__name__)
+
+# Activations and gradients travel as float32 payloads (what the protocol's contract
+# checks); a bf16/fp16 tensor is quantized from its own dtype into such a payload.
+WIRE_DTYPE = torch.float32
 
 
 @dataclass
@@ -138,6 +149,7 @@ class StageJobs:
         self.counters = counters
         self.clock = clock
         self.limits = spec.limits
+        self.precision: ComputePrecision = resolve_precision(spec.precision.compute, device)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.forward_codec: CodecSpec = parse_codec(spec.codecs.forward_activations)
         self.backward_codec: CodecSpec = parse_codec(spec.codecs.backward_gradients)
@@ -145,6 +157,7 @@ class StageJobs:
         self._checkpoints = checkpoints
         self._queue_len = queue_len
         self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
+        self._graphs = GraphCache(config.max_in_flight, config.cache_ttl_s)
         self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
         self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
 
@@ -152,6 +165,11 @@ class StageJobs:
     def cached_inputs(self) -> int:
         """Forward inputs held for backward references."""
         return len(self._cache)
+
+    @property
+    def kept_graphs(self) -> int:
+        """Forward graphs held for their backward (at most ``max_in_flight``)."""
+        return len(self._graphs)
 
     def applied_keys(self) -> frozenset[Hashable]:
         """``(trainer, micro_batch, stage)`` of the micro-batches applied here (recent ones)."""
@@ -177,9 +195,25 @@ class StageJobs:
             raise
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """A checked input on the device: token ids, or activations of any float dtype
+        (checked as float32) in the stage's activation dtype."""
+        if self.contract.first:
+            with self._counting():
+                self.contract.check_input(x)
+            return x.to(self.device)
+        x = _as_float32(x)
         with self._counting():
             self.contract.check_input(x)
-        return x.to(self.device)
+        return self._to_device(x)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An activation or gradient on the device, in the stage's activation dtype (a
+        cast there, after the copy: only the narrower of the two dtypes crosses the bus
+        when they differ)."""
+        dtype = self.precision.activation_dtype()
+        if t.dtype.itemsize > dtype.itemsize:
+            t = t.to(dtype)
+        return t.to(self.device).to(dtype)
 
     def _check(self, value: float, bound: float, what: str) -> None:
         """One of our results against its bound (``out_of_range``)."""
@@ -190,14 +224,20 @@ class StageJobs:
         started = time.perf_counter()
         self.contract.check_count(tensors, 1, "forward")
         x = self._input(tensors[0])
-        with torch.no_grad():
-            y = self.module(x)  # (B, T, C)
+        ref = (msg.hop.trainer, msg.hop.micro_batch)
+        keep_graph = msg.keep_input and self.config.max_in_flight > 0
+        leaf = x if self.contract.first or not keep_graph else x.detach().requires_grad_(True)
+        with torch.set_grad_enabled(keep_graph), self.precision.autocast():
+            y = self.module(leaf)  # (B, T, C), in the compute dtype
         self._check(max_abs(y), self.limits.max_activation, f"stage {self.stage}'s output")
-        cached = msg.keep_input and self._cache.put(
-            (msg.hop.trainer, msg.hop.micro_batch), x, self.clock()
-        )
+        now = self.clock()
+        cached = msg.keep_input and self._cache.put(ref, x, now)
+        if cached and keep_graph:  # its backward then starts from this graph
+            self._graphs.put(ref, y, leaf, self.optimizer.local_epoch, now)
+        else:
+            self._graphs.pop(ref)
         self.counters.forward += 1
-        out = encode(y, self.forward_codec)
+        out = encode(y, self.forward_codec, dtype=WIRE_DTYPE)  # quantized from y's dtype
         return Response(
             to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out]
         )
@@ -225,7 +265,8 @@ class StageJobs:
     ) -> tuple[float, torch.Tensor | None]:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
-            loss = self.module.forward_loss(x, targets)  # ()
+            with self.precision.autocast():
+                loss = self.module.forward_loss(x, targets)  # (), float32
             value = float(loss.detach())
             self._check(value, self.limits.max_loss, "the loss")  # before any gradient
             grad_x = self._grads(loss, x, None, accumulate=accumulate)
@@ -249,26 +290,50 @@ class StageJobs:
             x = cached
         batch, length = int(x.shape[0]), int(x.shape[1])
         with self._counting():
-            self.contract.check_output_grad(tensors[-1], batch, length)
-        grad_y = tensors[-1].to(self.device)
+            self.contract.check_output_grad(_as_float32(tensors[-1]), batch, length)
+        grad_y = self._to_device(_as_float32(tensors[-1]))
         self.counters.backward += 1
+        graph = None
+        if not msg.input_carried:
+            graph = self._graphs.take(ref, self.optimizer.local_epoch, self.clock())
+        else:
+            self._graphs.pop(ref)
         if hop.key in self._applied:
             return self._duplicate(
                 hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False))
             )
-        grad_x = self._recompute(x, grad_y, accumulate=True)
+        served, grad_x = (False, None) if graph is None else self._from_graph(graph, grad_y)
+        if not served:
+            grad_x = self._recompute(x, grad_y, accumulate=True)
         self._cache.pop(ref)
         out = self._encode_grad(hop, grad_x)
         header = BackwardReply(duplicate=False, **self._reply_fields(started))
         return self._apply(hop.key, batch, Response(to_header(header), out))
+
+    def _from_graph(
+        self, graph: tuple[torch.Tensor, torch.Tensor], grad_y: torch.Tensor
+    ) -> tuple[bool, torch.Tensor | None]:
+        """``(True, dL/dx)``, accumulating dL/dtheta, through the graph the forward kept;
+        ``(False, None)`` when it cannot serve (its parameters were changed in place since:
+        an optimizer step that did not move the epoch yet), and the forward is recomputed."""
+        y, leaf = graph
+        try:
+            with torch.enable_grad():
+                return True, self._grads(y, leaf, grad_y.to(y.dtype), accumulate=True)
+        except RemoteError:
+            raise
+        except RuntimeError as exc:  # autograd's check of the saved tensors' versions
+            log.debug("stage %d: kept graph unusable (%s); recomputing", self.stage, exc)
+            return False, None
 
     def _recompute(
         self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool
     ) -> torch.Tensor | None:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
-            y = self.module(x)  # (B, T, C)
-            return self._grads(y, x, grad_y, accumulate=accumulate)
+            with self.precision.autocast():
+                y = self.module(x)  # (B, T, C), in the compute dtype
+            return self._grads(y, x, grad_y.to(y.dtype), accumulate=accumulate)
 
     def _grads(
         self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
@@ -280,7 +345,11 @@ class StageJobs:
         if not inputs and not params:
             return None  # stage 0's duplicate: nothing to return and nothing to accumulate
         # into scratch tensors, not .grad: a refused micro-batch must leave no trace there
-        grads = torch.autograd.grad(out, [*inputs, *params], grad_out, allow_unused=True)
+        grads: tuple[torch.Tensor | None, ...]
+        if self.precision.scaler is None:
+            grads = torch.autograd.grad(out, [*inputs, *params], grad_out, allow_unused=True)
+        else:
+            grads = self._scaled_grads(out, [*inputs, *params], grad_out)
         grad_x = grads[0] if inputs else None
         if grad_x is not None:
             self._check(max_abs(grad_x), self.limits.max_gradient, "dL/dx")
@@ -298,12 +367,33 @@ class StageJobs:
                         p.grad.add_(g)  # in place: an averager may hold .grad's buffers
         return grad_x
 
+    def _scaled_grads(
+        self, out: torch.Tensor, wrt: list[torch.Tensor], grad_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """fp16: the gradients through the loss scaler (precision.py), unscaled in float32.
+
+        A scale that overflows is halved and the backward redone; at the scale's floor the
+        gradients are returned as they are, and the checks refuse what is not finite."""
+        scaler = self.precision.scaler
+        assert scaler is not None
+        seed = torch.ones_like(out) if grad_out is None else grad_out
+        while True:
+            scale = scaler.scale
+            grads = torch.autograd.grad(
+                out, wrt, seed * scale, allow_unused=True, retain_graph=True
+            )
+            found_inf = any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+            last = scaler.exhausted
+            scaler.update(found_inf)
+            if not found_inf or last:
+                return tuple(None if g is None else g.float().div_(scale) for g in grads)
+
     def eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
         self.contract.check_count(tensors, 2, "eval_loss")
         x = self._input(tensors[0])
         self.contract.check_targets(tensors[1], int(x.shape[0]), int(x.shape[1]))
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.autocast():
             loss = float(self.module.forward_loss(x, tensors[1].to(self.device)))
         self._check(loss, self.limits.max_loss, "the loss")
         self.counters.eval_loss += 1
@@ -324,7 +414,9 @@ class StageJobs:
             header = dict(cached.header, **self._reply_fields(started), duplicate=True)
             return Response(header, cached.tensors)
         loss, grad_x = recompute()
-        out = [] if grad_x is None else [encode(grad_x, self.backward_codec)]  # not through EF
+        out = (  # not through error feedback
+            [] if grad_x is None else [encode(grad_x, self.backward_codec, dtype=WIRE_DTYPE)]
+        )
         fields = self._reply_fields(started)
         if loss is not None:
             return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), list(out))
@@ -333,10 +425,10 @@ class StageJobs:
     def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[Sendable]:
         if grad_x is None:
             return []
-        if self.config.error_feedback:
+        if self.config.error_feedback:  # its residual arithmetic is float32 anyway
             key = (hop.trainer, self.stage, "grad_input")
-            return [self._ef.encode(key, grad_x, self.backward_codec)]
-        return [encode(grad_x, self.backward_codec)]
+            return [self._ef.encode(key, grad_x.to(WIRE_DTYPE), self.backward_codec)]
+        return [encode(grad_x, self.backward_codec, dtype=WIRE_DTYPE)]
 
     def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:
         """Record the micro-batch as applied, then let the optimizer take its gradients."""
@@ -380,7 +472,7 @@ class StageJobs:
         Only with a checkpointer."""
         assert self._checkpoints is not None
         try:
-            epoch, tensors, meta = self.optimizer.export_state()
+            epoch, tensors, meta = self.optimizer.export_checkpoint()
         except Exception:  # a bug or a torch failure: the checkpoint is skipped, serving goes on
             self.counters.export_failures += 1
             log.exception("stage %d: exporting the state for a checkpoint failed", self.stage)
@@ -395,14 +487,30 @@ class StageJobs:
         h = hashlib.sha256()
         for name, tensor in self.module.state_dict().items():
             h.update(name.encode())
-            h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            # the tensor's bytes through the buffer protocol: no copy on the CPU
+            h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy())
         return h.hexdigest()[:16]
 
 
+def _as_float32(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor of another dtype as float32 (exact for bf16/fp16), for the contract's
+    checks; anything else as it is (the checks refuse it)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
+        return t.float()
+    return t
+
+
 def _global_norm(grads: Sequence[torch.Tensor | None]) -> float:
-    """L2 norm of all the gradients together, in float64 (no overflow for any bound a
-    run spec allows); inf or NaN when one of them holds an Inf or a NaN."""
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads if g is not None]
-    if not norms:
+    """L2 norm of all the gradients together; inf or NaN when one of them holds an Inf or a
+    NaN. Computed in float32, which is exact enough for a bound and needs no float64 copy
+    of every gradient; only when that overflows (a norm beyond ~1e19, or a non-finite
+    value) is it recomputed in float64, so that no bound a run spec allows is misjudged."""
+    present = [g for g in grads if g is not None]
+    if not present:
         return 0.0
+    per_tensor = [torch.linalg.vector_norm(g) for g in present]  # float32
+    fast = float(torch.linalg.vector_norm(torch.stack(per_tensor)))
+    if math.isfinite(fast):
+        return fast
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in present]
     return float(torch.linalg.vector_norm(torch.stack(norms)))

@@ -26,7 +26,7 @@ checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +58,11 @@ class StageOptimizer(Protocol):
 
     def load_state_from_peers(self) -> bool:
         """Download the stage's state from its peers; False if there was nobody to ask."""
+
+    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+        """When this replica falls behind its stage's epoch, call ``fetch`` (on the device
+        thread: our download and install, resync.py) instead of the averaging library's own
+        download; a no-op where no library downloads on its own."""
 
     @property
     def local_epoch(self) -> int:
@@ -93,6 +98,15 @@ class StageOptimizer(Protocol):
     ) -> None:
         """Install a state from ``export_state`` (possibly another replica's); ``CheckpointError``
         before anything changes when it does not fit."""
+
+    def averaging_status(self) -> dict[str, Any]:
+        """Flat JSON-able fields for ``wanswarm status``: ``mode`` (allreduce, diloco, solo),
+        ``last_round``, ``participants``, ``bytes_sent`` and what else the mode has."""
+
+    def export_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """What this replica's checkpoints hold: ``export_state`` plus whatever is this
+        replica's own and not shared with the stage (DiLoCo's inner state and residuals);
+        ``import_state`` takes it too."""
 
 
 # ---------------------------------------------------------------------------- AdamW, schedule
@@ -219,6 +233,9 @@ class LocalOptimizer:
     def load_state_from_peers(self) -> bool:
         return False
 
+    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+        pass  # alone: never behind
+
     @property
     def local_epoch(self) -> int:
         return self._epoch
@@ -246,6 +263,18 @@ class LocalOptimizer:
     def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         live = module_tensors(self._module) | optimizer_tensors(self._opt)
         return self._epoch, snapshot(live), optimizer_meta(self._opt)
+
+    def export_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        return self.export_state()
+
+    def averaging_status(self) -> dict[str, Any]:
+        return {"mode": "solo"}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` (a state adopted from peers): the schedule follows; the
+        parameters, the AdamW moments and the accumulated gradients stay."""
+        self._epoch = checked_epoch(epoch)
+        set_schedule_epoch(self._schedule, self._opt, self._epoch)
 
     @torch.no_grad()
     def import_state(

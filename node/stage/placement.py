@@ -34,7 +34,9 @@ from ..endpoint import EndpointComponent
 from ..errors import DhtError, JoinError, RecordError
 from ..logs import get_logger
 from ..membership.records import ServerState
-from .averaging import AveragingConfig, CollaborativeOptimizer
+from .averaging import AveragingConfig
+from .diloco import make_stage_optimizer
+from .memory import check_fits
 from .selection import (
     COUNTED_STATES,
     MAX_STAGE_CLAIM_BYTES,
@@ -42,6 +44,7 @@ from .selection import (
     RebalancePlan,
     ServerLoad,
     choose_stage,
+    clamp_claims,
     encode_stage_claim,
     join_backoff,
     next_rebalance_delay,
@@ -49,7 +52,7 @@ from .selection import (
     plan_rebalance,
     resume_stage,
 )
-from .server import StageServer
+from .server import StageServer, resolve_device
 from .server_config import StageServerConfig
 
 log = get_logger(__name__)
@@ -148,6 +151,7 @@ class ServerComponent:
         self.checks = 0
         self._target: int | None = None  # the stage claimed (the one being loaded during a move)
         self._leaving = False
+        self._paused = False  # wanswarm pause
         self._moving = False
         self._rebalancer: asyncio.Task[None] | None = None
         self._retiring: asyncio.Task[None] | None = None  # the old server's close, during a move
@@ -155,6 +159,10 @@ class ServerComponent:
     async def start(self, ctx: ComponentContext) -> None:
         assert self.endpoint.endpoint is not None, "the endpoint component starts first"
         stage = await self._claim(ctx)
+        # before the claim is announced: a stage this device cannot hold is refused here, with
+        # the stages and max_in_flight that would fit (StageMemoryError), not after others
+        # have counted us as its server
+        check_fits(self.spec, stage, self.config, resolve_device(self.config.device))
         self._remember(ctx, stage)
         ctx.membership.update(stage=stage, throughput=PLACEHOLDER_THROUGHPUT, queue=0)
         await ctx.membership.announce()
@@ -176,12 +184,15 @@ class ServerComponent:
         self.server = StageServer(
             self.spec, stage, self.config,
             endpoint=self.endpoint.endpoint,
-            make_optimizer=lambda module: CollaborativeOptimizer(
+            # the [averaging] mode's optimizer: hivemind's collaborative one, or DiLoCo's
+            make_optimizer=lambda module: make_stage_optimizer(
                 module, self.spec, stage, dht, averaging
             ),
             state_dir=Path(ctx.state_dir),
             donors=lambda: self._donors(ctx, stage),
         )
+        if self._paused:  # paused before this server existed (or before a move)
+            self.server.pause()
         try:
             await self.server.start(ctx)
         except Exception:
@@ -234,12 +245,16 @@ class ServerComponent:
         self._target = stage
         write_stage_claim(Path(ctx.state_dir), self.spec.run_id, stage)
 
-    def _selection_view(self, ctx: ComponentContext) -> list[ServerLoad]:
-        """The other servers as stage selection counts them (joining and online)."""
-        return [
+    def _selection_view(self, ctx: ComponentContext, *, clamp: bool = True) -> list[ServerLoad]:
+        """The other servers as stage selection counts them (joining and online), their
+        claims capped relative to the others' (``clamp_claims``) unless ``clamp`` is off."""
+        view = [
             ServerLoad(s.peer.peer_id, s.stage, s.record.throughput, s.record.state)
             for s in ctx.peers.servers(COUNTED_STATES, run_id=self.spec.run_id)
         ]
+        if not clamp:
+            return view
+        return clamp_claims(view, self.spec.n_stages, self.rebalance.max_claim_ratio)
 
     # ---- rebalancing ----------------------------------------------------------------
 
@@ -261,6 +276,7 @@ class ServerComponent:
         server = self.server
         if (
             self._leaving
+            or self._paused
             or server is None
             or server.state != "online"
             or ctx.membership.state != "online"
@@ -268,8 +284,10 @@ class ServerComponent:
             return None  # only a serving node moves: never while joining, moving or leaving
         self.checks += 1
         me = ctx.identity.peer_id
-        view = [s for s in self._selection_view(ctx) if s.peer_id != me]
+        view = [s for s in self._selection_view(ctx, clamp=False) if s.peer_id != me]
         view.append(ServerLoad(me, server.stage, server.throughput, "online"))
+        # capped with our own figure in the view: every server caps the same view
+        view = clamp_claims(view, self.spec.n_stages, self.rebalance.max_claim_ratio)
         plan = plan_rebalance(view, self.spec.n_stages, self.rebalance)
         move = plan_move(plan, me)
         if plan.moves and move is None:
@@ -348,6 +366,18 @@ class ServerComponent:
         return True
 
     # ---- component seam -------------------------------------------------------------
+
+    def pause(self) -> None:
+        """``wanswarm pause``: our server refuses work and announces no throughput; no moves
+        (a paused node must not pull a stage's throughput away by leaving it)."""
+        self._paused = True
+        if self.server is not None:
+            self.server.pause()
+
+    def resume(self) -> None:
+        self._paused = False
+        if self.server is not None:
+            self.server.resume()
 
     async def drain(self, deadline: float) -> None:
         self._leaving = True

@@ -28,6 +28,18 @@ with every accepted plan and can do so only finitely often; moved servers are
 ``joining`` (unmovable) until loaded. ``docs/stage_selection.md`` has the details and
 the churn simulation (``benchmarks/rebalance_sim.py``).
 
+- **Claims** (``clamp_claims``): throughput figures are announced by the servers
+  themselves, so one absurd claim (1e12 samples/s) would make its stage look served
+  forever: joiners would avoid it and rebalancing would move its honest servers away.
+  Before any decision each figure is capped at ``max_claim_ratio`` times the lower median
+  of the counted servers' figures (across stages). The cap is a function of the shared
+  view only, so every server still computes the same plan; one peer (or any minority)
+  cannot move the median. The default, 2, is low on purpose: a plan moves a stage's honest
+  servers away only when what stays beats the worst stage, and at 2 one server's claim is
+  worth at most two typical servers, which no move can pay for on its own (at 8 a single
+  liar could empty its stage of honest servers). Honest hardware faster than twice the
+  median is undercounted for placement only; routing uses what trainers measure.
+
 - **Resume** (``encode_stage_claim``, ``resume_stage``): the stage a server claims or moves
   to is remembered as ``{v, run_id, stage}`` (small JSON, the daemon writes it to its state
   directory), so that a restarted server of the same run claims the same stage again at
@@ -40,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -107,6 +119,15 @@ class RebalancePolicy(BaseModel):
         description="Seconds a moved server serves nothing while it downloads its new stage.",
     )
     max_moves: int = Field(default=16, ge=1, le=100_000, description="Most moves in one plan.")
+    max_claim_ratio: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=1e6,
+        description=(
+            "A server's announced throughput counts at most this many times the lower "
+            "median of the counted servers' figures (one absurd claim moves nothing)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _load_shorter_than_period(self) -> RebalancePolicy:
@@ -124,6 +145,19 @@ def _counted(server: ServerLoad, n_stages: int) -> bool:
         and 0 <= server.stage < n_stages
         and server.throughput > 0
     )
+
+
+def clamp_claims(
+    servers: Iterable[ServerLoad], n_stages: int, max_ratio: float
+) -> list[ServerLoad]:
+    """``servers`` with each throughput capped at ``max_ratio`` times the lower median of
+    the counted servers' figures (see the module docstring; pure and order-independent)."""
+    view = list(servers)
+    figures = sorted(s.throughput for s in view if _counted(s, n_stages))
+    if not figures:
+        return view
+    cap = max_ratio * figures[(len(figures) - 1) // 2]
+    return [replace(s, throughput=cap) if s.throughput > cap else s for s in view]
 
 
 def stage_totals(servers: Iterable[ServerLoad], n_stages: int) -> list[float]:

@@ -67,7 +67,9 @@ from ..training.model import StageModule, build_stage
 from .checkpointer import Checkpointer, ResumeSource
 from .device_queue import DeviceQueue
 from .jobs import StageJobs, StageServerCounters
+from .memory import StageFootprint, check_fits, limit_device_memory
 from .optimizer import StageOptimizer
+from .precision import ComputePrecision
 from .server_config import StageServerConfig
 from .state import DonorSource, StageStateSharing
 from .throughput import cached_throughput
@@ -78,7 +80,14 @@ log = get_logger(__name__)
 class HandlerRegistry(Protocol):
     """Where the server registers its request kinds (``transport.endpoint.Endpoint``)."""
 
-    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None: ...
+    def register(
+        self,
+        kind: str,
+        handler: Handler,
+        *,
+        allow_nonfinite: bool = False,
+        device: str | None = None,
+    ) -> None: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,6 +119,9 @@ class StageServer:
         self.spec, self.stage, self.config = spec, stage, config
         self.contract = StageContract.from_spec(spec, stage)
         self.device = resolve_device(config.device)
+        # before anything is allocated: StageMemoryError names the stages that would fit
+        self.footprint: StageFootprint = check_fits(spec, stage, config, self.device)
+        limit_device_memory(config, self.device)
         self.module: StageModule = build_stage(spec, stage).to(self.device)
         self.optimizer = make_optimizer(self.module)
         self.state_dir = state_dir
@@ -117,6 +129,7 @@ class StageServer:
         self.counters = StageServerCounters()
         self.state: ServerState = "joining"
         self.throughput = 0.0
+        self.paused = False  # wanswarm pause: refuse work, stay in the swarm
         self._queue = DeviceQueue(
             stage, config.queue_size, self.counters, clock=clock, on_change=self._announce_queue
         )
@@ -162,7 +175,10 @@ class StageServer:
             (Kind.EVAL_LOSS, self._on_eval_loss),
             (Kind.STAGE_INFO, self._on_info),
         ):
-            endpoint.register(str(kind), handler)
+            if self.device.type == "cuda":  # requests dequantized straight into GPU memory
+                endpoint.register(str(kind), handler, device=str(self.device))
+            else:
+                endpoint.register(str(kind), handler)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -170,6 +186,9 @@ class StageServer:
         """Load the stage's state from its peers or our checkpoint, measure throughput, then
         serve."""
         loop = asyncio.get_running_loop()
+        # a replica that falls behind later catches up through our transport (resync.py)
+        timeout = self.config.state_transfer.timeout_s
+        self.optimizer.catch_up_with(lambda: self._sharing.resync(loop, timeout))
         loaded = await self._sharing.load()
         peer_epoch = self.optimizer.local_epoch
         log.info("stage %d: %s, epoch %d", self.stage,
@@ -195,6 +214,7 @@ class StageServer:
             self.device,
             self.state_dir,
             self.config.benchmark_iterations,
+            self._jobs.precision,
         )
         self.state = "online"
         self._checker = asyncio.create_task(
@@ -209,7 +229,23 @@ class StageServer:
         # servers choosing their stage meanwhile count this one)
         ctx.membership.update(stage=self.stage, queue=0)
         await self.open()
-        ctx.membership.update(throughput=self.throughput, queue=self._queue.pending)
+        ctx.membership.update(
+            throughput=0.0 if self.paused else self.throughput, queue=self._queue.pending
+        )
+
+    def pause(self) -> None:
+        """``wanswarm pause``: refuse new work (``busy``), announce no throughput so that
+        trainers and stage selection look elsewhere; keep the state, the stage and the
+        epoch steps (averaging goes on with what was accumulated)."""
+        self.paused = True
+        if self._membership is not None:
+            self._membership.update(throughput=0.0)
+
+    def resume(self) -> None:
+        """``wanswarm resume``: take work again, announce the measured throughput."""
+        self.paused = False
+        if self._membership is not None:
+            self._membership.update(throughput=self.throughput)
 
     async def drain(self, deadline: float) -> None:
         """Refuse new work, finish queued jobs, apply pending averaging and save a checkpoint,
@@ -254,17 +290,25 @@ class StageServer:
         return {
             "stage": self.stage,
             "state": self.state,
+            "paused": self.paused,
             "queue": self._queue.pending,
             "throughput": round(self.throughput, 2),
             "epoch": self.optimizer.local_epoch,
             "samples_accumulated": self.optimizer.samples_accumulated,
             "synchronized": self.optimizer.is_synchronized(),
             "replicas_seen": self.optimizer.num_peers,
+            "averaging": self.optimizer.averaging_status(),
             "cache": self._jobs.cached_inputs,
             "digest_epoch": self._jobs.digest[0],
             "param_digest": self._jobs.digest[1],
             "resumed_from": self.resumed_from,
+            "device": str(self.device),
+            "precision": self.precision.describe(),
+            "memory_estimate_mb": round(self.footprint.total / 2**20, 1),
+            "memory_limit_mb": self.config.max_device_memory_mb,
+            "graphs_kept": self._jobs.kept_graphs,
             "state_download": self._sharing.last_download,
+            "state_download_progress": self._sharing.download_progress,
             "state_donated": {
                 "manifests": self._sharing.donor.counts["manifests"],
                 "chunks": self._sharing.donor.counts["chunks"],
@@ -276,6 +320,11 @@ class StageServer:
             ),
             **asdict(self.counters),
         }
+
+    @property
+    def precision(self) -> ComputePrecision:
+        """The arithmetic the stage computes in on its device (precision.py)."""
+        return self._jobs.precision
 
     def applied_keys(self) -> frozenset[Hashable]:
         """``(trainer, micro_batch, stage)`` of the micro-batches applied here (recent ones)."""
@@ -302,10 +351,12 @@ class StageServer:
                 raise refuse(ErrorCode.NOT_READY, "still loading the stage's state")
             if self.state == "draining":
                 raise refuse(ErrorCode.DRAINING, "leaving: send elsewhere")
+            if self.paused:
+                raise refuse(ErrorCode.BUSY, "paused: send elsewhere")
         except RemoteError:
             self.counters.refused += 1
             raise
-        self._queue.admit()
+        self._queue.admit(sender)
 
     async def _check_step_loop(self) -> None:
         """While online: every step_check_period_s, a device-thread job joins a due epoch step
@@ -338,14 +389,16 @@ class StageServer:
         if self.contract.last:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage answers forward_loss and eval_loss")
-        return await self._queue.run(msg.budget_s, lambda: self._jobs.forward(msg, request.tensors))
+        return await self._queue.run(
+            request.peer_id, msg.budget_s, lambda: self._jobs.forward(msg, request.tensors)
+        )
 
     async def _on_forward_loss(self, request: Request) -> Response:
         msg = parse_request(ForwardLossRequest, request.header)
         self._admit(msg.hop, request.peer_id)
         self._require_last("forward_loss")
         return await self._queue.run(
-            msg.budget_s, lambda: self._jobs.forward_loss(msg, request.tensors)
+            request.peer_id, msg.budget_s, lambda: self._jobs.forward_loss(msg, request.tensors)
         )
 
     async def _on_backward(self, request: Request) -> Response:
@@ -355,7 +408,7 @@ class StageServer:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage's backward is forward_loss")
         return await self._queue.run(
-            msg.budget_s, lambda: self._jobs.backward(msg, request.tensors)
+            request.peer_id, msg.budget_s, lambda: self._jobs.backward(msg, request.tensors)
         )
 
     async def _on_eval_loss(self, request: Request) -> Response:
@@ -363,7 +416,7 @@ class StageServer:
         self._admit(msg.hop, request.peer_id)
         self._require_last("eval_loss")
         return await self._queue.run(
-            msg.budget_s, lambda: self._jobs.eval_loss(msg, request.tensors)
+            request.peer_id, msg.budget_s, lambda: self._jobs.eval_loss(msg, request.tensors)
         )
 
     async def _on_info(self, request: Request) -> Response:

@@ -28,6 +28,25 @@ class StageServerConfig(BaseModel):
         le=4096,
         description="Jobs queued or running on the device; beyond it we answer 'busy'.",
     )
+    max_in_flight: int = Field(
+        default=4,
+        ge=0,
+        le=1024,
+        description=(
+            "Micro-batches whose forward activations (autograd graph) the stage keeps until "
+            "their backward, which then need not recompute the forward; the memory check "
+            "counts this many (0: every backward recomputes)."
+        ),
+    )
+    max_device_memory_mb: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Most device memory (MiB) the stage may use; unset: all that is free. The "
+            "memory check before serving counts against min(free, this); on CUDA it is "
+            "also enforced (torch.cuda.set_per_process_memory_fraction)."
+        ),
+    )
     cache_entries: int = Field(
         default=256,
         ge=0,

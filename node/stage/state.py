@@ -81,6 +81,9 @@ class StageStateSharing:
         self.prefix = stage_kind_prefix(stage)
         self.donor = StateDonor(endpoint, self._snapshot, kind_prefix=self.prefix, config=config)
         self.last_download: dict[str, Any] | None = None
+        self.catch_ups = 0  # states installed by resync() after the open
+        self.download_progress: dict[str, Any] | None = None  # while a download runs
+        self._layout: Any = None  # the stage's own state layout, once known
 
     async def _snapshot(self) -> Snapshot:
         if not self._serving():
@@ -103,11 +106,11 @@ class StageStateSharing:
                 _, own, _ = await loop.run_in_executor(
                     self._executor, self._optimizer.export_state
                 )
-                expected = state_layout(own)
+                expected = self._layout = state_layout(own)
                 del own
                 snap = await download_state(
                     self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
-                    expected=expected,
+                    expected=expected, progress=self._progress(len(donors), started),
                 )
                 await loop.run_in_executor(self._executor, self._install, snap)
             except (UntrustedStateError, CheckpointError) as exc:
@@ -118,22 +121,87 @@ class StageStateSharing:
                 log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
                             "asking hivemind's averagers instead", self.stage, len(donors), exc)
             else:
-                seconds = time.monotonic() - started
-                nbytes = sum(t.numel() * t.element_size() for t in snap.tensors.values())
-                self.last_download = {"epoch": snap.epoch, "donors": len(donors), "bytes": nbytes,
-                                      "seconds": round(seconds, 2)}
-                log.info(
-                    "stage %d: state of epoch %d downloaded from %d donor(s): %.1f MB in %.1fs",
-                    self.stage,
-                    snap.epoch,
-                    len(donors),
-                    nbytes / 1e6,
-                    seconds,
-                )
+                self._downloaded(snap, len(donors), started)
                 return True
+            finally:
+                self.download_progress = None
         return bool(
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
+
+    def resync(self, loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+        """Device thread, inside the optimizer's step (resync.py): download the stage's state
+        from its online replicas through ``loop`` and install it here, if it is ahead of
+        ours. False, logged, when there is no donor, nothing newer or nothing trustworthy,
+        or it takes longer than ``timeout`` seconds (the download is then cancelled)."""
+        if self._donors is None:
+            return False
+        if self._layout is None:  # this thread is the device thread: export directly
+            _, own, _ = self._optimizer.export_state()
+            self._layout = state_layout(own)
+            del own
+        started = time.monotonic()
+        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout), loop)
+        try:
+            snap, donors = future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            log.warning("stage %d: catching up: no state within %.0fs", self.stage, timeout)
+            return False
+        except (StateTransferError, UntrustedStateError) as exc:
+            log.warning("stage %d: catching up: %s", self.stage, exc)
+            return False
+        if snap is None or snap.epoch <= self._optimizer.local_epoch:
+            return False
+        try:
+            self._install(snap)
+        except (CheckpointError, AveragingError) as exc:
+            log.warning("stage %d: catching up: not installing epoch %d: %s",
+                        self.stage, snap.epoch, exc)
+            return False
+        self.catch_ups += 1
+        self._downloaded(snap, donors, started, "caught up: ")
+        return True
+
+    def _progress(self, donors: int, started: float) -> Callable[[int, int], None]:
+        """The download's progress callback: ``download_progress`` for status while it runs
+        (bytes verified so far, of how many, from how many donors, and the ETA at the rate
+        so far)."""
+
+        def report(done: int, total: int) -> None:
+            elapsed = time.monotonic() - started
+            rate = done / elapsed if elapsed > 0 else 0.0
+            eta = (total - done) / rate if rate > 0 else None
+            self.download_progress = {
+                "done_bytes": done,
+                "total_bytes": total,
+                "donors": donors,
+                "eta_s": None if eta is None else round(eta, 1),
+            }
+
+        return report
+
+    async def _fetch(self, expected: Any) -> tuple[Snapshot | None, int]:
+        assert self._donors is not None
+        donors = list(self._donors())
+        if not donors:
+            return None, 0
+        try:
+            snap = await download_state(
+                self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
+                expected=expected, progress=self._progress(len(donors), time.monotonic()),
+            )
+        finally:
+            self.download_progress = None
+        return snap, len(donors)
+
+    def _downloaded(self, snap: Snapshot, donors: int, started: float, what: str = "") -> None:
+        seconds = time.monotonic() - started
+        nbytes = sum(t.numel() * t.element_size() for t in snap.tensors.values())
+        self.last_download = {"epoch": snap.epoch, "donors": donors, "bytes": nbytes,
+                              "seconds": round(seconds, 2), "catch_ups": self.catch_ups}
+        log.info("stage %d: %sstate of epoch %d downloaded from %d donor(s): %.1f MB in %.1fs",
+                 self.stage, what, snap.epoch, donors, nbytes / 1e6, seconds)
 
     def _install(self, snap: Snapshot) -> None:
         """Device thread: check the downloaded values, then install them (all or nothing)."""

@@ -5,7 +5,9 @@ A donor's work is bounded whoever asks: a snapshot (a copy of the state) at most
 ``snapshot_reuse_s``; each snapshot hashed for at most ``PLANS_PER_SNAPSHOT`` chunk sizes,
 out of the fixed set of powers of two the wire accepts (a further size is answered
 ``busy`` rather than evicting a plan, so cycling sizes cannot make the donor re-hash); one
-manifest request per peer at a time (more are ``busy``)."""
+manifest request per peer at a time (more are ``busy``); each peer may fetch at most
+``max_bytes_per_peer`` snapshot sizes of one snapshot (a fair share of the donor's copying
+and bandwidth: asking for the same chunk over and over is ``busy`` past it)."""
 
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class _Retained:
     taken_at: float
     last_used: float
     plans: dict[int, tuple[list[Chunk], bytes]] = field(default_factory=dict)  # chunk_bytes ->
+    served: Counter[str] = field(default_factory=Counter)  # bytes sent of it, by peer
 
 
 class StateDonor:
@@ -180,10 +183,20 @@ class StateDonor:
             )
         if self._active_chunks >= self.config.max_concurrent_chunks:
             raise refuse_state(StateErrorCode.BUSY, "too many chunk requests at once")
+        chunk = chunks[req.index]
+        total = sum(e.nbytes for e in retained.entries)
+        allowed = self.config.max_bytes_per_peer * total
+        if retained.served[request.peer_id] + chunk.nbytes > allowed:
+            self.counts["over_budget"] += 1
+            raise refuse_state(
+                StateErrorCode.BUSY,
+                f"you fetched {retained.served[request.peer_id]} bytes of this snapshot "
+                f"({self.config.max_bytes_per_peer:g}x its {total} bytes allowed)",
+            )
+        retained.served[request.peer_id] += chunk.nbytes
         self._active_chunks += 1
         try:
             retained.last_used = self._clock()
-            chunk = chunks[req.index]
             data = gather_chunk(retained.views, chunk)
         finally:
             self._active_chunks -= 1

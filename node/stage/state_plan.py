@@ -160,6 +160,17 @@ class StateTransferConfig(BaseModel):
         le=1024,
         description="Chunk requests a donor serves at once; more are 'busy'.",
     )
+    max_bytes_per_peer: float = Field(
+        default=3.0,
+        ge=1.0,
+        le=100.0,
+        description=(
+            "Bytes one peer may fetch of one snapshot, in snapshot sizes (a download, "
+            "its endgame duplicates and retries); past it that peer's chunk requests of "
+            "the snapshot are 'busy', so no peer can make a donor copy its state over and "
+            "over."
+        ),
+    )
     max_epoch_lead: int = Field(
         default=16, ge=0, le=MAX_EPOCH,
         description="How many epochs our own checkpoint may lead the state the stage's replicas "

@@ -7,6 +7,7 @@ cached in ``{state_dir}/throughput.json`` by ``(run_id, stage, device)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import torch
 
 from ..config.runspec import RunSpec
 from ..training.model import StageModule
+from .precision import ComputePrecision
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +36,34 @@ def cached_throughput(
     device: torch.device,
     state_dir: Path | None,
     iterations: int,
+    precision: ComputePrecision | None = None,
 ) -> float:
-    """The cached figure for ``(run_id, stage, device)``, else a fresh measurement (then cached)."""
+    """The cached figure for ``(run_id, stage, device, precision)``, else a fresh measurement
+    (then cached)."""
     key = f"{spec.run_id}/{stage}/{device}"
+    if precision is not None and precision.autocast_enabled:
+        key += f"/{precision.mode}"  # fp32 keeps the key it always had
     cache = state_dir / THROUGHPUT_CACHE if state_dir is not None else None
     known = _read_json(cache) if cache is not None else {}
     value = known.get(key)
     if isinstance(value, int | float) and math.isfinite(value) and value > 0:
         return float(value)
-    measured = benchmark_stage(module, spec, iterations)
+    measured = benchmark_stage(module, spec, iterations, precision)
     if cache is not None:
         known[key] = measured
         _write_json(cache, known)
     return measured
 
 
-def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> float:
+def benchmark_stage(
+    module: StageModule,
+    spec: RunSpec,
+    iterations: int,
+    precision: ComputePrecision | None = None,
+) -> float:
     """Samples/s of forward+backward of one micro-batch through ``module`` (median pass; no
-    side effects).
+    side effects), in the stage's compute precision (``precision``: its autocast, as the
+    stage serves; None: fp32).
 
     Gradients go through ``torch.autograd.grad``, so nothing accumulates into ``.grad``.
     """
@@ -67,12 +79,15 @@ def benchmark_stage(module: StageModule, spec: RunSpec, iterations: int) -> floa
     params = [p for p in module.parameters() if p.requires_grad]
     inputs = params if module.is_first else [*params, x]
 
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+
     def once() -> None:
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast():
             if module.is_last:
                 torch.autograd.grad(module.forward_loss(x, targets), inputs)
             else:
-                torch.autograd.grad(module(x), inputs, grad_y)
+                y = module(x)  # (B, T, C), in the compute dtype under autocast
+                torch.autograd.grad(y, inputs, grad_y.to(y.dtype))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

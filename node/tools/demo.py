@@ -8,12 +8,20 @@ waiting for each claim in turn (a swarm of volunteers uses stage_selection inste
 ``--wan PROFILE`` every daemon gets a WAN emulator process in front of its QUIC port and
 announces the emulator's address, so every link into it crosses the emulated WAN.
 
-While the swarm trains, a progress line (optimizer epoch, trainer loss, tokens/s, elapsed)
-is redrawn in place on a TTY, printed every few seconds otherwise. Validation loss is measured
-through the swarm at the start and the end by an evaluation client in this process (its own
-QUIC endpoint and identity; servers taken from the daemons' status). The run stops at the
-token budget or the duration, whichever comes first, or on Ctrl-C; every daemon then gets
-SIGTERM (the graceful leave), then SIGKILL if it outlives the shutdown timeout.
+While the swarm trains, a progress line (optimizer epoch, trainer loss, tokens/s, elapsed,
+the time left) is redrawn in place on a TTY, printed every few seconds otherwise. Validation
+loss is measured through the swarm at the start and the end by an evaluation client in this
+process (its own QUIC endpoint and identity; servers taken from the daemons' status). The
+run stops at the token budget (``DEMO_TOKENS`` by default, so that runs compare at equal
+training) or at the duration, a cap, whichever comes first, or on Ctrl-C; every daemon then
+gets SIGTERM (the graceful leave), then SIGKILL if it outlives the shutdown timeout.
+
+Daemons may die while it trains: the supervisor (demo_supervisor.py) reports each death and
+training goes on; with ``--chaos`` it also kills and restarts daemons on a seeded plan
+(demo_chaos.py). Before the final evaluation every killed daemon is restarted and every
+stage must be served again. With a loss-curve path (the CLI's default), the single-process
+reference trains alongside (demo_reference.py) and, once the daemons are stopped, the
+swarm's and the reference's losses are drawn into a PNG (demo_plot.py).
 
 ``--run-spec PATH`` trains another run spec (every daemon gets ``node.run_spec``; the
 evaluation client uses the same spec). ``run_swarm(options)`` runs the same sequence in
@@ -38,6 +46,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -46,17 +55,23 @@ from ..config.runspec import RunSpecError
 from ..errors import NodeError
 from ..logs import get_logger
 from . import demo_figures
+from .demo_chaos import ChaosConfig, chaos_schedule, describe
 from .demo_daemons import DemoDaemon, DemoError, check_alive, spawn_daemon, stop_daemons
+from .demo_reference import ReferenceRun
+from .demo_supervisor import Supervisor
 
 log = get_logger(__name__)
 
 PROGRESS_PERIOD_S = 2.0  # status polls
 PLAIN_LINE_PERIOD_S = 10.0  # progress lines when stdout is not a TTY
 STARTUP_TIMEOUT_S = 300.0  # the whole swarm up, every stage served
-# Training time of the default demo: start-up, two evaluations and shutdown took 86 s more
-# (6 daemons, 2 idle cores), so the whole demo stays under 10 minutes with a minute to spare;
-# the validation loss passed 2.5 after about 340 s of training (docs/tiny_run.md).
-DEMO_DURATION_S = 450.0
+# The default demo trains to a token budget, so that two runs (calm and --chaos, an idle
+# and a loaded machine) end at the same point of training and their losses compare; the
+# duration is a cap for a machine too slow to reach it. On 2 idle cores the 6 daemons train
+# at 1000-1400 tokens/s (docs/tiny_run.md): 500k tokens in 6-8 minutes, plus start-up, two
+# evaluations and shutdown.
+DEMO_TOKENS = 500_000
+DEMO_DURATION_S = 900.0
 # the fields of the --json line, in order (run_swarm returns these and more)
 JSON_FIELDS = (
     "val_loss_start",
@@ -68,13 +83,27 @@ JSON_FIELDS = (
     "elapsed_s",
     "epoch",
 )
+# and after them, when the run has them: faults (demo_supervisor.py), the loss curve
+EXTRA_JSON_FIELDS = (
+    "kills",
+    "restarts",
+    "exits",
+    "stage_empty_s",
+    "reference_val_loss",
+    "loss_curve_png",
+)
+# the longest the demo waits, once its daemons are stopped, for the reference to reach the
+# swarm's token count (it then draws what the reference has)
+REFERENCE_WAIT_S = 300.0
+FINAL_EVAL_ATTEMPTS = 4  # the final evaluation, when a stage answers busy
+FINAL_EVAL_RETRY_S = 20.0
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     replicas: int = 2
     duration_s: float = DEMO_DURATION_S
-    tokens: int = 1_500_000
+    tokens: int = DEMO_TOKENS
     wan: str | None = None
     json: bool = False
     keep: bool = False
@@ -91,6 +120,9 @@ class DemoOptions:
         None  # plain progress lines this often (no in-place redraw); None: the default
     )
     label: str = ""  # prefix of every line written (e.g. a benchmark's configuration)
+    chaos: ChaosConfig | None = None  # kill and restart daemons on a plan (demo_chaos.py)
+    chaos_seed: int = 0  # the plan's seed
+    loss_curve: Path | None = None  # PNG of the swarm's and the reference's loss; None: none
 
 
 class Demo:
@@ -112,6 +144,10 @@ class Demo:
         self.stop = asyncio.Event()
         self.tty = out.isatty() and not options.json and options.progress_period_s is None
         self.traffic_start: dict[str, Any] = {}  # traffic() when training starts (set by train)
+        self.supervisor: Supervisor | None = None  # set by train
+        self._line_shown = False  # a progress line is on the TTY without its newline
+        self.curve: list[tuple[float, float]] = []  # (tokens, trainers' mean loss) while training
+        self.reference: ReferenceRun | None = None  # when a loss curve is drawn
         self.traffic_end: dict[str, Any] = {}  # and when it stops
         self.line_period_s = (
             PLAIN_LINE_PERIOD_S if options.progress_period_s is None else options.progress_period_s
@@ -120,6 +156,7 @@ class Demo:
     # ---- output -------------------------------------------------------------------
 
     def say(self, text: str) -> None:
+        self._end_line()
         if self.options.label:
             text = "\n".join(
                 f"{self.options.label} {line}" if line else line for line in text.split("\n")
@@ -130,6 +167,12 @@ class Demo:
         else:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
+
+    def _end_line(self) -> None:
+        """End the progress line redrawn in place, before other text."""
+        if self._line_shown:
+            self.out.write("\n")
+            self._line_shown = False
 
     # ---- processes ----------------------------------------------------------------
 
@@ -151,13 +194,14 @@ class Demo:
         """Every daemon's last polled status (``{}`` before its first answer)."""
         return [n.status for n in self.nodes]
 
-    async def _until(self, what: str, check: Any, timeout: float) -> Any:
+    async def _until(self, what: str, check: Any, timeout: float, strict: bool = True) -> Any:
         """Poll ``check()`` (async, returns a value or None) until it answers; DemoError on
-        timeout."""
+        timeout, and when ``strict`` as soon as a daemon has exited (start-up)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            check_alive(self.nodes)
+            if strict:
+                check_alive(self.nodes)
             value = await check()
             if value is not None:
                 return value
@@ -238,50 +282,125 @@ class Demo:
 
     # ---- training -----------------------------------------------------------------
 
+    def _retired(self) -> list[dict[str, Any]]:
+        """The last statuses of daemon processes that ended (killed, crashed)."""
+        return [] if self.supervisor is None else self.supervisor.retired
+
+    def _totals(self) -> dict[str, Any]:
+        return demo_figures.totals(self._statuses(), self._retired())
+
     def traffic(self) -> dict[str, Any]:
         """Cumulative traffic counters summed over the daemons, from their last polled status
-        (``demo_figures.traffic``)."""
-        return demo_figures.traffic(self._statuses(), self.spec.n_stages)
+        and the last status of every process that ended (``demo_figures.traffic``)."""
+        return demo_figures.traffic(self._statuses() + self._retired(), self.spec.n_stages)
+
+    def _progress(self, line: str, elapsed: float, last_line: float) -> float:
+        """Show the progress line (in place on a TTY); returns when a plain line was last
+        printed."""
+        if self.tty:
+            label = self.options.label + (" " if self.options.label else "")
+            self.out.write("\r" + label + line + "\x1b[K")
+            self.out.flush()
+            self._line_shown = True
+        elif elapsed - last_line >= self.line_period_s:
+            self.say(line)
+            return elapsed
+        return last_line
 
     async def train(self) -> tuple[float, int]:
         """Show progress until the budget, the duration or a stop; (seconds, tokens at the start).
 
-        ``self.traffic_start`` and ``self.traffic_end`` hold ``traffic()`` at both ends.
+        Daemons that die are reported and training goes on (``self.supervisor``, which also
+        carries out the ``--chaos`` plan). ``self.traffic_start`` and ``self.traffic_end`` hold
+        ``traffic()`` at both ends; ``self.curve`` the trainers' mean loss at every poll.
         """
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(n.poll() for n in self.nodes))
+        chaos = self.options.chaos
+        schedule = []
+        if chaos is not None:
+            schedule = chaos_schedule(
+                self.spec.n_stages,
+                self.options.replicas,
+                self.options.duration_s,
+                self.options.chaos_seed,
+                chaos,
+            )
+            kills = sum(1 for e in schedule if e.action == "kill")
+            self.say(
+                f"{describe(chaos)}; seed {self.options.chaos_seed}: {kills} kill(s) planned "
+                f"within {self.options.duration_s:.0f}s"
+            )
+
+        def counters() -> dict[str, int]:
+            t = self._totals()
+            return {"retried": t["retried"], "failed": t["failed"]}
+
+        self.supervisor = Supervisor(
+            self.nodes,
+            self.spec.n_stages,
+            self.say,
+            counters,
+            schedule,
+            allow_empty=chaos is not None and chaos.allow_empty,
+        )
         started = loop.time()
         last_line = -math.inf
-        base = demo_figures.totals(self._statuses())["tokens"]
+        base = self._totals()["tokens"]
         self.traffic_start = self.traffic()
+        if self.reference is not None:
+            self.reference.start()
         while not self.stop.is_set():
-            check_alive(self.nodes)
             await asyncio.gather(*(n.poll() for n in self.nodes))
-            t = demo_figures.totals(self._statuses())
             elapsed = loop.time() - started
-            line = demo_figures.progress_line(t, elapsed, self.options.duration_s)
-            if self.tty:
-                self.out.write(
-                    "\r"
-                    + self.options.label
-                    + (" " if self.options.label else "")
-                    + line
-                    + "\x1b[K"
-                )
-                self.out.flush()
-            elif elapsed - last_line >= self.line_period_s:
-                self.say(line)
-                last_line = elapsed
+            await self.supervisor.tick(elapsed)
+            t = self._totals()
+            if t["loss"] is not None:
+                self.curve.append((t["tokens"], t["loss"]))
+            eta = demo_figures.eta_s(
+                t["tokens"], base, self.options.tokens, elapsed, self.options.duration_s
+            )
+            line = demo_figures.progress_line(t, elapsed, eta, self.supervisor.progress())
+            last_line = self._progress(line, elapsed, last_line)
             if t["tokens"] >= self.options.tokens or elapsed >= self.options.duration_s:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), PROGRESS_PERIOD_S)
-        if self.tty:
-            self.out.write("\n")
+        self._end_line()
         elapsed = loop.time() - started
         await asyncio.gather(*(n.poll() for n in self.nodes))
         self.traffic_end = self.traffic()
         return elapsed, base
+
+    async def _every_stage_served(self, elapsed: float) -> None:
+        """After training: restart the daemons the chaos plan left down and wait until they
+        serve again and every stage is served (the final evaluation routes through each;
+        a stage's surviving replica may still be stalled by its partner's death)."""
+        assert self.supervisor is not None
+        self.supervisor.finish(elapsed)
+
+        async def served() -> bool | None:
+            await asyncio.gather(*(n.poll() for n in self.nodes))
+            assert self.supervisor is not None
+            await self.supervisor.tick(elapsed)
+            every = self.supervisor.served() >= set(range(self.spec.n_stages))
+            return True if every and not self.supervisor.restarting() else None
+
+        await self._until("every stage served again", served, STARTUP_TIMEOUT_S, strict=False)
+
+    async def _final_evaluation(self) -> float:
+        """``evaluate`` after training, tried again when a stage is busy (a replica that lost
+        its partner can stall until the stage's averaging gives up on it)."""
+        for attempt in range(1, FINAL_EVAL_ATTEMPTS + 1):
+            try:
+                return await self.evaluate()
+            except DemoError as exc:
+                if attempt == FINAL_EVAL_ATTEMPTS or self.stop.is_set():
+                    raise
+                self.say(f"{exc}; evaluating again in {FINAL_EVAL_RETRY_S:.0f}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), FINAL_EVAL_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def measure(self) -> dict[str, Any]:
         """Start the swarm, evaluate, train, evaluate again; the figures (DemoError on failure).
@@ -290,13 +409,19 @@ class Demo:
         shuts the daemons down (``shutdown``) whatever happens.
         """
         await self.start_swarm()
+        if self.options.loss_curve is not None:
+            self.reference = ReferenceRun(
+                self.spec, self.spec_path, self.options.tokens, self.options.eval_windows, self.root
+            )
         val_start = await self.evaluate()
         self.say(f"validation loss at start: {val_start:.3f} nats/byte")
         elapsed, start_tokens = await self.train()
-        totals = demo_figures.totals(self._statuses())
-        val_end = await self.evaluate()
+        totals = self._totals()
+        if not self.stop.is_set():
+            await self._every_stage_served(elapsed)
+        val_end = await self._final_evaluation()
         # evaluate() polled: trainers went on meanwhile
-        tokens_at_eval_end = demo_figures.totals(self._statuses())["tokens"]
+        tokens_at_eval_end = self._totals()["tokens"]
         self.say(
             f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
             f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}"
@@ -304,6 +429,14 @@ class Demo:
         rows = demo_figures.stage_rows(self._statuses(), self.spec.n_stages)
         for line in demo_figures.stage_table(rows):
             self.say(line)
+        assert self.supervisor is not None
+        faults = self.supervisor.summary()
+        if faults["outages"] or faults["kills"]:
+            self.say(
+                f"faults: {faults['kills']} daemon(s) killed by --chaos, {faults['restarts']} "
+                f"restarted, {faults['exits']} other exit(s), {faults['skipped_kills']} planned "
+                f"kill(s) skipped; seconds each stage had no server: {faults['stage_empty_s']}"
+            )
         training = demo_figures.traffic_delta(self.traffic_start, self.traffic_end)
         return {
             # the fields of the --json line
@@ -317,6 +450,11 @@ class Demo:
             "stages": rows,
             "elapsed_s": round(elapsed, 1),
             "epoch": totals["epoch"],
+            # and these ones after them
+            "kills": faults["kills"],
+            "restarts": faults["restarts"],
+            "exits": faults["exits"],
+            "stage_empty_s": faults["stage_empty_s"],
             # what only the programmatic API returns
             "run_id": self.spec.run_id,
             "codecs": self.spec.codecs.model_dump(),
@@ -324,44 +462,109 @@ class Demo:
             "replicas": self.options.replicas,
             "tokens_at_eval_end": tokens_at_eval_end,
             "failed_micro_batches": totals["failed"],
+            "faults": faults,
+            "curve": list(self.curve),
             # traffic() deltas over the training phase (between the evaluations)
             "training": training,
             "interrupted": self.stop.is_set(),
         }
 
+    # ---- the loss curve -----------------------------------------------------------
+
+    async def draw_loss_curve(self, result: dict[str, Any]) -> None:
+        """Wait for the reference (the daemons are stopped: it has the cores), draw the PNG,
+        say where it is; sets ``loss_curve_png`` and ``reference_val_loss`` in ``result``."""
+        from .demo_plot import PlotUnavailable, write_loss_curve
+
+        path = self.options.loss_curve
+        if path is None or self.reference is None:
+            return
+        tokens = float(result["tokens"])
+        points, done = self.reference.points()
+        if not done and (not points or points[-1]["tokens"] < tokens):
+            have = points[-1]["tokens"] if points else 0
+            self.say(
+                f"waiting for the single-process reference to reach {tokens / 1e3:.0f}k tokens "
+                f"({have / 1e3:.0f}k so far; at most {REFERENCE_WAIT_S:.0f}s)"
+            )
+        points, done = await self.reference.wait(tokens, REFERENCE_WAIT_S)
+        self.reference.stop()
+        reference = [(p["tokens"], p["val_loss"]) for p in points]
+        result["reference_val_loss"] = demo_figures.interpolate(reference, tokens)
+        swarm_val = [
+            (self.curve[0][0] if self.curve else 0.0, result["val_loss_start"]),
+            (tokens, result["val_loss_end"]),
+        ]
+        title = (
+            f"wanswarm demo: {self.n_daemons} daemons, run {self.spec.name}"
+            + (f", --chaos ({result['kills']} kills)" if self.options.chaos else "")
+        )
+        try:
+            written = await asyncio.to_thread(
+                write_loss_curve,
+                path,
+                swarm_train=self.curve,
+                swarm_val=swarm_val,
+                reference_val=reference,
+                reference_train=[(p["tokens"], p["train_loss"]) for p in points],
+                title=title,
+            )
+        except PlotUnavailable as exc:
+            self.say(f"no loss curve: {exc}; pip install matplotlib to draw it")
+            return
+        except OSError as exc:
+            self.say(f"no loss curve: cannot write {path}: {exc}")
+            return
+        result["loss_curve_png"] = str(written.resolve())
+        ref = result["reference_val_loss"]
+        against = "" if ref is None else f" (reference at as many tokens: {ref:.3f})"
+        self.say(f"loss curve (swarm vs single-process reference{against}): {written.resolve()}")
+
+    # ---- the whole run ------------------------------------------------------------
+
     async def run(self) -> int:
         """``wanswarm demo``: measure, print (``--json``: one last JSON line), always shut down."""
         self._install_signal_handlers()
         code = 1
+        result: dict[str, Any] | None = None
         try:
             result = await self.measure()
-            if self.options.json:
-                self.out.write(json.dumps({key: result[key] for key in JSON_FIELDS}) + "\n")
-                self.out.flush()
             code = 0 if not self.stop.is_set() else 130
         except DemoError as exc:
             self.say(f"wanswarm demo: {exc}")
             code = 130 if self.stop.is_set() else 1
         finally:
-            await self._stop_daemons()
+            await self._stop_daemons(result)
+        if result is not None and self.options.json:
+            fields = JSON_FIELDS + tuple(k for k in EXTRA_JSON_FIELDS if k in result)
+            self.out.write(json.dumps({key: result[key] for key in fields}) + "\n")
+            self.out.flush()
         return code
 
     async def run_to_result(self) -> dict[str, Any]:
         """``measure`` with the daemons always shut down afterwards (DemoError on failure)."""
         self._install_signal_handlers()
+        result: dict[str, Any] | None = None
         try:
-            return await self.measure()
+            result = await self.measure()
+            return result
         finally:
-            await self._stop_daemons()
+            await self._stop_daemons(result)
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
 
-    async def _stop_daemons(self) -> None:
+    async def _stop_daemons(self, result: dict[str, Any] | None = None) -> None:
         self.say("stopping the daemons (SIGTERM)...")
-        await self.shutdown()
+        try:
+            await self.shutdown()
+            if result is not None:
+                await self.draw_loss_curve(result)
+        finally:
+            if self.reference is not None:
+                self.reference.stop()
         if self.options.keep:
             self.say(f"kept state dirs and logs in {self.root}")
         else:
@@ -372,6 +575,23 @@ class Demo:
             return
         self.stop.set()
         self.say("\ninterrupted: stopping")
+
+
+def demo_chaos(on: bool, period_s: float, down_s: float, allow_empty: bool) -> ChaosConfig | None:
+    """The ``--chaos`` plan's settings (None without ``--chaos``): the first kill half a
+    period into training."""
+    if not on:
+        return None
+    return ChaosConfig(
+        period_s=period_s, down_s=down_s, first_kill_s=period_s / 2, allow_empty=allow_empty
+    )
+
+
+def loss_curve_path(path: Path | None) -> Path:
+    """``path``, or ``wanswarm-demo-<date>-<time>.png`` in the current directory."""
+    if path is not None:
+        return path
+    return Path.cwd() / time.strftime("wanswarm-demo-%Y%m%d-%H%M%S.png")
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -391,4 +611,15 @@ def run_swarm(options: DemoOptions, out: TextIO = sys.stderr) -> dict[str, Any]:
     return asyncio.run(Demo(options, out).run_to_result())
 
 
-__all__ = ["JSON_FIELDS", "Demo", "DemoOptions", "run_demo", "run_swarm"]
+__all__ = [
+    "DEMO_DURATION_S",
+    "DEMO_TOKENS",
+    "EXTRA_JSON_FIELDS",
+    "JSON_FIELDS",
+    "Demo",
+    "DemoOptions",
+    "demo_chaos",
+    "loss_curve_path",
+    "run_demo",
+    "run_swarm",
+]

@@ -6,9 +6,11 @@ daemon ``i`` serves stage ``i mod S``, and the trainer, averaging and membership
 suit a few daemons sharing one machine over loopback. With a WAN profile, a WAN emulator
 process (``python -m wanswarm.transport.wan``) listens in front of the daemon's QUIC port
 and the daemon announces the emulator's address. A daemon's status comes from its control
-socket; one that exited ends the demo with the tail of its log (:func:`check_alive`).
-Stopping is SIGTERM (the graceful leave), then SIGKILL for a daemon that outlives the
-shutdown timeout, then the emulators.
+socket; one that exits during start-up ends the demo with the tail of its log
+(:func:`check_alive`), one that exits later is the supervisor's (demo_supervisor.py), which
+may start it again (:meth:`DemoDaemon.restart`: same state directory, so same identity and
+stage). Stopping is SIGTERM (the graceful leave), then SIGKILL for a daemon that outlives
+the shutdown timeout, then the emulators.
 """
 
 from __future__ import annotations
@@ -47,6 +49,33 @@ class DemoDaemon:
     log_file: Path
     emulator: subprocess.Popen[bytes] | None = None
     status: dict[str, Any] = field(default_factory=dict)
+    # the command line without --initial-peers and its environment (what restart runs again)
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    lives: int = 1  # processes started for this daemon so far
+
+    def restart(self, initial: Sequence[str]) -> None:
+        """Start the daemon again after its process exited: the same state directory (so the
+        same identity and stage), the same QUIC port and WAN emulator, its log appended to,
+        joining through ``initial``. ``status`` is cleared until the new process answers."""
+        if self.proc.poll() is None:
+            raise DemoError(f"daemon {self.index} is still running")
+        self.proc = _popen(self.argv, initial, self.env, self.log_file, append=True)
+        self.status = {}
+        self.lives += 1
+
+    def kill(self) -> None:
+        """SIGKILL the daemon's process (no graceful leave: a crash, as chaos wants)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def log_tail(self, lines: int = 5) -> list[str]:
+        """The last ``lines`` lines of the daemon's log."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return []
+        return text.strip().splitlines()[-lines:]
 
     @property
     def client(self) -> ControlClient:
@@ -182,8 +211,6 @@ def spawn_daemon(
     ]
     for item in [*sets, *extra]:
         cmd += ["--set", item]
-    if initial:
-        cmd += ["--initial-peers", *initial]
     # one compute thread per daemon: several daemons share the machine's cores
     env = {
         **os.environ,
@@ -191,8 +218,18 @@ def spawn_daemon(
         "MKL_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    with open(log_file, "wb") as sink:
-        proc = subprocess.Popen(
+    proc = _popen(cmd, initial, env, log_file, append=False)
+    return DemoDaemon(index, state_dir, proc, log_file, emulator, argv=cmd, env=env)
+
+
+def _popen(
+    argv: Sequence[str], initial: Sequence[str], env: dict[str, str], log_file: Path, append: bool
+) -> subprocess.Popen[bytes]:
+    """``argv`` (joining through ``initial`` when given) in a session of its own, its stdout
+    and stderr into ``log_file``."""
+    cmd = [*argv, "--initial-peers", *initial] if initial else list(argv)
+    with open(log_file, "ab" if append else "wb") as sink:
+        return subprocess.Popen(
             cmd,
             stdout=sink,
             stderr=subprocess.STDOUT,
@@ -200,7 +237,6 @@ def spawn_daemon(
             start_new_session=True,
             env=env,
         )
-    return DemoDaemon(index, state_dir, proc, log_file, emulator)
 
 
 def check_alive(daemons: Sequence[DemoDaemon]) -> None:

@@ -9,6 +9,7 @@ they are shown as (progress line, stage table) is formatted here too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,18 +20,26 @@ def _components(statuses: Sequence[Status], name: str) -> list[dict[str, Any]]:
     return [s.get("components", {}).get(name, {}) for s in statuses if s]
 
 
-def totals(statuses: Sequence[Status]) -> dict[str, Any]:
-    """Tokens, tokens/s, mean loss, epoch and micro-batches, summed over the daemons."""
+def totals(statuses: Sequence[Status], retired: Sequence[Status] = ()) -> dict[str, Any]:
+    """Tokens, tokens/s, mean loss, epoch, micro-batches and re-routed hops, summed over the
+    daemons.
+
+    ``retired`` are the last statuses of daemon processes that have ended (a daemon killed
+    and restarted counts from zero again): their tokens, micro-batches and re-routed hops
+    still count, their rate and loss no longer do.
+    """
     trainers = _components(statuses, "trainer")
+    everyone = trainers + _components(retired, "trainer")
     servers = _components(statuses, "stage_server")
     losses = [t["loss_ewma"] for t in trainers if t.get("loss_ewma") is not None]
     return {
-        "tokens": sum(t.get("tokens", 0) for t in trainers),
+        "tokens": sum(t.get("tokens", 0) for t in everyone),
         "tokens_per_s": sum(t.get("tokens_per_s", 0.0) for t in trainers),
         "loss": sum(losses) / len(losses) if losses else None,
         "epoch": max((s.get("epoch", 0) for s in servers), default=0),
-        "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in trainers),
-        "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in trainers),
+        "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in everyone),
+        "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in everyone),
+        "retried": sum(t.get("retried_hops", 0) for t in everyone),
     }
 
 
@@ -141,14 +150,43 @@ def stage_servers(statuses: Sequence[Status]) -> dict[int, list[Any]]:
     return out
 
 
-def progress_line(t: dict[str, Any], elapsed: float, duration_s: float) -> str:
-    """The progress line of :func:`totals` ``t`` after ``elapsed`` of ``duration_s`` seconds."""
+def eta_s(
+    tokens: float, tokens_at_start: float, budget: float, elapsed: float, duration_s: float
+) -> float | None:
+    """Seconds until training ends: at the token ``budget`` at the mean rate since training
+    started, or at ``duration_s``, whichever comes first (None before any rate is known and
+    the duration is still far)."""
+    left_by_time = max(0.0, duration_s - elapsed)
+    done = tokens - tokens_at_start
+    if done <= 0 or elapsed <= 0:
+        return left_by_time if math.isfinite(left_by_time) else None
+    left_by_tokens = max(0.0, budget - tokens) / (done / elapsed)
+    return min(left_by_time, left_by_tokens)
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as ``1h02m``, ``4m05s`` or ``42s``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def progress_line(
+    t: dict[str, Any], elapsed: float, eta: float | None = None, extra: str = ""
+) -> str:
+    """The progress line of :func:`totals` ``t`` after ``elapsed`` seconds of training, with
+    the time left (``eta``, :func:`eta_s`) and ``extra`` (the supervisor's count of daemons
+    up, killed and restarted) when given."""
     loss = "-" if t["loss"] is None else f"{t['loss']:.3f}"
+    left = "" if eta is None else f"  ETA {format_duration(eta)}"
     return (
         f"epoch {t['epoch']:>4}  loss {loss:>6}  {t['tokens_per_s']:>7.0f} tok/s  "
         f"{t['tokens'] / 1e3:>7.0f}k tokens  "
         f"{t['completed']} micro-batches ({t['failed']} failed)  "
-        f"{elapsed:>5.0f}s / {duration_s:.0f}s"
+        f"{elapsed:>5.0f}s{left}" + (f"  [{extra}]" if extra else "")
     )
 
 
@@ -180,3 +218,15 @@ def format_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000  # type: ignore[assignment]
     return str(n)
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None:
+    """The value at ``x`` of the piecewise-linear curve through ``points`` (sorted by their
+    first item), rounded to 4 places; None outside the points' range or without points."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return round(y, 4)
+    if points and points[-1][0] == x:
+        return round(points[-1][1], 4)
+    return None

@@ -14,6 +14,10 @@ boundary between two files of the same split, as in nanoGPT.
 - ``TrainStream(spec, seed)``: an endless, deterministic stream of training micro-batches
   ``(inputs, targets)``, each int64 ``(B, T)``; each trainer uses its own seed.
 - ``validation_set(spec)``: a fixed, seeded set of ``data.validation_windows`` windows.
+
+That is ``data.format = "bytes"`` (the default). The streamed formats (text, JSON lines,
+Parquet, Hugging Face datasets on disk, tokenized by the run's tokenizer) are datasets.py's;
+both functions hand over to it for them, so that their callers need not know the format.
 """
 
 from __future__ import annotations
@@ -232,7 +236,26 @@ class TrainStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
     ``(inputs, targets)``, both int64 ``(B, T)``.
     """
 
-    def __init__(self, spec: RunSpec, seed: int, corpus: Corpus | None = None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        seed: int,
+        corpus: Corpus | None = None,
+        position_path: Path | None = None,
+    ) -> None:
+        # Streamed formats: datasets.WindowStream does the work (position_path: where it
+        # keeps the trainer's position, to resume after a restart; unused for 'bytes').
+        self._streamed: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.micro_batches = 0  # drawn so far
+        if spec.data.format != "bytes":
+            from .datasets import WindowStream
+
+            self._streamed = WindowStream(spec, seed, position_path)
+            return
+        if corpus is None:
+            from .datasets import check_fingerprint
+
+            check_fingerprint(spec.data)  # DataError naming the difference
         self.corpus = load_corpus(spec.data) if corpus is None else corpus
         self.seq_len = spec.model.seq_len
         self.batch_size = spec.batch.micro_batch_size
@@ -244,6 +267,9 @@ class TrainStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._streamed is not None:
+            self.micro_batches += 1
+            return next(self._streamed)
         train = self.corpus.train
         high = train.numel() - self.seq_len  # last valid start + 1
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)  # (B,)
@@ -259,6 +285,10 @@ def validation_set(
     N = ``data.validation_windows``; starts are drawn from the validation split with a
     generator seeded by ``spec.seed`` and the data fields, so every peer evaluates the same bytes.
     """
+    if spec.data.format != "bytes":
+        from .datasets import streamed_validation_set
+
+        return streamed_validation_set(spec)
     corpus = load_corpus(spec.data) if corpus is None else corpus
     seq_len = spec.model.seq_len
     _check_room(corpus.validation, seq_len, "validation")

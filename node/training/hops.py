@@ -6,7 +6,9 @@ view (servers.py). A timeout, a lost connection, a reply that breaks the protoco
 error answer bans that server and the hop goes elsewhere, at most ``max_attempts`` times;
 then ``HopFailed`` abandons its micro-batch. A ``cache_miss`` is no failure (the server is
 healthy but no longer holds the input): the caller's next attempt carries the input. While
-a stage has no online server, an attempt waits ``no_server_wait_s`` (jittered) instead.
+a stage has no online server, an attempt waits ``no_server_wait_s`` (jittered) instead; when
+every server of the stage has refused it as busy (or draining, or still loading), the next
+attempt waits ``busy_backoff_s``, doubled per attempt.
 
 A reply whose values no honest server sends (``BadValues``: NaN/Inf, or beyond the run's
 ``[limits]``; pipeline.py checks every stage output on receipt) is a failure of the server
@@ -26,7 +28,7 @@ import asyncio
 import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
@@ -39,9 +41,11 @@ from ..errors import NodeError
 from ..logs import get_logger
 from ..protocol import RETRY_ELSEWHERE, BadReply, BadValues, ErrorCode, Kind, to_header
 from ..timing import jittered
-from .routing import Router
+from .routing import Candidate, Router
 from .servers import ServerView
-from .trainer_config import TrainerConfig
+
+if TYPE_CHECKING:  # trainer_config imports spot_checks, which imports this module
+    from .trainer_config import TrainerConfig
 
 log = get_logger(__name__)
 
@@ -70,19 +74,36 @@ class RequestSender(Protocol):
     def path_stats(self, peer_id: str) -> PathStats | None: ...
 
 
+# A hop's share of one forward+backward, the work a server's announced throughput counts
+# (a backward costs about twice a forward): its measured time is scaled by it.
+_WORK_SHARE: dict[str, float] = {
+    Kind.FORWARD: 1 / 3,
+    Kind.EVAL_LOSS: 1 / 3,
+    Kind.BACKWARD: 2 / 3,
+    Kind.FORWARD_LOSS: 1.0,
+}
+
+
 class HopFailed(NodeError):
     """A hop failed on every attempt; its micro-batch is abandoned."""
+
+
+class NoOtherReplica(HopFailed):
+    """Every server of the stage is excluded (a spot check found no second replica)."""
 
 
 class HopCounts(Protocol):
     """The counters hops write (fields of the trainer's ``TrainerCounters``)."""
 
     retried_hops: int
+    busy_backoffs: int  # waits because every server of a stage refused as busy
     cache_misses: int
     payload_bytes_sent: int
     payload_bytes_received: int
     hops: Counter[int]  # successful hops per stage
     errors: Counter[str]  # failed attempts by code/exception
+    compute_s: float  # device seconds the servers reported for our successful hops
+    spot_check_compute_s: float  # of which spent on spot checks' second and third replicas
 
 
 class HopSender:
@@ -115,6 +136,8 @@ class HopSender:
         check: Callable[[Response], Awaitable[_R]],
         *,
         carry_to: set[str] | None = None,
+        exclude: frozenset[str] = frozenset(),
+        spot_check: bool = False,
     ) -> tuple[_R, str]:
         """Send one hop to a server of ``stage``, re-routing on failure; returns (result, peer).
 
@@ -124,7 +147,12 @@ class HopSender:
         ``cache_miss`` is added to ``carry_to`` when given (else it counts as failing).
 
         HopFailed at once when the server refused a payload that we relayed and that is
-        bad indeed (``_check_relayed``): no other server would take it either.
+        bad indeed (``_check_relayed``): no other server would take it either. Servers in
+        ``exclude`` are never asked (NoOtherReplica when no other is online); a
+        ``spot_check`` hop's compute is counted apart.
+
+        Every success is a measurement of the server's throughput for the router: the
+        hop's wall time less the path's RTT and the payload's transfer time.
         """
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
@@ -134,6 +162,11 @@ class HopSender:
             if attempt:
                 self.counters.retried_hops += 1
             candidates = self.view.candidates(stage)
+            if exclude:
+                every = candidates
+                candidates = [c for c in every if c.peer_id not in exclude]
+                if every and not candidates:
+                    raise NoOtherReplica(f"stage {stage} has no server outside {sorted(exclude)}")
             if not candidates:
                 last = f"no online server for stage {stage}"
                 await asyncio.sleep(jittered(self.config.no_server_wait_s, 0.2, self.rng))
@@ -147,10 +180,14 @@ class HopSender:
                 rng=self.rng,
                 avoid=tried,
             )
-            assert pick is not None  # candidates is not empty
+            if pick is None:  # every candidate was convicted of lying
+                last = f"no trusted server for stage {stage}"
+                await asyncio.sleep(jittered(self.config.no_server_wait_s, 0.2, self.rng))
+                continue
             server = self.view.server(pick.peer_id)
             header, tensors = make(server.peer_id, attempt)
             self.router.started(server.peer_id)
+            sent_at = loop.time()
             try:
                 response = await self.endpoint.request(
                     server.target,
@@ -174,6 +211,8 @@ class HopSender:
                 if exc.code not in RETRY_ELSEWHERE:
                     log.warning("trainer: %s on stage %d refused: %s", kind, stage, exc)
                 self._failed(server.peer_id, tried, loop.time())
+                if exc.code in RETRY_ELSEWHERE and attempt + 1 < self.config.max_attempts:
+                    await self._back_off(stage, tried, attempt)
                 continue
             except (TransportError, BadReply) as exc:
                 self.counters.errors[type(exc).__name__] += 1
@@ -185,15 +224,44 @@ class HopSender:
                     )
                 self._failed(server.peer_id, tried, loop.time())
                 continue
-            self.router.finished(server.peer_id, ok=True, now=loop.time(), rng=self.rng)
+            now = loop.time()
+            self.router.finished(server.peer_id, ok=True, now=now, rng=self.rng)
+            sent = sum(sendable_nbytes(t) for t in tensors)
+            received = sum(sendable_nbytes(t) for t in response.tensors)
+            self._measure(pick, B * _WORK_SHARE.get(kind, 1.0), now - sent_at, sent + received)
             self.counters.hops[stage] += 1
-            self.counters.payload_bytes_sent += sum(sendable_nbytes(t) for t in tensors)
-            self.counters.payload_bytes_received += sum(
-                sendable_nbytes(t) for t in response.tensors
-            )
+            self.counters.payload_bytes_sent += sent
+            self.counters.payload_bytes_received += received
+            compute = _reported_compute(response)
+            self.counters.compute_s += compute
+            if spot_check:
+                self.counters.spot_check_compute_s += compute
             return result, server.peer_id
         raise HopFailed(
             f"{kind} on stage {stage} failed {self.config.max_attempts} times; last: {last}"
+        )
+
+    async def _back_off(self, stage: int, tried: set[str], attempt: int) -> None:
+        """After a ``busy`` (draining, not ready) refusal: when no server of ``stage`` is left
+        untried, wait ``busy_backoff_s`` doubled per attempt (jittered, at most 16x) before
+        asking again, instead of spending every attempt within milliseconds on servers
+        whose queues are full (a replica stalled in an averaging round fills its queue)."""
+        if any(c.peer_id not in tried for c in self.view.candidates(stage)):
+            return  # another server to try: go there at once
+        delay = self.config.busy_backoff_s * min(2**attempt, 16)
+        self.counters.busy_backoffs += 1
+        await asyncio.sleep(jittered(delay, 0.2, self.rng))
+
+    def _measure(self, pick: Candidate, work: float, elapsed_s: float, nbytes: int) -> None:
+        """One measurement of ``pick``'s throughput: ``work`` samples of forward+backward
+        in the hop's wall time less the path's RTT and the payload's transfer time (the
+        router's defaults where unmeasured)."""
+        cfg = self.router.config
+        rtt = pick.rtt_s if pick.rtt_s is not None and pick.rtt_s > 0 else cfg.default_rtt_s
+        rate = pick.delivery_rate_bps
+        rate = rate if rate is not None and rate > 0 else cfg.default_delivery_rate_bps
+        self.router.observe(
+            pick.peer_id, batch_size=work, service_s=elapsed_s - rtt - nbytes * 8.0 / rate
         )
 
     def _failed(self, peer_id: str, tried: set[str], now: float) -> None:
@@ -218,3 +286,12 @@ class HopSender:
                     f"{what}: {refuser} refused the tensor relayed from {t.sender or '?'}, "
                     f"which is malformed indeed: {exc}"
                 ) from None
+
+
+def _reported_compute(response: Response) -> float:
+    """The device seconds a reply's header reports (0 when absent or malformed: the
+    figure is for the trainer's accounting, and the reply's own check validates it)."""
+    value = response.header.get("compute_s") if isinstance(response.header, dict) else None
+    if isinstance(value, int | float) and 0.0 <= value <= 86400.0:
+        return float(value)
+    return 0.0

@@ -1,8 +1,12 @@
-"""The byte-level GPT and how it splits into pipeline stages.
+"""The model (the byte-level GPT or the Llama-style decoder) and how it splits into stages.
 
-A pre-LayerNorm decoder (nanoGPT-style): token embeddings, ``n_layers`` blocks of causal
-self-attention (rotary positions, or a learned position embedding on stage 0) and a GELU
-MLP, a final LayerNorm and an untied LM head (tying would put one matrix on two stages).
+``architecture = "gpt"``: a pre-LayerNorm decoder (nanoGPT-style): token embeddings,
+``n_layers`` blocks of causal self-attention (rotary positions, or a learned position
+embedding on stage 0) and a GELU MLP, a final LayerNorm and an untied LM head.
+``architecture = "llama"``: the same frame with llama.py's blocks (RMSNorm, grouped-query
+attention, SwiGLU) and a final RMSNorm; the head may start tied to the embedding
+(``tie_embeddings``), and ``model.pretrained`` loads a Hugging Face checkpoint instead of
+the random init (hf_llama.py), each stage reading only its own tensors.
 ``StageModule`` is one stage of it, as a stage server holds it; ``PipelineModel`` chains
 every stage in one process for the single-process reference and for tests.
 
@@ -10,7 +14,7 @@ Parameters are initialized from a generator seeded by ``(spec.run_id, stage)`` s
 every replica of a stage, on any machine, starts bit-identical; building a stage leaves
 the global RNG as it was.
 
-Shapes: B batch, T sequence length, C d_model, H heads, D = C // H, V vocabulary (256).
+Shapes: B batch, T sequence length, C d_model, H heads, D = C // H, V vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from ..config.runspec import ModelSpec, RunSpec
 from ..stage.layout import StageLayout
+from .llama import RESIDUAL_PROJECTIONS, LlamaBlock, RMSNorm, llama_block_parameters
 
 INIT_STD = 0.02  # GPT-2's init scale for linear layers (and learned positions)
 # Token embeddings start at N(0, 1), torch's default (as in modded-nanogpt), not GPT-2's
@@ -122,15 +127,29 @@ class StageModule(nn.Module):
         layout.check_stage(stage)
         self.cfg = cfg
         self.stage = stage
+        self.run_id = spec.run_id
         self.block_indices = layout.blocks(stage)
         self.is_first = layout.has_embedding(stage)
         self.is_last = layout.has_head(stage)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if self.is_first else None
         learned = self.is_first and cfg.positions == "learned"
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if learned else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in self.block_indices)
-        self.ln_f = nn.LayerNorm(cfg.d_model) if self.is_last else None
+        llama = cfg.architecture == "llama"
+        self.blocks = nn.ModuleList(
+            LlamaBlock(cfg) if llama else Block(cfg) for _ in self.block_indices
+        )
+        self.ln_f: nn.Module | None = None
+        if self.is_last:
+            norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps) if llama else nn.LayerNorm(cfg.d_model)
+            self.ln_f = norm
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+        if self.tied and self.head is not None and self.tok_emb is not None:
+            self.head.weight = self.tok_emb.weight  # one stage holds both ends: one matrix
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head is the token embedding itself (tie_embeddings on a single stage)."""
+        return self.cfg.tie_embeddings and self.is_first and self.is_last
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise StageInputError unless ``x`` is a valid input of this stage."""
@@ -158,6 +177,10 @@ class StageModule(nn.Module):
                 h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         else:
             h = x  # (B, T, C)
+        if torch.is_autocast_enabled(h.device.type):
+            # under autocast the residual stream stays in its dtype (bf16/fp16), as in
+            # Megatron-LM: the stage's output leaves in it (node/stage/precision.py)
+            h = h.to(torch.get_autocast_dtype(h.device.type))  # (B, T, C)
         for block in self.blocks:
             h = block(h)  # (B, T, C)
         if self.ln_f is not None and self.head is not None:
@@ -201,7 +224,11 @@ class PipelineModel(nn.Module):
 
 def stage_seed(spec: RunSpec, stage: int) -> int:
     """Seed of a stage's parameter init: a hash of ``(run_id, stage)``, 63 bits."""
-    digest = hashlib.sha256(f"wanswarm-init:{spec.run_id}:{stage}".encode()).digest()
+    return _seed(spec.run_id, stage)
+
+
+def _seed(run_id: str, stage: int) -> int:
+    digest = hashlib.sha256(f"wanswarm-init:{run_id}:{stage}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 
 
@@ -210,18 +237,29 @@ def _init_parameters(module: StageModule, generator: torch.Generator) -> None:
     """GPT-2 init, N(0, 0.02), with residual projections scaled by 1/sqrt(2 n_layers), except
     token embeddings N(0, 1) and the head N(0, 0.02 / logit_multiplier)."""
     residual_std = INIT_STD / math.sqrt(2 * module.cfg.n_layers)
+    llama = module.cfg.architecture == "llama"
+    residual = (".proj", *(f".{n}" for n in RESIDUAL_PROJECTIONS))
     for name, sub in module.named_modules():  # registration order: deterministic
         if isinstance(sub, nn.LayerNorm):
             sub.weight.fill_(1.0)
             sub.bias.fill_(0.0)
+        elif isinstance(sub, RMSNorm):
+            sub.weight.fill_(1.0)
         elif isinstance(sub, nn.Linear):
-            std = residual_std if name.endswith(".proj") else INIT_STD
+            if name == "head" and module.tied:
+                continue  # it is tok_emb's matrix, drawn below
+            std = residual_std if name.endswith(residual) else INIT_STD
             if name == "head":  # its output is scaled up by logit_multiplier: same logits at init
                 std = INIT_STD / module.cfg.logit_multiplier
             sub.weight.normal_(0.0, std, generator=generator)
         elif isinstance(sub, nn.Embedding):
-            std = TOKEN_EMBEDDING_STD if name == "tok_emb" else INIT_STD
+            # llama: N(0, 0.02) as transformers does, the scale a tied head needs
+            std = TOKEN_EMBEDDING_STD if name == "tok_emb" and not llama else INIT_STD
             sub.weight.normal_(0.0, std, generator=generator)
+    if module.cfg.tie_embeddings and module.head is not None and not module.tied:
+        # The head starts as stage 0's embedding: its first draw from stage 0's generator.
+        first = torch.Generator().manual_seed(_seed(module.run_id, 0))
+        module.head.weight.normal_(0.0, INIT_STD, generator=first)
 
 
 def build_stage(spec: RunSpec, stage: int) -> StageModule:
@@ -232,6 +270,14 @@ def build_stage(spec: RunSpec, stage: int) -> StageModule:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = StageModule(spec, stage)
+    if spec.model.pretrained is not None:
+        from .hf_llama import load_stage_tensors  # reads only this stage's tensors
+
+        tensors = load_stage_tensors(spec, stage)
+        if module.tied:
+            tensors.setdefault("head.weight", tensors["tok_emb.weight"])
+        module.load_state_dict(tensors, strict=True)
+        return module
     _init_parameters(module, torch.Generator().manual_seed(seed))
     return module
 
@@ -261,11 +307,16 @@ def expected_stage_parameters(spec: RunSpec, stage: int) -> int:
     """Parameter count of a stage from the spec alone (what ``build_stage`` must produce)."""
     cfg = spec.model
     C, V, hidden = cfg.d_model, cfg.vocab_size, cfg.mlp_hidden
+    llama = cfg.architecture == "llama"
     per_block = 2 * (2 * C) + 3 * C * C + C * C + 2 * C * hidden  # two LNs, qkv, proj, MLP
+    if llama:
+        per_block = llama_block_parameters(cfg)
     layout = StageLayout(spec.stages.blocks_per_stage)
     total = len(layout.blocks(stage)) * per_block
     if layout.has_embedding(stage):
         total += V * C + (cfg.seq_len * C if cfg.positions == "learned" else 0)
     if layout.has_head(stage):
-        total += 2 * C + C * V
+        total += (C if llama else 2 * C) + C * V
+        if cfg.tie_embeddings and layout.has_embedding(stage):
+            total -= C * V  # one matrix for both ends
     return total

@@ -31,9 +31,17 @@ another codec than the run's is kept decoded and re-encoded: activations with th
 codec, gradients with the backward codec through error feedback keyed by ``(stage,
 "grad_output")``. Codec work on large tensors runs in a worker thread
 (``transport.tensors.THREAD_BYTES``), never on the event loop.
+
+Spot checks (spot_checks.py): a random fraction of ``forward`` hops is re-run on a second
+replica of the stage (``keep_input=False``: nothing cached or accumulated there), and of
+``forward_loss`` hops as ``eval_loss``; the answers are compared. A server convicted of
+lying is never used again and its hop is redone on another server before the walk goes
+on; a disagreement nobody can settle drops the micro-batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel
@@ -63,7 +71,8 @@ from ..protocol import (
     parse_reply,
     within,
 )
-from .hops import HopSender
+from .hops import HopFailed, HopSender
+from .spot_checks import Answer, SpotChecker, payload_digest
 from .trainer_config import TrainerConfig
 
 
@@ -79,6 +88,7 @@ class Pipeline:
         trainer_id: str,
         hops: HopSender,
         ef: ErrorFeedback,
+        spot: SpotChecker | None = None,
     ) -> None:
         self.spec, self.config = spec, config
         self.trainer_id = trainer_id
@@ -87,6 +97,7 @@ class Pipeline:
         self.backward_codec = parse_codec(spec.codecs.backward_gradients)
         self.limits = spec.limits
         self._ef = ef
+        self.spot = spot
 
     async def forward_backward(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Micro-batch ``mb`` forward through every stage and backward again; returns its
@@ -147,24 +158,48 @@ class Pipeline:
     async def _forward(
         self, mb: int, stage: int, x: Sendable, *, keep_input: bool, shape: tuple[int, int]
     ) -> tuple[ReceivedTensor, str | None]:
-        """``forward`` on ``stage``; returns the output and who caches the input (if anyone)."""
+        """``forward`` on ``stage``; returns the output and who caches the input (if anyone).
 
-        def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
-            hop = self._hop_id(mb, stage, attempt)
-            budget = self.config.request_timeout_s
-            return ForwardRequest(hop=hop, budget_s=budget, keep_input=keep_input), [x]
+        A training hop (``keep_input``) may be spot-checked: redone when its server is
+        convicted of lying, HopFailed when the replicas disagree and nobody can tell who
+        lied."""
 
-        async def check(response: Response) -> tuple[ReceivedTensor, bool]:
+        def make_for(keep: bool) -> Callable[[str, int], tuple[BaseModel, list[Sendable]]]:
+            def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
+                hop = self._hop_id(mb, stage, attempt)
+                budget = self.config.request_timeout_s
+                return ForwardRequest(hop=hop, budget_s=budget, keep_input=keep), [x]
+
+            return make
+
+        async def check(response: Response) -> tuple[ReceivedTensor, bool, int]:
             reply = parse_reply(ForwardReply, response.header)
             y = await self._stage_output(
                 response, shape, self.forward_codec, self.limits.max_activation, f"forward {stage}"
             )
-            return y, reply.cached
+            return y, reply.cached, reply.epoch
 
-        (y, cached), peer = await self.hops.send(
-            stage, Kind.FORWARD, make, lambda _: sendable_nbytes(x), check
-        )
-        return y, peer if cached else None
+        async def recompute(exclude: frozenset[str]) -> Answer:
+            (y2, _, epoch2), peer2 = await self.hops.send(
+                stage, Kind.FORWARD, make_for(False), lambda _: sendable_nbytes(x), check,
+                exclude=exclude, spot_check=True,
+            )
+            return await _answer(peer2, epoch2, y2)
+
+        for _ in range(self.config.max_attempts):
+            (y, cached, epoch), peer = await self.hops.send(
+                stage, Kind.FORWARD, make_for(keep_input), lambda _: sendable_nbytes(x), check
+            )
+            if not keep_input or self.spot is None or not self.spot.due():
+                return y, peer if cached else None
+            what = f"forward of micro-batch {mb} on stage {stage}"
+            verdict = await self.spot.check(what, await _answer(peer, epoch, y), recompute)
+            if verdict.kind == "first_lied":
+                continue  # its server is convicted: the router never picks it again
+            if verdict.kind == "unresolved":
+                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            return y, peer if cached else None
+        raise HopFailed(f"forward on stage {stage}: every answer was convicted of lying")
 
     async def _forward_loss(
         self, mb: int, stage: int, x: Sendable, targets: torch.Tensor, *, shape: tuple[int, int]
@@ -173,20 +208,50 @@ class Pipeline:
             hop = self._hop_id(mb, stage, attempt)
             return ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x, targets]
 
-        async def check(response: Response) -> tuple[float, ReceivedTensor | None]:
+        async def check(response: Response) -> tuple[float, ReceivedTensor | None, int]:
             reply = parse_reply(LossReply, response.header)
             loss = self._loss(reply.loss, "forward_loss")
             if stage == 0:
                 if response.tensors:
                     raise BadReply("forward_loss on stage 0 returns no tensor")
-                return loss, None
+                return loss, None, reply.epoch
             return loss, await self._stage_output(
                 response, shape, self.backward_codec, self.limits.max_gradient, "forward_loss"
+            ), reply.epoch
+
+        def make_eval(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
+            hop = self._hop_id(mb, stage, attempt)
+            return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x, targets]
+
+        async def check_eval(response: Response) -> tuple[float, int]:
+            if response.tensors:
+                raise BadReply("eval_loss returns no tensor")
+            reply = parse_reply(EvalReply, response.header)
+            return self._loss(reply.loss, "eval_loss"), reply.epoch
+
+        async def recompute(exclude: frozenset[str]) -> Answer:
+            (loss2, epoch2), peer2 = await self.hops.send(
+                stage, Kind.EVAL_LOSS, make_eval, lambda _: size, check_eval,
+                exclude=exclude, spot_check=True,
             )
+            return Answer(peer2, epoch2, loss2, payload_digest(loss2))
 
         size = sendable_nbytes(x) + sendable_nbytes(targets)
-        result, _ = await self.hops.send(stage, Kind.FORWARD_LOSS, make, lambda _: size, check)
-        return result
+        for _ in range(self.config.max_attempts):
+            (loss, grad, epoch), peer = await self.hops.send(
+                stage, Kind.FORWARD_LOSS, make, lambda _: size, check
+            )
+            if self.spot is None or not self.spot.due():
+                return loss, grad
+            what = f"forward_loss of micro-batch {mb} on stage {stage}"
+            first = Answer(peer, epoch, loss, payload_digest(loss))
+            verdict = await self.spot.check(what, first, recompute, loss=True)
+            if verdict.kind == "first_lied":
+                continue  # its server is convicted: the router never picks it again
+            if verdict.kind == "unresolved":
+                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            return loss, grad
+        raise HopFailed(f"forward_loss on stage {stage}: every answer was convicted of lying")
 
     async def _backward(
         self,
@@ -276,3 +341,12 @@ class Pipeline:
             return encode(x, codec) if ef_key is None else self._ef.encode(ef_key, x, codec)
 
         return await off_loop(t.decoded_nbytes, run)
+
+
+async def _answer(peer: str, epoch: int, t: ReceivedTensor) -> Answer:
+    """A replica's forward output as a spot check compares it: decoded into a scratch copy
+    (the relayed payload stays as it came), with the digest of its payload bytes."""
+    value = await off_loop(
+        t.decoded_nbytes, lambda: t.tensor() if t.is_decoded else decode(t.encoded)
+    )
+    return Answer(peer, epoch, value, payload_digest(t.payload))

@@ -22,6 +22,19 @@ ban ends the peer gets one probe at a time until it answers (half-open breaker).
 peers are skipped unless every candidate of the stage is banned, in which case the bans
 are ignored (a stage with only sick peers is still better than no progress).
 
+Throughput is a claim, so it is checked against measurement (issue #13, point 6): the
+trainer reports the service time of every hop it completes (its wall time less the
+path's RTT and the payload's transfer time, ``observe``), and a peer's figure in the
+cost above is ``min(claimed, measured)``, where ``measured`` is the best work/service
+time of its last ``measure_window`` hops, work in samples of forward+backward (the unit
+of a claim: a forward hop counts a third of its samples); the best, not the mean, since
+queueing behind other trainers' work slows a hop, not the server. A peer not yet
+measured counts at most the **prior**: ``unmeasured_claim_ratio`` times the lower median
+of the figures of its stage's other candidates (measured ones at their measured figure),
+so a claim of 1e12 buys an unmeasured peer the share of a server a few times faster than
+a typical one of its stage, not every hop, and its first replies measure it. A peer
+convicted of lying (a spot check, ``convict``) is excluded for good.
+
 Nothing here does I/O or reads a clock: ``now`` and ``rng`` are arguments, so tests are
 exact.
 """
@@ -30,8 +43,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -87,6 +101,33 @@ class RouterConfig(BaseModel):
         lt=1.0,
         description="Bans are multiplied by a uniform factor in [1-j, 1+j].",
     )
+    unmeasured_claim_ratio: float = Field(
+        default=4.0,
+        ge=1.0,
+        le=1000.0,
+        description=(
+            "A peer not yet measured counts at most this many times the lower median of "
+            "its stage's other servers' figures (a huge claim buys no more until measured)."
+        ),
+    )
+    measure_window: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description=(
+            "Hops of a peer whose best service rate is its measured throughput "
+            "(the claim is clamped to it)."
+        ),
+    )
+    min_service_s: float = Field(
+        default=1e-4,
+        gt=0.0,
+        le=10.0,
+        description=(
+            "Floor of a hop's service time, seconds (a hop faster than the RTT estimate "
+            "says nothing about the server's speed)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _ban_bounds(self) -> RouterConfig:
@@ -120,6 +161,20 @@ class _PeerState:
     in_flight: int = 0
     failures: int = 0
     banned_until: float = -math.inf
+    convicted: bool = False  # caught lying by a spot check: never chosen again
+    rates: deque[float] = field(default_factory=deque)  # samples/s of its recent hops
+
+    def measured(self) -> float | None:
+        return max(self.rates) if self.rates else None
+
+
+def lower_median(values: Sequence[float]) -> float | None:
+    """The lower median of ``values`` (None if empty): one value cannot move it past the
+    others', whatever its size."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 class Router:
@@ -137,12 +192,68 @@ class Router:
 
     # ---- estimates ----------------------------------------------------------------
 
-    def expected_time(self, candidate: Candidate, *, payload_bytes: int, batch_size: int) -> float:
-        """Expected seconds until ``candidate`` answers a hop of ``batch_size`` samples."""
+    def claimed(self, candidate: Candidate) -> float:
+        """The candidate's announced throughput, floored (a 0, absent or absurd figure)."""
+        cfg = self.config
+        return max(_positive_or(candidate.throughput, cfg.min_throughput), cfg.min_throughput)
+
+    def measured(self, peer_id: str) -> float | None:
+        """Samples/s measured of ``peer_id`` (its best recent hop), None if never measured."""
+        state = self._peers.get(peer_id)
+        return state.measured() if state is not None else None
+
+    def effective_throughputs(self, candidates: Sequence[Candidate]) -> dict[str, float]:
+        """Each candidate's throughput as the router counts it: ``min(claimed, measured)``
+        once measured, else ``min(claimed, prior)`` with the prior the lower median of the
+        other candidates' figures (see the module docstring)."""
+        known: dict[str, float] = {}
+        for c in candidates:
+            measured = self.measured(c.peer_id)
+            if measured is not None:
+                known[c.peer_id] = min(self.claimed(c), measured)
+        out: dict[str, float] = {}
+        for c in candidates:
+            if c.peer_id in known:
+                out[c.peer_id] = known[c.peer_id]
+                continue
+            others = [
+                known.get(o.peer_id, self.claimed(o)) for o in candidates if o.peer_id != c.peer_id
+            ]
+            median = lower_median(others)
+            prior = None if median is None else median * self.config.unmeasured_claim_ratio
+            out[c.peer_id] = self.claimed(c) if prior is None else min(self.claimed(c), prior)
+        return out
+
+    def observe(self, peer_id: str, *, batch_size: float, service_s: float) -> None:
+        """``batch_size`` samples of forward+backward work (a forward hop counts a third of
+        its samples) took ``peer_id`` ``service_s`` seconds (wall time less RTT and
+        transfer): one measurement of its throughput."""
+        if not math.isfinite(service_s) or batch_size <= 0:
+            return
+        state = self._state(peer_id)
+        state.rates.append(batch_size / max(service_s, self.config.min_service_s))
+        while len(state.rates) > self.config.measure_window:
+            state.rates.popleft()
+
+    def expected_time(
+        self,
+        candidate: Candidate,
+        *,
+        payload_bytes: int,
+        batch_size: int,
+        throughput: float | None = None,
+    ) -> float:
+        """Expected seconds until ``candidate`` answers a hop of ``batch_size`` samples, at
+        ``throughput`` (default: its claim clamped to its measurement)."""
         cfg = self.config
         rtt = _positive_or(candidate.rtt_s, cfg.default_rtt_s)
         rate = _positive_or(candidate.delivery_rate_bps, cfg.default_delivery_rate_bps)
-        throughput = max(_positive_or(candidate.throughput, cfg.min_throughput), cfg.min_throughput)
+        if throughput is None:
+            measured = self.measured(candidate.peer_id)
+            throughput = self.claimed(candidate)
+            if measured is not None:
+                throughput = min(throughput, measured)
+        throughput = max(throughput, cfg.min_throughput)
         state = self._peers.get(candidate.peer_id)
         ours = state.in_flight if state is not None else 0
         queued = max(candidate.queue_len, 0) + ours + 1
@@ -165,9 +276,18 @@ class Router:
         state = self._peers.get(peer_id)
         if state is None:
             return True
-        if state.banned_until > now:
+        if state.convicted or state.banned_until > now:
             return False
         return state.failures == 0 or state.in_flight == 0
+
+    def convict(self, peer_id: str) -> None:
+        """``peer_id`` was caught lying: it is never chosen again (not even when every
+        other candidate is banned), whatever stage it serves."""
+        self._state(peer_id).convicted = True
+
+    def is_convicted(self, peer_id: str) -> bool:
+        state = self._peers.get(peer_id)
+        return state is not None and state.convicted
 
     def choose(
         self,
@@ -179,13 +299,15 @@ class Router:
         rng: random.Random,
         avoid: Iterable[str] = (),
     ) -> Candidate | None:
-        """Sample the server for one hop; None only when ``candidates`` is empty.
+        """Sample the server for one hop; None only when ``candidates`` is empty (or all
+        of them are convicted).
 
         ``payload_bytes`` may differ per peer (a server that still caches the input needs
         only the gradient). Peers in ``avoid`` (already tried for this hop) and banned peers
         are skipped while any other candidate remains; otherwise they are used anyway,
         avoided ones last.
         """
+        candidates = [c for c in candidates if not self.is_convicted(c.peer_id)]
         if not candidates:
             return None
         avoided = set(avoid)
@@ -195,13 +317,19 @@ class Router:
         if not pool:
             # every fresh peer is banned: ignore bans, but still prefer untried peers
             pool = [c for c in candidates if c.peer_id not in avoided] or list(candidates)
+        effective = self.effective_throughputs(candidates)
 
         def size(c: Candidate) -> int:
             if isinstance(payload_bytes, int):
                 return payload_bytes
             return payload_bytes.get(c.peer_id, max(payload_bytes.values(), default=0))
 
-        costs = [self.expected_time(c, payload_bytes=size(c), batch_size=batch_size) for c in pool]
+        costs = [
+            self.expected_time(
+                c, payload_bytes=size(c), batch_size=batch_size, throughput=effective[c.peer_id]
+            )
+            for c in pool
+        ]
         best = min(costs)
         tau = self.config.temperature * best + self.config.min_temperature_s
         if tau <= 0.0:
@@ -277,7 +405,7 @@ class Router:
         keep = set(live)
         for peer_id in [p for p in self._peers if p not in keep]:
             state = self._peers[peer_id]
-            if state.in_flight == 0 and state.banned_until <= now:
+            if state.in_flight == 0 and state.banned_until <= now and not state.convicted:
                 del self._peers[peer_id]
 
     def __len__(self) -> int:

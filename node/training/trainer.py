@@ -28,6 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from .hops import HopFailed, HopSender, RequestSender
 from .pipeline import Pipeline
 from .routing import Router
 from .servers import ServerSource, ServerView
+from .spot_checks import SpotChecker
 from .trainer_config import TrainerConfig
 
 log = get_logger(__name__)
@@ -56,6 +58,7 @@ class TrainerCounters:
     completed: int = 0
     failed: int = 0
     retried_hops: int = 0
+    busy_backoffs: int = 0
     cache_misses: int = 0
     tokens: int = 0
     payload_bytes_sent: int = 0
@@ -65,6 +68,12 @@ class TrainerCounters:
     val_loss: float | None = None
     hops: Counter[int] = field(default_factory=Counter)  # successful hops per stage
     errors: Counter[str] = field(default_factory=Counter)  # failed attempts by code/exception
+    compute_s: float = 0.0  # device seconds servers reported for our successful hops
+    spot_check_compute_s: float = 0.0  # of which for spot checks
+    spot_checks: int = 0
+    spot_checks_skipped: int = 0
+    spot_check_disagreements: int = 0
+    convicted: int = 0  # peers caught lying by a spot check
 
 
 class Trainer:
@@ -82,7 +91,10 @@ class Trainer:
         servers: ServerSource,
         rng: random.Random | None = None,
         data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        spot_rng: random.Random | None = None,
     ) -> None:
+        """``spot_rng`` picks the hops to spot-check; by default the system's randomness,
+        so that no server can predict which of its answers will be checked."""
         self.spec, self.config = spec, config
         self.endpoint = endpoint
         self.peer_id = endpoint.peer_id
@@ -101,10 +113,22 @@ class Trainer:
             counters=self.counters,
             rng=self.rng,
         )
-        self._pipeline = Pipeline(spec, config, trainer_id=self.peer_id, hops=hops, ef=self._ef)
+        self.spot_checker = SpotChecker(
+            config.spot_checks,
+            router=self.router,
+            counters=self.counters,
+            rng=spot_rng if spot_rng is not None else random.SystemRandom(),
+            clock=time.monotonic,
+        )
+        self._pipeline = Pipeline(
+            spec, config, trainer_id=self.peer_id, hops=hops, ef=self._ef, spot=self.spot_checker
+        )
         self._data = data
         self._next_id = self.rng.getrandbits(62)  # ids stay unique across restarts
         self._stopping = False
+        self._unpaused = asyncio.Event()  # cleared by pause(): no new micro-batch starts
+        self._unpaused.set()
+        self._position_path: Path | None = None  # set by start(): the node's state dir
         self._task: asyncio.Task[Any] | None = None
         self._started_at: float | None = None
         self._completions: deque[tuple[float, int]] = deque()
@@ -113,11 +137,22 @@ class Trainer:
 
     async def start(self, ctx: Any) -> None:
         """Component seam: run in the daemon's TaskGroup."""
+        # where a streamed dataset keeps this trainer's position, so that a restart resumes
+        # instead of reading its shard again (datasets.py; a file of another run is ignored)
+        self._position_path = Path(ctx.state_dir) / "data_position.json"
         self._task = ctx.spawn(self.run(), "trainer")
+
+    def pause(self) -> None:
+        """``wanswarm pause``: start no new micro-batch (those in flight finish)."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
 
     async def drain(self, deadline: float) -> None:
         """Start no new micro-batch; let in-flight ones finish until ``deadline``."""
         self._stopping = True
+        self._unpaused.set()  # a paused run wakes to see that it stops
         if self._task is None or self._task.done():
             return
         remaining = deadline - asyncio.get_running_loop().time()
@@ -128,19 +163,23 @@ class Trainer:
 
     async def close(self) -> None:
         self._stopping = True
+        self._unpaused.set()
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
     def stop(self) -> None:
         """Start no new micro-batch (``run`` returns once in-flight ones are done)."""
         self._stopping = True
+        self._unpaused.set()
 
     def status(self) -> dict[str, Any]:
         c = self.counters
         elapsed = time.monotonic() - self._started_at if self._started_at is not None else 0.0
         return {
+            "paused": not self._unpaused.is_set(),
             "micro_batches": {"started": c.started, "completed": c.completed, "failed": c.failed},
             "retried_hops": c.retried_hops,
+            "busy_backoffs": c.busy_backoffs,
             "cache_misses": c.cache_misses,
             "tokens": c.tokens,
             "tokens_per_s": round(self.tokens_per_s(), 1),
@@ -150,6 +189,18 @@ class Trainer:
             "payload_bytes": {"sent": c.payload_bytes_sent, "received": c.payload_bytes_received},
             "hops": {str(k): v for k, v in sorted(c.hops.items())},
             "errors": dict(c.errors),
+            "spot_checks": {
+                "checked": c.spot_checks,
+                "skipped": c.spot_checks_skipped,
+                "disagreements": c.spot_check_disagreements,
+                "convicted": c.convicted,
+                "extra_compute_fraction": (
+                    round(c.spot_check_compute_s / (c.compute_s - c.spot_check_compute_s), 4)
+                    if c.compute_s > c.spot_check_compute_s
+                    else 0.0
+                ),
+                "evidence": list(self.spot_checker.evidence)[-4:],
+            },
         }
 
     def tokens_per_s(self) -> float:
@@ -173,7 +224,9 @@ class Trainer:
             if seed is None:
                 digest = hashlib.sha256(f"wanswarm-data:{self.peer_id}".encode()).digest()
                 seed = int.from_bytes(digest[:8], "big") >> 1
-            self._data = await asyncio.to_thread(TrainStream, self.spec, seed)
+            self._data = await asyncio.to_thread(
+                TrainStream, self.spec, seed, None, self._position_path
+            )
         data = self._data
         self._started_at = time.monotonic()
         slots = asyncio.Semaphore(self.config.max_in_flight)
@@ -182,6 +235,7 @@ class Trainer:
                 max_micro_batches is None or self.counters.started < max_micro_batches
             ):
                 await slots.acquire()
+                await self._unpaused.wait()
                 await self._wait_for_every_stage()
                 # None: a finite source ran out
                 batch = None if self._stopping else next(data, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from .routing import RouterConfig
+from .spot_checks import SpotCheckConfig
 
 
 class TrainerConfig(BaseModel):
@@ -39,6 +40,16 @@ class TrainerConfig(BaseModel):
         le=600.0,
         description="Back-off while a stage has no online server, seconds (jittered).",
     )
+    busy_backoff_s: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=60.0,
+        description=(
+            "First back-off when every server of a stage refused a hop as busy (or draining, "
+            "or still loading), seconds; doubled at each further attempt, jittered, at most "
+            "16x. A hop with another server left to try goes there at once instead."
+        ),
+    )
     loss_ewma_alpha: float = Field(
         default=0.05,
         gt=0.0,
@@ -66,3 +77,7 @@ class TrainerConfig(BaseModel):
         default=16, ge=1, le=4096, description="Validation windows each measurement runs."
     )
     router: RouterConfig = Field(default=RouterConfig(), description="Server choice per hop.")
+    spot_checks: SpotCheckConfig = Field(
+        default=SpotCheckConfig(),
+        description="Hops re-run on a second replica and compared (docs/hostile.md).",
+    )

@@ -299,3 +299,52 @@ def test_a_stalled_donor_holds_up_the_tail_for_a_straggler_time_not_its_deadline
             _no_refetch(job.report.events)
 
     run(main(), timeout=30)
+
+
+def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread() -> None:
+    """resync.py's fetch: StageStateSharing.resync, called on the stage's device thread (as
+    hivemind's step does when this replica is behind), downloads the replicas' newer state
+    over QUIC and installs it there; a state not ahead of ours is left alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wanswarm.node.config.runspec import RunSpec
+    from wanswarm.node.stage.optimizer import LocalOptimizer
+    from wanswarm.node.stage.state import StageStateSharing
+    from wanswarm.node.training.model import build_stage
+
+    spec = RunSpec.model_validate({
+        "name": "catch-up", "model": {"d_model": 64, "n_heads": 2, "n_layers": 2, "seq_len": 16},
+        "stages": {"blocks_per_stage": [1, 1]},
+        "batch": {"micro_batch_size": 2, "target_batch_size": 4},
+    })
+    ahead, behind = build_stage(spec, 1), build_stage(spec, 1)
+    donor_opt, our_opt = LocalOptimizer(ahead, spec), LocalOptimizer(behind, spec)
+    _, tensors, meta = donor_opt.export_state()
+    moved = {k: v + 0.5 if k.startswith("model.") else v for k, v in tensors.items()}
+    donor_opt.import_state(3, moved, meta)  # the stage stepped on without us: epoch 3
+    device_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"d{i}-device") for i in (0, 1)]
+
+    async def main() -> tuple[bool, bool]:
+        async with _swarm(1) as (donors, client):
+            donor = StageStateSharing(donors[0], 1, donor_opt, device_threads[0], _config(),
+                                      donors=None, serving=lambda: True)
+            ours = StageStateSharing(client, 1, our_opt, device_threads[1], _config(),
+                                     donors=lambda: [address(donors[0])], serving=lambda: True)
+            loop = asyncio.get_running_loop()
+            try:
+                caught_up = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
+                again = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
+            finally:
+                donor.close()
+                ours.close()
+            return caught_up, again
+
+    try:
+        caught_up, again = run(main())
+    finally:
+        for pool in device_threads:
+            pool.shutdown()
+    assert caught_up and our_opt.local_epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(ahead.parameters(), behind.parameters(),
+                                                 strict=True))
+    assert not again  # the donor is not ahead of us any more: nothing installed

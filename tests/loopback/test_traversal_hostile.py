@@ -62,10 +62,10 @@ def test_introductions_and_relay_requests_for_unknown_or_bad_targets() -> None:
                 {"target": a.peer_id, "reachable": False},  # itself
             ):
                 assert await _refusal(a, rv, INTRODUCE, bad) == "bad_request", bad
-            # the builtin kinds take no tensors
+            # the builtin kinds take no tensors: refused from the header, nothing read
             with pytest.raises(RemoteError) as info:
                 await a.request(rv, "_observe", {}, [torch.ones(2)], timeout=10)
-            assert info.value.code == "bad_request"
+            assert info.value.code == "too_large"
             with pytest.raises(ValueError):
                 a.register("_observe", _echo)  # node kinds cannot take the reserved names
             assert await a.observe(rv, timeout=10) == a.address  # still serving

@@ -23,7 +23,7 @@ import pytest
 from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
-from aioquic.quic.packet import pull_quic_header
+from aioquic.quic.packet import QuicStreamFrame, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer
 from wanswarm.transport.config import CongestionConfig, TransportConfig
 from wanswarm.transport.congestion_adapter import ControllerAdapter, Meter
@@ -295,3 +295,49 @@ def test_closing_state_is_visible_at_once() -> None:
     assert (event.error_code, event.reason_phrase) == (0x100, "endpoint closing")
     assert _require(client, "_state", "quic_link.py") == QuicConnectionState.DRAINING
     assert server._state != QuicConnectionState.DRAINING
+
+
+def test_credit_counts_delivered_bytes_and_stops_with_the_stream() -> None:
+    """quic_config.CreditedConnection overrides ``_write_stream_limits(builder, space,
+    stream)`` and ``_write_connection_limits(builder, space)``, and reads a stream's
+    ``receiver.highest_offset``, ``receiver.starting_offset()``,
+    ``receiver._stop_error_code`` and ``max_stream_data_local``, and the connection's
+    ``_local_max_data.used``/``.value``: data past a hole earns no credit, a stopped stream
+    none at all."""
+    for method, expected in (
+        ("_write_stream_limits", ["self", "builder", "space", "stream"]),
+        ("_write_connection_limits", ["self", "builder", "space"]),
+    ):
+        theirs = list(inspect.signature(getattr(QuicConnection, method)).parameters)
+        if theirs != expected:
+            pytest.fail(f"aioquic {aioquic.__version__}: QuicConnection.{method}{theirs[1:]} "
+                        f"changed; quic_config.CreditedConnection overrides it as {expected}")
+    pair = _connected_pair()
+    client, server = pair.client.quic, pair.server.quic
+    limit_ = _require(server, "_local_max_data", "quic_config.py")
+    _require_type(_require(limit_, "used", "quic_config.py"), int, "_local_max_data.used",
+                  "quic_config.py")
+    stream_id = client.get_next_available_stream_id()
+    client.send_stream_data(stream_id, b"x")
+    pair.exchange()
+    stream = server._streams[stream_id]
+    receiver = _require(stream, "receiver", "quic_config.py")
+    assert _require(receiver, "_stop_error_code", "quic_config.py") is None
+    _require(receiver, "starting_offset", "quic_config.py")
+    window = _require(stream, "max_stream_data_local", "quic_config.py")
+
+    def credit_after(offset: int, size: int) -> int:
+        receiver.handle_frame(QuicStreamFrame(offset=offset, data=bytes(size)))
+        server.send_ping(1)  # have it build a packet, where limits are raised
+        server.datagrams_to_send(now=pair.now + 1.0)
+        return int(stream.max_stream_data_local)
+
+    # beyond a hole: aioquic itself would double the window here (highest offset > half)
+    assert receiver.highest_offset == 1
+    assert credit_after(window - 10, 10) == window, "data past a hole earned credit"
+    # the hole filled: the bytes are delivered, the window doubles as aioquic does it
+    assert credit_after(1, window - 11) == 2 * window
+    # stopped: nothing more, even for bytes delivered in order
+    server.stop_stream(stream_id, 0x200)
+    assert receiver._stop_error_code == 0x200
+    assert credit_after(window, window) == 2 * window, "a stopped stream earned credit"

@@ -79,7 +79,8 @@ def test_spec_variant_differs_only_in_codecs(tmp_path: Path, codec: str) -> None
 def test_every_shipped_run_spec_survives_the_toml_writer() -> None:
     for path in sorted(CONFIGS.glob("*.toml")):
         spec = load_run_spec(path)
-        assert parse_run_spec(bench.to_toml(spec.model_dump(mode="json"))) == spec, path
+        raw = spec.model_dump(mode="json", exclude_none=True)
+        assert parse_run_spec(bench.to_toml(raw)) == spec, path
 
 
 def test_toml_writer_values_and_refusals() -> None:
@@ -320,7 +321,7 @@ def test_main_trains_the_reference_and_ends_with_the_json_line(
 ) -> None:
     spec = toy_spec(corpus_file(tmp_path))
     spec_file = tmp_path / "toy.toml"
-    spec_file.write_text(bench.to_toml(spec.model_dump(mode="json")))
+    spec_file.write_text(bench.to_toml(spec.model_dump(mode="json", exclude_none=True)))
     monkeypatch.setattr(bench, "run_swarm", FakeSwarm())
     step = 8 * 16
     # daemons with delayed updates: the reference models their lag (and reads landed updates)

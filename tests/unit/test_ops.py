@@ -70,7 +70,13 @@ def test_dockerfile_state_volume_ports_and_healthcheck() -> None:
     config = load_config(environ=env)  # the image's environment is a valid config
     assert config.state_dir == Path(env["STATE_DIRECTORY"])
     health = _one("HEALTHCHECK")
-    assert json.loads(health[health.index("CMD") + 3 :].strip()) == ["wanswarm", "status"]
+    command = json.loads(health[health.index("CMD") + 3 :].strip())
+    # the first check runs the selftest once (a marker in the container's /tmp), then
+    # every check asks the daemon (docs/gpu.md)
+    assert command[:2] == ["sh", "-c"]
+    selftest, status = command[2].split(" && ")
+    assert selftest.startswith("wanswarm selftest ") and " --once /tmp/" in selftest
+    assert status == "exec wanswarm status"
 
 
 def _dockerignored(path: str) -> bool:

@@ -103,6 +103,9 @@ class RecordingOptimizer:
         due, self.due = self.due, False
         return due
 
+    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+        self.catch_up = fetch
+
     def load_state_from_peers(self) -> bool:
         return False
 
@@ -401,11 +404,15 @@ def test_a_full_queue_answers_busy_and_a_late_job_expires_unrun() -> None:
             )
         )
         assert await asyncio.to_thread(opt.entered.wait, 30)  # the device thread is held
+        # from another trainer: one peer holds at most half the queue (its fair share)
+        other = "other-trainer"
+        hop2 = HopId(run_id=spec.run_id, trainer=other, micro_batch=2, stage=0)
         second = asyncio.create_task(
             reg.call(
                 Kind.BACKWARD,
-                BackwardRequest(hop=_hop(spec, 0, mb=2), budget_s=5, input_carried=True),
+                BackwardRequest(hop=hop2, budget_s=5, input_carried=True),
                 [idx, g],
+                peer=other,
             )
         )
         await asyncio.sleep(0)  # let it queue (one loop iteration, not a timing assumption)

@@ -184,6 +184,7 @@ class Swarm:
         return Trainer(
             self.spec, config or TrainerConfig(max_in_flight=2, request_timeout_s=30.0),
             endpoint=self.net, servers=self.view, rng=random.Random(seed), data=data(),
+            spot_rng=random.Random(seed),  # which hops are spot-checked: reproducible here
         )
 
     async def __aenter__(self) -> Self:
@@ -351,6 +352,34 @@ def test_busy_and_dead_servers_are_banned_and_routed_around() -> None:
     assert trainer.router.failures("s1r0") == trainer.router.failures("s1r1") == 1
     applied = sum(swarm.servers[f"s1r{r}"].counters.applied for r in range(3))
     assert applied == 6  # every micro-batch applied once at stage 1, wherever it went
+
+
+def test_a_stage_whose_only_server_is_busy_is_asked_again_after_a_back_off() -> None:
+    spec = _spec()
+    swarm = Swarm(spec, [1, 1, 1])
+    # the only server of stage 1 is busy three times (a replica stalled in an averaging
+    # round), then serves again
+    swarm.net.faults["s1r0"] = [RemoteError("busy", "queue full")] * 3
+    config = TrainerConfig(
+        max_in_flight=1,
+        request_timeout_s=30.0,
+        busy_backoff_s=0.05,
+        router=RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
+    )
+
+    async def main() -> tuple[Trainer, float]:
+        async with swarm:
+            trainer = swarm.trainer(config)
+            started = asyncio.get_running_loop().time()
+            await trainer.run(max_micro_batches=1)
+            return trainer, asyncio.get_running_loop().time() - started
+
+    trainer, took = asyncio.run(main())
+    c = trainer.counters
+    assert (c.completed, c.failed) == (1, 0)  # the fourth attempt found it serving
+    assert c.errors["busy"] == 3 and c.busy_backoffs == 3
+    # 0.05 + 0.1 + 0.2 s (each jittered by at most 20%): spread out, not spent at once
+    assert took >= 0.8 * (0.05 + 0.1 + 0.2)
 
 
 def test_a_cache_miss_makes_the_trainer_resend_the_input() -> None:

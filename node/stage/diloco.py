@@ -1,0 +1,557 @@
+"""A stage's DiLoCo optimizer: local inner steps, an outer Nesterov round every H of them.
+
+The run spec's ``[averaging] mode = "diloco"`` (config/averaging_spec.py) makes every
+server of a stage train on its own micro-batches with the run's AdamW
+(:class:`~.optimizer.LocalOptimizer`: one inner step per ``target_batch_size`` samples of
+this replica) and, every ``inner_steps`` inner steps, run an outer round with the stage's
+other replicas (outer.py):
+
+1. pseudo-gradient ``anchor - params``, compressed with error feedback
+   (pseudo_gradient.py; the residual stays with this replica);
+2. every replica's payload to every other through hivemind's ``DecentralizedAverager``:
+   matchmaking forms the round's group and its ``gather`` hands each member the others'
+   data (round number, anchor digest, weight, payload bytes); each replica decodes every
+   payload and takes the mean weighted by the samples each trained on since the last
+   round, in peer-id order, so that every replica computes it from the same bytes in the
+   same order;
+3. the outer Nesterov step on the anchor, and the parameters set to it.
+
+Why the all-gather and not hivemind's all-reduce of ``averaged_tensors``: its butterfly hands
+a peer back ``x + (mean - x)`` for its own ``x``, which differs from the mean in the last
+bits from peer to peer, so replicas would drift apart by rounding; and its wire compressions
+are a fixed protobuf enum (no 4-bit, no sign, no top-k). Gathered payloads are exact and
+travel as compressed as the codec makes them. The price: they ride in matchmaking messages,
+bounded by libp2p's 4 MiB message size, so a replica's payload is capped at
+``MAX_PAYLOAD_BYTES`` and a group at ``MAX_GROUP`` (refused when the stage does not fit:
+pick a smaller codec), and hivemind relays them through the group's leader.
+
+Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
+joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
+stage's averagers for a newer outer state (one round ahead at most, see below) and adopts
+it if there is one, else simply tries again after another H inner steps; the others do not
+wait for it. A replica whose group reports a later round adopts that round's state after
+the all-reduce instead of stepping. A newly joined replica starts from the latest outer
+state through state transfer: :meth:`export_state` is the shared outer state (anchor as the
+stage's parameters, outer momentum, epoch ``round * H``), identical on every replica that
+took the same rounds, so that the donors' quorum by digest (state.py) agrees on it.
+:meth:`export_checkpoint` adds what is this replica's own (its current parameters, inner
+AdamW state, residuals) for its checkpoints; :meth:`import_state` takes either.
+
+Threads: construct on the main thread (the averager forks a process and hivemind touches
+SIGINT); ``step`` and the rest on the device thread; the averager's state requests arrive on
+hivemind's thread and read the outer state under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..config.runspec import RunSpec
+from ..logs import get_logger
+from .averaging import AveragingConfig, AveragingError, averaging_run_id
+from .checkpoint import CheckpointError
+from .optimizer import LocalOptimizer
+from .outer import (
+    ANCHOR_PREFIX,
+    MOMENTUM_PREFIX,
+    RESIDUAL_PREFIX,
+    OuterState,
+    load_anchor,
+    nesterov_step,
+    pseudo_gradient,
+    weighted_mean,
+)
+from .pseudo_gradient import ErrorFeedback, PseudoGradientCodec, PseudoGradientError
+from .state_tensors import MODEL_PREFIX, check_fits, checked_epoch, snapshot
+
+log = get_logger(__name__)
+
+# a replica that missed rounds adopts a newer outer state only this many rounds ahead of its
+# own: the averagers' state download trusts one donor, so a forged round number is bounded
+MAX_ROUNDS_BEHIND = 1
+# gathered payloads ride in hivemind's matchmaking messages (libp2p: 4 MiB a message)
+MAX_PAYLOAD_BYTES = 768 * 1024
+MAX_GROUP = 4
+MAX_WEIGHT = 1e12
+
+
+class AveragerHost(Protocol):
+    """Where the outer averager's hivemind DHT comes from (membership.dht.Dht)."""
+
+    def hivemind_averager(self, factory: Callable[..., Any], **options: Any) -> Any:
+        """``factory(dht=<the node's hivemind DHT>, **options)``."""
+
+
+class OuterCarrier(Protocol):
+    """What an outer round needs from its transport (hivemind's averager, or a test's)."""
+
+    def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Every group member's ``data`` by peer id (ours included), or None when no group
+        formed within ``timeout``. What the others sent is untrusted."""
+
+    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """The outer state another replica shares (metadata, tensors), or None."""
+
+    def shutdown(self) -> None:
+        """Leave; the carrier is unusable afterwards."""
+
+
+def _hivemind_carrier_class() -> type:
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.compression import CompressionInfo
+
+    class _OuterAverager(DecentralizedAverager):
+        """A DecentralizedAverager whose shared state is the stage's outer state."""
+
+        def __init__(self, *args: Any, state: Callable[[], tuple[Any, list[torch.Tensor]]],
+                     **kwargs: Any) -> None:
+            self._outer_state = state
+            super().__init__(*args, **kwargs)
+
+        def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
+            meta, tensors = self._outer_state()
+            return meta, tensors, [CompressionInfo.from_tensor(t, key=i)
+                                   for i, t in enumerate(tensors)]
+
+    return _OuterAverager
+
+
+class HivemindCarrier:
+    """Outer rounds over hivemind's DecentralizedAverager (module docstring)."""
+
+    def __init__(
+        self, host: AveragerHost, prefix: str,
+        state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
+        round_timeout: float,
+    ) -> None:
+        from hivemind.compression import NoCompression
+
+        sigint = signal.getsignal(signal.SIGINT)
+        try:
+            self._averager = host.hivemind_averager(
+                _hivemind_carrier_class(),
+                averaged_tensors=[torch.zeros(1)],  # the payloads travel in the gather
+                prefix=prefix,
+                start=True,
+                state=state,
+                min_group_size=2,
+                target_group_size=MAX_GROUP,
+                min_matchmaking_time=config.matchmaking_time,
+                request_timeout=config.matchmaking_time / 2,
+                allreduce_timeout=round_timeout,
+                next_chunk_timeout=config.next_chunk_timeout,
+                compression=NoCompression(),
+                state_compression=NoCompression(),
+                shutdown_timeout=config.shutdown_timeout,
+            )
+        except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
+            raise AveragingError(f"cannot start the outer averager {prefix}: {exc}") from exc
+        finally:
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
+
+    def set_priority(self, value: float) -> None:
+        self._averager.state_sharing_priority = value
+
+    def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        try:
+            gathered = self._averager.step(gather=data, weight=1.0, timeout=timeout)
+        except Exception as exc:  # hivemind raises its own errors, and asyncio's, from a round
+            log.info("outer round failed: %r", exc)
+            return None
+        if not isinstance(gathered, dict) or not gathered:
+            return None
+        return {str(peer): value for peer, value in gathered.items()}
+
+    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        try:
+            found = self._averager.load_state_from_peers(timeout=timeout)
+        except Exception as exc:  # a donor's failure is hivemind's to report; we try later
+            log.info("downloading the outer state failed: %r", exc)
+            return None
+        if not found or not isinstance(found[0], dict):
+            return None
+        return found[0], list(found[1])
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except (RuntimeError, OSError, TimeoutError, ValueError) as exc:
+            log.warning("outer averager shutdown failed: %s", exc)
+
+
+def anchor_digest(state: OuterState) -> str:
+    """SHA-256 (16 hex) of the anchor, in name order: equal on replicas after the same rounds."""
+    h = hashlib.sha256()
+    for name in sorted(state.anchor):
+        h.update(name.encode())
+        h.update(state.anchor[name].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class DilocoOptimizer:
+    """The :class:`~.optimizer.StageOptimizer` of ``[averaging] mode = "diloco"``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: RunSpec,
+        stage: int,
+        config: AveragingConfig,
+        carrier: Callable[[Callable[[], tuple[Any, list[torch.Tensor]]]], OuterCarrier],
+    ) -> None:
+        """``carrier(state)`` builds the transport of the rounds; ``state`` gives the outer
+        state it shares. :func:`make_diloco_optimizer` passes hivemind's."""
+        self.spec, self.averaging = spec, spec.averaging
+        self.run_id = averaging_run_id(spec, stage) + "_outer"
+        self._module = module
+        self._inner = LocalOptimizer(module, spec)
+        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self._lock = threading.Lock()
+        self.outer = OuterState.start(self._params())
+        self.codec = PseudoGradientCodec(
+            self.averaging.compression, self.averaging.block_size, self.averaging.topk_density
+        )
+        self.feedback = ErrorFeedback(self.codec)
+        self._since_round = 0  # inner steps since the last round (or failed attempt)
+        self._samples = 0.0  # samples trained on since the last completed round
+        self._group = 1
+        self.last_round: dict[str, Any] = {}
+        self.rounds_missed = 0
+        self.rounds_adopted = 0
+        self.payload_bytes_sent = 0
+        self._shapes = [tuple(self.outer.anchor[n].shape) for n in self._names]
+        self.payload_nbytes = sum(
+            self.codec.payload_nbytes(self.outer.anchor[n].numel()) for n in self._names
+        )
+        if self.payload_nbytes > MAX_PAYLOAD_BYTES:
+            raise AveragingError(
+                f"stage {stage}'s {self.averaging.compression} pseudo-gradient is "
+                f"{self.payload_nbytes} bytes, over the {MAX_PAYLOAD_BYTES} an outer round "
+                "carries: set averaging.compression to a smaller codec (int8, int4, sign, topk)"
+            )
+        self._carrier = carrier(self._shared_state)
+        self._shut = False
+
+    # ---- the StageOptimizer contract -----------------------------------------------------
+
+    def step(self, batch_size: int) -> None:
+        before = self._inner.local_epoch
+        self._inner.step(batch_size)
+        self._samples += batch_size
+        if self._inner.local_epoch == before:
+            return
+        self._since_round += 1
+        if self._since_round >= self.averaging.inner_steps:
+            self._since_round = 0
+            self._outer_round()
+
+    def step_if_due(self) -> bool:
+        return False  # rounds are due after this replica's own inner steps, never idle
+
+    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+        pass  # a replica behind adopts the newer outer state at its next round (_adopt)
+
+    def load_state_from_peers(self) -> bool:
+        found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
+        return found is not None and self._adopt(*found, any_round=True)
+
+    @property
+    def local_epoch(self) -> int:
+        return self._inner.local_epoch
+
+    @property
+    def samples_accumulated(self) -> int:
+        return self._inner.samples_accumulated
+
+    @property
+    def num_peers(self) -> int:
+        return self._group
+
+    def is_synchronized(self) -> bool:
+        """False after a round this replica missed without catching up (until the next)."""
+        last = self.last_round
+        return bool(last.get("ok", True) or last.get("adopted_newer_state", False))
+
+    def flush(self) -> None:
+        return None
+
+    def background_busy(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        if not self._shut:
+            self._shut = True
+            self._carrier.shutdown()
+
+    def averaging_status(self) -> dict[str, Any]:
+        """What ``wanswarm status`` shows of this stage's averaging (flat fields)."""
+        last = self.last_round
+        return {
+            "mode": "diloco",
+            "inner_steps": self.averaging.inner_steps,
+            "compression": self.averaging.compression,
+            "last_round": self.outer.round,
+            "last_round_ok": last.get("ok"),
+            "participants": last.get("participants", 0),
+            "bytes_sent": last.get("bytes_sent", 0),
+            "round_s": last.get("seconds"),
+            "payload_bytes": self.payload_nbytes,
+            "bytes_sent_total": self.payload_bytes_sent,
+            "rounds_missed": self.rounds_missed,
+            "rounds_adopted": self.rounds_adopted,
+        }
+
+    # ---- rounds ---------------------------------------------------------------------------
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        named = dict(self._module.named_parameters())
+        return {n: named[n] for n in self._names}
+
+    def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The outer state the averager hands to a replica that asks (hivemind's thread)."""
+        with self._lock:
+            tensors = [self.outer.anchor[n].clone() for n in self._names]
+            tensors += [self.outer.momentum[n].clone() for n in self._names]
+            return {"round": self.outer.round, "names": len(self._names)}, tensors
+
+    @torch.no_grad()
+    def _outer_round(self) -> None:
+        started = time.monotonic()
+        params = self._params()
+        saved = {n: r.clone() for n, r in self.feedback.residuals.items()}
+        try:
+            delta = pseudo_gradient(self.outer.anchor, params)
+            payload = b"".join(self.feedback.encode(n, delta[n])[0] for n in self._names)
+        except PseudoGradientError as exc:
+            self.feedback.residuals = saved
+            log.warning("%s: no outer round: %s", self.run_id, exc)
+            return
+        digest = anchor_digest(self.outer)
+        data = {"round": self.outer.round, "anchor": digest,
+                "weight": max(self._samples, 1e-3), "payload": payload}
+        gathered = self._carrier.gather(data, self.averaging.round_timeout_s)
+        if gathered is None:
+            self.feedback.residuals = saved  # nothing was sent: the debt stays as it was
+            self.rounds_missed += 1
+            adopted = self.load_state_from_peers()
+            self._record(started, 1, 0, ok=False, adopted=adopted)
+            return
+        group = len(gathered)
+        self._group = group
+        sent = len(payload) * (group - 1)  # what an all-gather sends of ours
+        self.payload_bytes_sent += sent
+        rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
+        newest = max((r for r in rounds if type(r) is int), default=self.outer.round)
+        if newest > self.outer.round:
+            # the others took a round without us: take their state rather than step
+            self.feedback.residuals = saved
+            adopted = self.load_state_from_peers()
+            self._record(started, group, sent, ok=False, adopted=adopted)
+            return
+        contributions = []
+        for peer in sorted(gathered):
+            decoded = self._contribution(peer, gathered[peer], digest)
+            if decoded is not None:
+                contributions.append(decoded)
+        if not contributions:  # not even ours: cannot happen unless the carrier lost it
+            self.feedback.residuals = saved
+            self._record(started, group, sent, ok=False, adopted=False)
+            return
+        mean = weighted_mean(contributions)
+        with self._lock:
+            nesterov_step(self.outer, mean, self.averaging.outer_lr, self.averaging.outer_momentum)
+            load_anchor(params, self.outer)
+        self._samples = 0.0
+        self._group = len(contributions)
+        self._record(started, len(contributions), sent, ok=True, adopted=False)
+
+    def _contribution(
+        self, peer: str, data: Any, digest: str
+    ) -> tuple[dict[str, torch.Tensor], float] | None:
+        """A group member's decoded pseudo-gradient and weight, or None (logged) when it is
+        not one of this round's: another anchor, an absurd weight, a payload that does not
+        decode. Untrusted input: never raises."""
+        if not isinstance(data, dict):
+            return None
+        weight = data.get("weight")
+        payload = data.get("payload")
+        if data.get("round") != self.outer.round or data.get("anchor") != digest:
+            log.info("%s: %s is not at our round and anchor; left out", self.run_id, peer[:12])
+            return None
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                or not 0 < weight <= MAX_WEIGHT or not isinstance(payload, bytes)
+                or len(payload) != self.payload_nbytes):
+            log.warning("%s: %s sent a malformed contribution; left out", self.run_id, peer[:12])
+            return None
+        out, offset = {}, 0
+        try:
+            for name, shape in zip(self._names, self._shapes, strict=True):
+                size = self.codec.payload_nbytes(math.prod(shape))
+                out[name] = self.codec.decode(payload[offset : offset + size], shape)
+                offset += size
+        except PseudoGradientError as exc:
+            log.warning("%s: %s sent an undecodable payload (%s); left out",
+                        self.run_id, peer[:12], exc)
+            return None
+        return out, float(weight)
+
+    def _record(self, started: float, group: int, sent: int, *, ok: bool, adopted: bool) -> None:
+        self.last_round = {
+            "round": self.outer.round, "ok": ok, "participants": group,
+            "bytes_sent": sent, "adopted_newer_state": adopted,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        setter = getattr(self._carrier, "set_priority", None)
+        if setter is not None:
+            setter(float(self.outer.round))
+
+    @torch.no_grad()
+    def _adopt(self, meta: dict[str, Any], tensors: list[torch.Tensor], *, any_round: bool) -> bool:
+        """Install another replica's outer state if it is newer (and plausible)."""
+        n = len(self._names)
+        round_ = meta.get("round")
+        if (
+            isinstance(round_, bool) or not isinstance(round_, int)
+            or round_ <= self.outer.round
+            or (not any_round and round_ > self.outer.round + MAX_ROUNDS_BEHIND)
+            or len(tensors) != 2 * n
+        ):
+            return False
+        expected = {n: self.outer.anchor[n] for n in self._names}
+        try:
+            anchor = dict(zip(self._names, tensors[:n], strict=True))
+            momentum = dict(zip(self._names, tensors[n:], strict=True))
+            check_fits(expected, anchor)
+            check_fits(expected, momentum)
+            epoch = checked_epoch(round_ * self.averaging.inner_steps)
+        except CheckpointError as exc:
+            log.warning("%s: refusing an outer state from peers: %s", self.run_id, exc)
+            return False
+        self._install_outer(round_, anchor, momentum)
+        self._inner.set_epoch(max(self._inner.local_epoch, epoch))
+        self.rounds_adopted += 1
+        return True
+
+    def _install_outer(self, round_: int, anchor: dict[str, torch.Tensor],
+                       momentum: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            for name in self._names:
+                self.outer.anchor[name].copy_(anchor[name])
+                self.outer.momentum[name].copy_(momentum[name])
+            self.outer.round = round_
+            load_anchor(self._params(), self.outer)
+        self.feedback.reset()  # residuals toward an anchor that is gone
+        self._since_round = 0
+        self._samples = 0.0
+
+    # ---- state: shared (transfer) and own (checkpoints) --------------------------------------
+
+    def _shared_live(self) -> dict[str, torch.Tensor]:
+        out = {MODEL_PREFIX + n: self.outer.anchor[n] for n in self._names}
+        return out | {MOMENTUM_PREFIX + n: self.outer.momentum[n] for n in self._names}
+
+    def _own_live(self) -> dict[str, torch.Tensor]:
+        _, inner, _ = self._inner.export_state()  # model.* (current) and opt.state.*
+        out = inner | {ANCHOR_PREFIX + n: self.outer.anchor[n] for n in self._names}
+        out |= {MOMENTUM_PREFIX + n: self.outer.momentum[n] for n in self._names}
+        if self.codec.kind != "none":
+            out |= {
+                RESIDUAL_PREFIX + n: self.feedback.residuals.get(
+                    n, torch.zeros_like(self.outer.anchor[n])
+                )
+                for n in self._names
+            }
+        return out
+
+    def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """The shared outer state: what every replica after the same rounds holds bit for bit."""
+        with self._lock:
+            tensors = snapshot(self._shared_live())
+            round_ = self.outer.round
+        return round_ * self.averaging.inner_steps, tensors, {"outer_round": round_}
+
+    def export_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """This replica's whole state: current parameters, inner AdamW, outer state, residuals."""
+        _, _, inner_meta = self._inner.export_state()
+        with self._lock:
+            tensors = snapshot(self._own_live())
+            round_ = self.outer.round
+        meta = inner_meta | {"outer_round": round_, "since_round": self._since_round}
+        return self.local_epoch, tensors, meta
+
+    @torch.no_grad()
+    def import_state(
+        self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> None:
+        epoch = checked_epoch(epoch)
+        round_ = meta.get("outer_round")
+        if isinstance(round_, bool) or not isinstance(round_, int) or not 0 <= round_ <= epoch:
+            raise CheckpointError(f"outer_round must be an integer in [0, {epoch}], got {round_!r}")
+        if not any(name.startswith(ANCHOR_PREFIX) for name in tensors):
+            # the shared outer state (state transfer): the anchor is the stage's parameters
+            check_fits(self._shared_live(), tensors)
+            anchor = {n: tensors[MODEL_PREFIX + n] for n in self._names}
+            momentum = {n: tensors[MOMENTUM_PREFIX + n] for n in self._names}
+            self._install_outer(round_, anchor, momentum)
+            self._inner.set_epoch(epoch)
+            return
+        live = self._own_live()
+        check_fits(live, tensors)
+        since = meta.get("since_round", 0)
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise CheckpointError(f"since_round must be a non-negative integer, got {since!r}")
+        inner = {k: v for k, v in tensors.items() if k.startswith(("model.", "opt.state."))}
+        self._inner.import_state(epoch, inner, meta)
+        with self._lock:
+            for name in self._names:
+                self.outer.anchor[name].copy_(tensors[ANCHOR_PREFIX + name])
+                self.outer.momentum[name].copy_(tensors[MOMENTUM_PREFIX + name])
+            self.outer.round = round_
+        if self.codec.kind != "none":
+            self.feedback.residuals = {
+                n: tensors[RESIDUAL_PREFIX + n].clone() for n in self._names
+            }
+        self._since_round = min(since, self.averaging.inner_steps)
+        self._samples = 0.0
+
+
+def make_diloco_optimizer(
+    module: nn.Module, spec: RunSpec, stage: int, host: AveragerHost, config: AveragingConfig
+) -> DilocoOptimizer:
+    """A DiLoCo optimizer whose rounds run over hivemind's averager on ``host``'s DHT."""
+    if threading.current_thread() is not threading.main_thread():
+        raise AveragingError("construct the DiLoCo optimizer on the main thread (hivemind forks)")
+    prefix = averaging_run_id(spec, stage) + "_outer"
+
+    def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]]) -> OuterCarrier:
+        return HivemindCarrier(host, prefix, state, config, spec.averaging.round_timeout_s)
+
+    return DilocoOptimizer(module, spec, stage, config, carrier)
+
+
+def make_stage_optimizer(
+    module: nn.Module, spec: RunSpec, stage: int, dht: Any, config: AveragingConfig
+) -> Any:
+    """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
+    hivemind's collaborative Optimizer (``allreduce``) or :class:`DilocoOptimizer`."""
+    mode = spec.averaging.mode
+    if mode == "allreduce":
+        from .averaging import CollaborativeOptimizer
+
+        return CollaborativeOptimizer(module, spec, stage, dht, config)
+    if mode == "diloco":
+        return make_diloco_optimizer(module, spec, stage, dht, config)
+    raise AveragingError(
+        f"averaging.mode = {mode!r} runs in benchmarks/averaging.py only so far; the daemon "
+        "serves 'allreduce' and 'diloco' (docs/averaging.md)"
+    )

@@ -1,0 +1,142 @@
+"""A replica that fell behind its stage catches up through our transport, not hivemind's.
+
+hivemind's collaborative Optimizer notices, inside ``step``, that this replica's epoch is
+behind the collaboration's, and calls its own ``load_state_from_peers``: a download of the
+whole state from one donor over libp2p, on the stage's device thread, retried forever if it
+raises (a timeout does) and tried again at the next ``step`` if it fails quietly. Between
+two hosts behind home NATs that download goes through a libp2p relay, and in the network
+lab (docs/nat.md) it failed every time (the stream ended after its first 64 KiB part); an
+attempt at every micro-batch's step held the device thread, and the stage answered
+``busy`` to every trainer for minutes. Our own state transfer (state_transfer.py) already
+reaches every replica, punched or relayed over QUIC, checks the manifest against the
+stage's layout and takes only a state that a quorum of donors agrees on.
+
+``catch_up_through`` therefore replaces that method on the hivemind Optimizer instance with
+the same sequence hivemind runs (tag along with a pre-scheduled round at zero weight,
+finish delayed updates, pause the progress tracker, install a state, catch the epoch up,
+report progress) as one bounded call to ``fetch`` (``StageStateSharing.resync``): our
+download, then its install on this thread (``import_state`` runs that sequence). Where that
+fails, hivemind's own download is tried once, never in its loop (which retries forever on
+a timeout); attempts are spaced by ``retry_after`` seconds, and a call in
+between returns at once: the replica serves on at its epoch (its gradients then count in no
+round) and the next ``step`` tries again.
+
+It relies on hivemind 1.1.12's Optimizer attributes ``scheduled_grads``,
+``_tag_along_with_zero_weight``, ``state_averager``, ``grad_averager``, ``tracker``,
+``load_state_timeout``, ``client_mode`` and ``use_gradient_averaging``
+(``HIVEMIND_OPTIMIZER_ATTRIBUTES``, checked when it is installed and in tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..logs import get_logger
+
+log = get_logger(__name__)
+
+HIVEMIND_OPTIMIZER_ATTRIBUTES = (
+    "scheduled_grads",
+    "_tag_along_with_zero_weight",
+    "state_averager",
+    "grad_averager",
+    "tracker",
+    "load_state_timeout",
+    "client_mode",
+    "use_gradient_averaging",
+    "load_state_from_peers",
+)
+
+
+class CatchUp:
+    """The replacement of ``hivemind.Optimizer.load_state_from_peers`` on one instance."""
+
+    def __init__(
+        self,
+        opt: Any,  # hivemind.Optimizer
+        fetch: Callable[[], bool],
+        *,
+        retry_after: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._opt = opt
+        self._fetch = fetch
+        self._hivemind_load = opt.load_state_from_peers  # the bound original
+        self.retry_after = retry_after
+        self._clock = clock
+        self._last_try: float | None = None
+        self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0}
+
+    def __call__(self, **kwargs: Any) -> None:
+        now = self._clock()
+        if self._last_try is not None and now - self._last_try < self.retry_after:
+            self.counts["deferred"] += 1
+            return
+        self._last_try = now
+        try:
+            # our download; its install (import_state) runs hivemind's own sequence: tag
+            # along, finish delayed updates, pause the tracker, set and report the epoch
+            if self._fetch():
+                self.counts["ours"] += 1
+                self._last_try = None  # caught up: a later fall-behind may try at once
+                return
+        except Exception:  # a bug in our path must not stop the stage: hivemind's remains
+            log.exception("catching up through our transport failed")
+        if self._hivemind_once(**kwargs):
+            self.counts["hivemind"] += 1
+            self._last_try = None
+        else:
+            self.counts["failed"] += 1
+
+    def _hivemind_once(self, **kwargs: Any) -> bool:
+        """hivemind's ``load_state_from_peers`` with one download attempt instead of a loop
+        (its loop retries forever on a timeout); True if the epoch moved."""
+        opt = self._opt
+        if opt.scheduled_grads is not None and not opt.scheduled_grads.done():
+            opt._tag_along_with_zero_weight(opt.scheduled_grads)
+            opt.scheduled_grads = None
+        opt.state_averager.step(wait_for_delayed_updates=True)
+        epoch = opt.local_epoch
+        with opt.tracker.pause_updates():
+            try:
+                # it returns None either way and logs its failures; success moves the epoch
+                opt.state_averager.load_state_from_peers(
+                    timeout=opt.load_state_timeout, **kwargs
+                )
+                loaded = opt.local_epoch > epoch
+                if loaded and opt.grad_averager is not None:
+                    opt.grad_averager.load_state_from_peers(
+                        timeout=opt.load_state_timeout, **kwargs
+                    )
+            except Exception as exc:  # anything, raised from its averager process
+                log.warning("catching up through hivemind's averager failed: %r", exc)
+                loaded = False
+            tracker = opt.tracker
+            if tracker.global_epoch - 1 <= opt.local_epoch < tracker.global_epoch:
+                opt.state_averager.local_epoch = tracker.global_epoch  # as hivemind does
+            tracker.report_local_progress(local_epoch=opt.local_epoch, samples_accumulated=0)
+            if not opt.client_mode:
+                opt.state_averager.state_sharing_priority = opt.local_epoch
+            if opt.use_gradient_averaging:
+                opt.grad_averager.reset_accumulated_grads_()
+                if not opt.client_mode:
+                    opt.grad_averager.state_sharing_priority = opt.local_epoch
+        return loaded
+
+
+def catch_up_through(
+    opt: Any, fetch: Callable[[], bool], *, retry_after: float = 30.0
+) -> CatchUp:
+    """Replace ``opt.load_state_from_peers`` (a hivemind.Optimizer) with a :class:`CatchUp`
+    around ``fetch``; returns it (its ``counts`` go into the stage's status)."""
+    missing = [a for a in HIVEMIND_OPTIMIZER_ATTRIBUTES if not hasattr(opt, a)]
+    if missing:
+        raise TypeError(f"not a hivemind 1.1.12 Optimizer: it lacks {', '.join(missing)}")
+    catch_up = CatchUp(opt, fetch, retry_after=retry_after)
+    opt.load_state_from_peers = catch_up
+    return catch_up
+
+
+__all__ = ["HIVEMIND_OPTIMIZER_ATTRIBUTES", "CatchUp", "catch_up_through"]

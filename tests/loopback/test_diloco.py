@@ -1,0 +1,207 @@
+"""DiLoCo rounds over real hivemind averagers on local DHTs (diloco.py).
+
+Two replicas of the last stage train apart for H inner steps on different data, then run
+an outer round through hivemind's DecentralizedAverager: both end bit-identical, at the
+same outer round, with the same outer momentum, and each sent its int4 payload with its own
+residual kept. A replica alone misses its round within the round's timeout, keeps training
+and restores its residual; its checkpoint round-trips through
+``import_state``; a newcomer that asks the stage's averagers downloads the latest outer
+state from them.
+
+Loopback tier: hivemind DHTs on 127.0.0.1, each forking its DHT process and a libp2p
+daemon, inside this test process.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from wanswarm.node.config.averaging_spec import AveragingSpec
+from wanswarm.node.stage.averaging import AveragingConfig, AveragingError, CollaborativeOptimizer
+from wanswarm.node.stage.checkpoint import CheckpointError
+from wanswarm.node.stage.diloco import DilocoOptimizer, make_diloco_optimizer, make_stage_optimizer
+from wanswarm.node.stage.outer import ANCHOR_PREFIX, RESIDUAL_PREFIX
+from wanswarm.node.training.model import build_stage
+
+from tests.loopback.test_averaging import (
+    HIVEMIND_PATH_WARNING,
+    HIVEMIND_UNRAISABLE_WARNING,
+    SPEC,
+    STAGE,
+    B,
+    _accumulate,
+    _close_default_loop,  # noqa: F401  (autouse fixture)
+    _daemon_sigint,
+)
+
+H = 3
+DILOCO = SPEC.model_copy(update={"averaging": AveragingSpec(
+    mode="diloco", inner_steps=H, compression="int4", block_size=16, round_timeout_s=20.0,
+)})
+CONFIG = AveragingConfig(matchmaking_time=2.0, averaging_timeout=20.0, load_state_timeout=10.0)
+PER_STEP = SPEC.batch.micro_batches_per_step
+
+
+class _Host:
+    """Builds averagers over a raw hivemind DHT, as membership.dht.Dht does over its own."""
+
+    def __init__(self, dht: Any) -> None:
+        self._dht = dht
+
+    def hivemind_averager(self, factory: Any, **options: Any) -> Any:
+        return factory(dht=self._dht, **options)
+
+
+def _build(dht: Any, spec: Any = DILOCO) -> tuple[torch.nn.Module, DilocoOptimizer]:
+    module = build_stage(spec, STAGE)
+    previous = signal.signal(signal.SIGINT, _daemon_sigint)
+    try:
+        return module, make_diloco_optimizer(module, spec, STAGE, _Host(dht), CONFIG)
+    finally:
+        assert signal.getsignal(signal.SIGINT) is _daemon_sigint  # hivemind's SIG_IGN undone
+        signal.signal(signal.SIGINT, previous)
+
+
+def _inner_steps(module: torch.nn.Module, opt: DilocoOptimizer, gen: torch.Generator,
+                 steps: int) -> None:
+    for _ in range(steps * PER_STEP):
+        _accumulate(module, gen)
+        opt.step(B)
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there() -> None:
+    hivemind = pytest.importorskip("hivemind")
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts: list[Any] = [dht_a]
+    optimizers: list[DilocoOptimizer] = []
+    try:
+        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                 initial_peers=dht_a.get_visible_maddrs()))
+        built = [_build(d) for d in dhts]
+        optimizers = [opt for _, opt in built]
+        initial = [p.detach().clone() for p in built[0][0].parameters()]
+        barrier = threading.Barrier(2, timeout=30.0)
+
+        def device_thread(module: torch.nn.Module, opt: DilocoOptimizer, seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            _inner_steps(module, opt, gen, H - 1)
+            barrier.wait()  # both enter the round together, as replicas at network pace would
+            _inner_steps(module, opt, gen, 1)  # the H-th inner step runs the round
+
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
+            runs = [pool.submit(device_thread, m, o, seed)
+                    for seed, (m, o) in enumerate(built)]
+            for run in runs:
+                run.result(timeout=90)
+        (m_a, a), (m_b, b) = built
+        assert a.last_round["ok"] and b.last_round["ok"], (a.last_round, b.last_round)
+        assert a.outer.round == b.outer.round == 1 and a.last_round["participants"] == 2
+        for p, q, p0 in zip(m_a.parameters(), m_b.parameters(), initial, strict=True):
+            assert torch.equal(p, q)
+            assert not torch.equal(p, p0)
+        for name in a.outer.momentum:
+            assert torch.equal(a.outer.momentum[name], b.outer.momentum[name])
+        # each kept its own residual (int4 is lossy), and the round's bytes are counted
+        assert a.feedback.residuals and not all(
+            torch.equal(a.feedback.residuals[n], b.feedback.residuals[n])
+            for n in a.feedback.residuals
+        )
+        numel = sum(p.numel() for p in m_a.parameters())
+        assert a.payload_bytes_sent == a.payload_nbytes < numel  # int4: under a byte a value
+        status = a.averaging_status()
+        assert status["mode"] == "diloco" and status["last_round"] == 1
+        assert status["participants"] == 2 and status["bytes_sent"] == a.payload_nbytes
+        # the shared state is identical on both (so that a donors' quorum agrees on it)
+        ea, eb = a.export_state(), b.export_state()
+        assert ea[0] == eb[0] == H and ea[2] == eb[2]
+        assert all(torch.equal(ea[1][k], eb[1][k]) for k in ea[1])
+
+        # a newcomer downloads the latest outer state from the stage's averagers (installing
+        # the shared state from state transfer: tests/unit/test_diloco_rounds.py)
+        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                 initial_peers=dht_a.get_visible_maddrs()))
+        asker_module, asker = _build(dhts[2])
+        optimizers.append(asker)
+        assert asker.load_state_from_peers()
+        assert asker.outer.round == 1
+        for p, q in zip(asker_module.parameters(), m_a.parameters(), strict=True):
+            assert torch.equal(p, q)
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        del optimizers, dhts
+        gc.collect()
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_a_replica_alone_misses_its_round_within_the_timeout_and_keeps_training() -> None:
+    hivemind = pytest.importorskip("hivemind")
+    spec = DILOCO.model_copy(update={"averaging": DILOCO.averaging.model_copy(
+        update={"round_timeout_s": 4.0})})
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opt: DilocoOptimizer | None = None
+    try:
+        module, opt = _build(dht, spec)
+        gen = torch.Generator().manual_seed(0)
+        _inner_steps(module, opt, gen, H - 1)
+        # a debt carried from earlier rounds: a missed round must leave it as it was
+        opt.feedback.residuals = {n: torch.full_like(a, 1e-3) for n, a in opt.outer.anchor.items()}
+        residual_before = {n: r.clone() for n, r in opt.feedback.residuals.items()}
+        params_before = [p.detach().clone() for p in module.parameters()]
+        _inner_steps(module, opt, gen, 1)
+        assert not opt.last_round["ok"] and opt.rounds_missed == 1
+        limit = spec.averaging.round_timeout_s + CONFIG.load_state_timeout
+        assert opt.last_round["seconds"] < limit
+        assert opt.outer.round == 0 and set(opt.feedback.residuals) == set(residual_before)
+        assert all(torch.equal(opt.feedback.residuals[n], r) for n, r in residual_before.items())
+        assert not opt.is_synchronized()
+        # its inner step happened, and its parameters were kept (no outer step alone)
+        assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), params_before,
+                                                        strict=True))
+        assert opt.local_epoch == H
+
+        # its checkpoint carries its own state: residuals, anchor, inner AdamW; it round-trips
+        epoch, tensors, meta = opt.export_checkpoint()
+        assert any(k.startswith(RESIDUAL_PREFIX) for k in tensors)
+        assert any(k.startswith(ANCHOR_PREFIX) for k in tensors)
+        opt.feedback.reset()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.zero_()
+        opt.import_state(epoch, tensors, meta)
+        again = opt.export_checkpoint()
+        assert again[0] == epoch and set(again[1]) == set(tensors)
+        assert all(torch.equal(again[1][k], tensors[k]) for k in tensors)
+        bad = dict(tensors)
+        bad[next(k for k in tensors if k.startswith(RESIDUAL_PREFIX))] = torch.zeros(1)
+        with pytest.raises(CheckpointError):
+            opt.import_state(epoch, bad, meta)
+        with pytest.raises(CheckpointError, match="outer_round"):
+            opt.import_state(epoch, tensors, meta | {"outer_round": epoch + 1})
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+        del opt
+        gc.collect()
+
+
+def test_the_mode_picks_the_optimizer() -> None:
+    with pytest.raises(AveragingError, match="make_stage_optimizer"):
+        CollaborativeOptimizer(build_stage(DILOCO, STAGE), DILOCO, STAGE, None, CONFIG)
+    gossip = SPEC.model_copy(update={"averaging": AveragingSpec(mode="gossip")})
+    with pytest.raises(AveragingError, match="gossip"):
+        make_stage_optimizer(build_stage(gossip, STAGE), gossip, STAGE, None, CONFIG)

@@ -1,0 +1,116 @@
+"""A forged hivemind progress record (#13 point 7) in a live DHT does not move a stage's epoch.
+
+A hostile peer publishes, under the stage's ``{run_id}_progress`` key and signed with its own
+fresh RSA key as hivemind requires, a record claiming epoch 10^15. Unscreened, hivemind's
+tracker would take that as the stage's epoch: the replica would see itself 10^15 epochs
+behind, try to download state at every step and never step again. The replica here (a real
+CollaborativeOptimizer on a real DHT on 127.0.0.1) ignores the record, counts it, keeps the
+stage's epoch, stays synchronized and steps normally.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from wanswarm.node.stage.averaging import AveragingConfig, CollaborativeOptimizer
+
+from tests.loopback.test_averaging import (
+    HIVEMIND_PATH_WARNING,
+    HIVEMIND_UNRAISABLE_WARNING,
+    SPEC,
+    STAGE,
+    B,
+    _accumulate,
+    _close_default_loop,  # noqa: F401  (autouse fixture)
+    _daemon_sigint,
+    _Host,
+)
+from tests.waiting import wait_for
+
+FORGED_EPOCH = 10**15
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
+    hivemind = pytest.importorskip("hivemind")
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import ValueWithExpiration
+    from wanswarm.node.training.model import build_stage
+
+    config = AveragingConfig(
+        matchmaking_time=1.0, averaging_timeout=5.0, load_state_timeout=5.0,
+        delayed_updates=False, grad_compression="none", state_compression="none",
+    )
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts: list[Any] = [dht]
+    attacker: Any = None
+    opt: CollaborativeOptimizer | None = None
+    try:
+        evil_dht = hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht.get_visible_maddrs(),
+        )
+        dhts.append(evil_dht)
+        module = build_stage(SPEC, STAGE)
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        # the forger: hivemind's own tracker, so the record is signed and fits the schema
+        attacker = ProgressTracker(
+            evil_dht, opt.run_id, SPEC.batch.target_batch_size, start=True,
+            private_key=RSAPrivateKey(), min_refresh_period=0.1,
+        )
+        attacker.report_local_progress(FORGED_EPOCH, 2)
+        key = f"{opt.run_id}_progress"
+
+        def forged_visible() -> Any:
+            found = dht.get(key, latest=True)
+            if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+                return None
+            epochs = [getattr(v, "value", None) for v in found.value.values()]
+            if any(isinstance(e, dict) and e.get("epoch") == FORGED_EPOCH for e in epochs):
+                return found.value
+            return None
+
+        metadata = wait_for(forged_visible, 30.0, "the forged record in the victim's DHT")
+        tracker = opt._opt.tracker
+        # what hivemind alone would make of it: the forged epoch (the record is live and valid)
+        from hivemind.optim.progress_tracker import ProgressTracker as Unscreened
+
+        assert Unscreened._parse_swarm_progress_data(tracker, metadata).epoch == FORGED_EPOCH
+        # the screened tracker fetches it (and refuses it) without adopting it
+        tally = opt.progress_screen
+        wait_for(lambda: tally.reasons.get("epoch"), 30.0,
+                 "the tracker to fetch and refuse the forged record")
+        assert opt.global_epoch == 0 and opt.is_synchronized()
+
+        # the replica keeps training: one epoch of its own micro-batches steps it (alone)
+        gen = torch.Generator().manual_seed(0)
+        before = [p.detach().clone() for p in module.parameters()]
+        deadline = time.monotonic() + 40.0
+        while opt.local_epoch < 1 and time.monotonic() < deadline:
+            _accumulate(module, gen)
+            opt.step(B)
+        assert opt.local_epoch == 1, "the replica could not step beside the forged record"
+        assert opt.global_epoch == 1 and opt.is_synchronized()
+        assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
+        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    finally:
+        if attacker is not None:
+            attacker.shutdown(timeout=5)
+        if opt is not None:
+            opt.shutdown()
+        for d in dhts:
+            d.shutdown()
+        del dhts, attacker, opt
+        gc.collect()

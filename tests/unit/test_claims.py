@@ -1,0 +1,128 @@
+"""Claims checked against measurement (issue #13, point 6) and the spot checks' verdicts.
+
+An absurd throughput claim neither attracts a trainer's hops (the router clamps it to a
+prior from the stage's other servers until measured, then to the measurement) nor moves
+stage selection (claims are capped relative to the view's median). Pure: no sockets.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from wanswarm.node.stage.selection import (
+    RebalancePolicy,
+    ServerLoad,
+    choose_stage,
+    clamp_claims,
+    plan_rebalance,
+)
+from wanswarm.node.training.routing import Candidate, Router, RouterConfig
+from wanswarm.node.training.spot_checks import Answer, judge, relative_error
+
+LIAR = "liar"
+
+
+def _shares(router: Router, candidates: list[Candidate], n: int = 3000) -> Counter[str]:
+    rng = random.Random(5)
+    picks: Counter[str] = Counter()
+    for _ in range(n):
+        pick = router.choose(candidates, payload_bytes=0, batch_size=4, now=0.0, rng=rng)
+        assert pick is not None
+        picks[pick.peer_id] += 1
+    return picks
+
+
+def test_an_absurd_claim_does_not_attract_the_hops_of_an_unmeasured_stage() -> None:
+    router = Router(RouterConfig())
+    honest = [Candidate(f"h{i}", 20.0, rtt_s=0.01) for i in range(2)]
+    candidates = [Candidate(LIAR, 1e12, rtt_s=0.01), *honest]
+    effective = router.effective_throughputs(candidates)
+    # unmeasured: at most unmeasured_claim_ratio (4) times the median of the others
+    assert effective[LIAR] == pytest.approx(4 * 20.0)
+    assert effective["h0"] == effective["h1"] == 20.0
+    # its first hop measures it: a server as fast as the others then gets a third of the
+    # hops, not (as its claim would have it) all of them
+    router.observe(LIAR, batch_size=4, service_s=0.2)  # 20 samples/s
+    shares = _shares(router, candidates)
+    assert all(800 < shares[p] < 1200 for p in (LIAR, "h0", "h1")), shares
+    believed = Router(RouterConfig(unmeasured_claim_ratio=1e3))
+    believed_shares = _shares(believed, candidates)
+    assert believed_shares[LIAR] == 3000  # a claim taken at its word takes every hop
+
+
+def test_a_claim_is_clamped_to_what_the_trainer_measured() -> None:
+    router = Router(RouterConfig())
+    candidates = [Candidate(LIAR, 1e12, rtt_s=0.01)] + [
+        Candidate(f"h{i}", 20.0, rtt_s=0.01) for i in range(2)
+    ]
+    for peer in ("h0", "h1"):
+        router.observe(peer, batch_size=4, service_s=0.2)  # 20 samples/s, as claimed
+    for _ in range(3):
+        router.observe(LIAR, batch_size=4, service_s=0.4)  # really 10 samples/s
+    assert router.measured(LIAR) == pytest.approx(10.0)
+    effective = router.effective_throughputs(candidates)
+    assert effective[LIAR] == pytest.approx(10.0)  # min(claimed, measured)
+    assert effective["h0"] == pytest.approx(20.0)
+    shares = _shares(router, candidates)
+    # the slower server gets fewer hops than either honest one, whatever it claims
+    assert shares[LIAR] < shares["h0"] and shares[LIAR] < shares["h1"]
+    # the measurement is the best of the last measure_window hops: one slow hop (queued
+    # behind other work) does not make an honest server look slow
+    router.observe("h0", batch_size=4, service_s=5.0)
+    assert router.measured("h0") == pytest.approx(20.0)
+
+
+def test_a_convicted_peer_is_never_chosen_even_when_every_other_is_banned() -> None:
+    router = Router(RouterConfig())
+    rng = random.Random(1)
+    candidates = [Candidate(LIAR, 1e12), Candidate("h", 20.0)]
+    router.convict(LIAR)
+    router.ban("h", now=0.0, rng=rng)
+    for _ in range(50):
+        pick = router.choose(candidates, payload_bytes=0, batch_size=4, now=0.0, rng=rng)
+        assert pick is not None and pick.peer_id == "h"
+    assert router.choose([candidates[0]], payload_bytes=0, batch_size=4, now=0.0, rng=rng) is None
+    router.clear_ban(LIAR)  # a stage change lifts bans, not a conviction
+    assert router.is_convicted(LIAR)
+
+
+def test_one_absurd_claim_moves_neither_joins_nor_rebalancing() -> None:
+    honest = [ServerLoad(f"s{s}r{r}", s, 20.0) for s in range(3) for r in range(2)]
+    liar = ServerLoad(LIAR, 1, 1e12)
+    view = [*honest, liar]
+    capped = clamp_claims(view, 3, max_ratio=RebalancePolicy().max_claim_ratio)
+    assert [s.throughput for s in capped if s.peer_id == LIAR] == [2 * 20.0]
+    assert all(s.throughput == 20.0 for s in capped if s.peer_id != LIAR)
+    # the claim as announced pulls stage 1's honest servers away (leaving the stage to the
+    # liar); capped, it counts as two typical servers, and no move pays
+    policy = RebalancePolicy()
+    moved = plan_rebalance(view, 3, policy).moves
+    assert any(m.from_stage == 1 for m in moved)  # believed: stage 1's honest servers leave
+    assert plan_rebalance(capped, 3, policy).moves == ()
+    picks = {choose_stage(capped, 3, 20.0, random.Random(i)) for i in range(30)}
+    assert picks == {0, 2}  # joiners still go to the stages with fewer servers
+    # honest figures within the ratio are untouched
+    mixed = [ServerLoad("fast", 0, 40.0), *honest]
+    assert clamp_claims(mixed, 3, 2.0) == mixed
+
+
+def test_spot_check_verdicts() -> None:
+    y = torch.randn(2, 8, 16)
+    a, b = Answer("p", 3, y, "a"), Answer("q", 3, y + 1e-4 * torch.randn_like(y), "b")
+    assert relative_error(y, y) == 0.0
+    assert judge(a, b, None, 0.05).kind == "agree"
+    wrong = Answer("q", 3, torch.roll(y, 1, dims=1), "w")
+    assert relative_error(y, wrong.value) > 0.5
+    assert judge(a, wrong, None, 0.05).kind == "unresolved"  # one word against another
+    assert judge(a, wrong, Answer("r", 3, y, "c"), 0.05).kind == "second_lied"
+    assert judge(wrong, a, Answer("r", 3, y, "c"), 0.05).kind == "first_lied"
+    # a third at another epoch is no witness; replies at different epochs are not compared
+    assert judge(a, wrong, Answer("r", 4, y, "c"), 0.05).kind == "unresolved"
+    assert judge(a, Answer("q", 4, torch.roll(y, 1, dims=1), "w"), None, 0.05).kind == "skipped"
+    # losses, shapes, non-finite values
+    assert judge(Answer("p", 0, 2.0, "x"), Answer("q", 0, 2.001, "y"), None, 0.01).kind == "agree"
+    assert relative_error(y, y[:1]) == float("inf")
+    assert relative_error(torch.full((2,), float("nan")), torch.zeros(2)) == float("inf")

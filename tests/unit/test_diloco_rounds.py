@@ -1,0 +1,196 @@
+"""DilocoOptimizer's rounds against scripted carriers: no DHT, no sockets.
+
+Two replicas whose carrier hands each the other's real gathered data end bit-identical;
+hostile group members (junk payloads, absurd weights, another anchor) are left out of the
+mean without raising; a group at a later round makes a replica adopt that round's state;
+a state from peers that is too far ahead or does not fit is refused; the shared state and
+the checkpoint round-trip through ``import_state``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from wanswarm.node.config.averaging_spec import AveragingSpec
+from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.stage.averaging import AveragingConfig, AveragingError
+from wanswarm.node.stage.checkpoint import CheckpointError
+from wanswarm.node.stage.diloco import MAX_PAYLOAD_BYTES, DilocoOptimizer
+from wanswarm.node.stage.outer import MOMENTUM_PREFIX
+from wanswarm.node.training.model import build_stage
+
+H = 2
+SPEC = RunSpec(
+    name="dilocounit",
+    model=ModelSpec(d_model=16, n_heads=2, n_layers=2, seq_len=8),
+    stages=StagesSpec(blocks_per_stage=(1, 1)),
+    batch=BatchSpec(micro_batch_size=2, target_batch_size=2),
+    optimizer=OptimizerSpec(lr=1e-2, warmup_steps=0, schedule="constant"),
+    averaging=AveragingSpec(mode="diloco", inner_steps=H, compression="sign", block_size=16,
+                            round_timeout_s=1.0),
+)
+STAGE = 1
+B, T, C = 2, 8, 16
+
+
+class Scripted:
+    """A carrier whose group is whatever ``script(our_data)`` returns."""
+
+    def __init__(self, script: Callable[[dict[str, Any]], dict[str, Any] | None],
+                 newer: tuple[dict[str, Any], list[torch.Tensor]] | None = None) -> None:
+        self.script, self.newer, self.sent = script, newer, []  # type: ignore[var-annotated]
+
+    def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        self.sent.append(data)
+        return self.script(data)
+
+    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        return self.newer
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _replica(carrier: Scripted, spec: RunSpec = SPEC) -> tuple[torch.nn.Module, DilocoOptimizer]:
+    module = build_stage(spec, STAGE)
+    return module, DilocoOptimizer(module, spec, STAGE, AveragingConfig(), lambda _: carrier)
+
+
+def _train(module: torch.nn.Module, opt: DilocoOptimizer, seed: int, steps: int = H) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(B, T, C, generator=gen)
+        y = torch.randint(0, 256, (B, T), generator=gen)
+        module.forward_loss(x, y).backward()  # type: ignore[operator]
+        opt.step(B)
+
+
+def test_two_replicas_end_identical_and_hostile_members_are_left_out() -> None:
+    # replica a runs its round first and keeps its data; b's group is a, b and three liars
+    seen: dict[str, dict[str, Any]] = {}
+
+    def for_a(data: dict[str, Any]) -> dict[str, Any] | None:
+        seen["a"] = data
+        return None  # a's own round is run below, once b's data exists
+
+    carrier_a = Scripted(for_a)
+    m_a, a = _replica(carrier_a)
+    _train(m_a, a, seed=1)
+    carrier_a.script = lambda data: {"peer-a": data, "peer-b": seen["b"], **liars(data)}
+
+    def liars(data: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "peer-c": data | {"payload": b"\x00" * 3},  # wrong length
+            "peer-d": data | {"weight": math.inf},
+            "peer-e": data | {"anchor": "0" * 16},  # trained from another anchor
+            "peer-f": "not a dict",
+        }
+
+    m_b, b = _replica(Scripted(lambda data: (seen.__setitem__("b", data), None)[1]))
+    _train(m_b, b, seed=2)
+    assert a.rounds_missed == b.rounds_missed == 1 and a.outer.round == 0
+    b._carrier = Scripted(lambda data: {"peer-a": seen["a"], "peer-b": data, **liars(data)})
+    # both retry after another H inner steps; a's stored data must be that round's
+    carrier_a.script = lambda data: (seen.__setitem__("a", data), None)[1]
+    _train(m_a, a, seed=3)
+    carrier_a.script = lambda data: {"peer-a": data, "peer-b": seen["b"], **liars(data)}
+    b._carrier = Scripted(lambda data: (seen.__setitem__("b", data), None)[1])
+    _train(m_b, b, seed=4)
+    # now each runs a round whose group holds the other's real data for the same round
+    b._carrier = Scripted(lambda data: {"peer-a": seen["a"], "peer-b": data, **liars(data)})
+    a._outer_round()
+    b._outer_round()
+    assert a.last_round["ok"] and b.last_round["ok"]
+    assert a.last_round["participants"] == b.last_round["participants"] == 2
+    assert a.outer.round == b.outer.round == 1
+    for p, q in zip(m_a.parameters(), m_b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert a.export_state()[1].keys() == b.export_state()[1].keys()
+    ea, eb = a.export_state(), b.export_state()
+    assert all(torch.equal(ea[1][k], eb[1][k]) for k in ea[1])
+    assert a.averaging_status()["bytes_sent"] == a.payload_nbytes * 5  # a group of six
+
+
+def test_a_replica_behind_adopts_the_newer_round_and_refuses_what_does_not_fit() -> None:
+    m_src, src = _replica(Scripted(lambda data: None))
+    with torch.no_grad():
+        for p in m_src.parameters():
+            p.add_(1.0)
+    src.outer.round = 1
+    for name in src._names:
+        src.outer.anchor[name].copy_(dict(m_src.named_parameters())[name])
+    meta, tensors = src._shared_state()
+
+    group = {"peer-x": {"round": 1, "anchor": "x", "weight": 1.0, "payload": b""}}
+    m, opt = _replica(Scripted(lambda data: group | {"me": data}, newer=(meta, tensors)))
+    _train(m, opt, seed=5)
+    assert opt.outer.round == 1 and opt.rounds_adopted == 1 and opt.local_epoch == H
+    for p, q in zip(m.parameters(), m_src.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # too far ahead (a single donor's word), or a state that does not fit: refused
+    _, other = _replica(Scripted(lambda data: None))
+    assert not other._adopt({"round": 5}, tensors, any_round=False)
+    assert not other._adopt({"round": 1}, tensors[:-1], any_round=True)
+    assert not other._adopt({"round": True}, tensors, any_round=True)
+    nan = [t.clone() for t in tensors]
+    nan[0].view(-1)[0] = math.nan
+    assert not other._adopt({"round": 1}, nan, any_round=True)
+    assert other.outer.round == 0
+
+
+def test_shared_state_and_checkpoint_round_trip() -> None:
+    m, opt = _replica(Scripted(lambda data: {"me": data}))
+    _train(m, opt, seed=6, steps=2 * H + 1)  # two rounds (alone, a group of one), one step
+    assert opt.outer.round == 2
+    epoch, tensors, meta = opt.export_state()
+    assert epoch == 2 * H and meta == {"outer_round": 2}
+    assert {k.split(".")[0] for k in tensors} == {"model", "outer"}
+    m2, fresh = _replica(Scripted(lambda data: None))
+    fresh.import_state(epoch, tensors, meta)
+    assert fresh.outer.round == 2 and fresh.local_epoch == 2 * H
+    for name in fresh._names:
+        assert torch.equal(fresh.outer.anchor[name], tensors["model." + name])
+        assert torch.equal(fresh.outer.momentum[name], tensors[MOMENTUM_PREFIX + name])
+    assert not fresh.feedback.residuals  # a newcomer owes nothing
+
+    cp = opt.export_checkpoint()
+    assert cp[0] == 2 * H + 1 and any(k.startswith("outer.residual.") for k in cp[1])
+    fresh.import_state(*cp)
+    again = fresh.export_checkpoint()
+    assert again[0] == cp[0] and all(torch.equal(again[1][k], cp[1][k]) for k in cp[1])
+    with pytest.raises(CheckpointError):
+        fresh.import_state(epoch, {**tensors, "model.extra": torch.zeros(1)}, meta)
+    with pytest.raises(CheckpointError, match="outer_round"):
+        fresh.import_state(epoch, tensors, {"outer_round": -1})
+
+
+def test_a_stage_too_big_for_a_round_is_refused_naming_the_field() -> None:
+    big = SPEC.model_copy(update={
+        "model": ModelSpec(d_model=256, n_heads=2, n_layers=2, seq_len=8),
+        "averaging": SPEC.averaging.model_copy(update={"compression": "none"}),
+    })
+    assert 4 * sum(p.numel() for p in build_stage(big, STAGE).parameters()) > MAX_PAYLOAD_BYTES
+    with pytest.raises(AveragingError, match="averaging.compression"):
+        _replica(Scripted(lambda data: None), big)
+
+
+def test_a_checkpoint_file_carries_the_outer_state_and_residuals(tmp_path: Any) -> None:
+    from wanswarm.node.stage.checkpoint import read_checkpoint, write_checkpoint
+
+    m, opt = _replica(Scripted(lambda data: {"me": data}))
+    _train(m, opt, seed=7, steps=H + 1)
+    epoch, tensors, meta = opt.export_checkpoint()
+    path = write_checkpoint(tmp_path, SPEC.run_id, STAGE, epoch, tensors, meta, keep=2)
+    found = read_checkpoint(path, SPEC.run_id, STAGE)
+    m2, restored = _replica(Scripted(lambda data: None))
+    restored.import_state(found.epoch, dict(found.tensors), found.optimizer_meta)
+    assert restored.outer.round == opt.outer.round == 1 and restored.local_epoch == epoch
+    for name in opt._names:
+        assert torch.equal(restored.feedback.residuals[name], opt.feedback.residuals[name])
+        assert torch.equal(restored.outer.momentum[name], opt.outer.momentum[name])
+    for p, q in zip(m.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -1,0 +1,56 @@
+"""The parameter sketch: the same function on every replica, linear, and a fair estimate of
+the relative distance between two replicas' parameters."""
+
+import math
+
+import pytest
+import torch
+from wanswarm.node.stage.fingerprint import param_sketch, relative_distance
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "blocks.0.w": torch.randn(300, 200, generator=g),
+        "blocks.0.b": torch.randn(200, generator=g),
+        "steps": torch.tensor(7),  # not floating point: left out
+    }
+
+
+def test_same_parameters_same_sketch_and_zero_distance() -> None:
+    a, b = _state(0), _state(0)
+    assert param_sketch(a) == param_sketch(b)
+    assert relative_distance(param_sketch(a), param_sketch(b)) == 0.0
+
+
+def test_sketch_is_linear_and_ignores_integer_tensors() -> None:
+    a, b = _state(0), _state(1)
+    diff = {k: (a[k] - b[k]) if a[k].is_floating_point() else a[k] for k in a}
+    sa, sb, sd = param_sketch(a), param_sketch(b), param_sketch(diff)
+    # a - b is rounded to float32 before it is summed: equal to float32's precision
+    assert all(math.isclose(x - y, z, rel_tol=1e-6, abs_tol=1e-4)
+               for x, y, z in zip(sa, sb, sd, strict=True))
+    c = dict(a, steps=torch.tensor(99))
+    assert param_sketch(c) == sa
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-3, 1e-1])
+def test_relative_distance_estimates_the_true_one(scale: float) -> None:
+    a = _state(0)
+    noise = _state(5)
+    b = {k: a[k] + scale * noise[k] if a[k].is_floating_point() else a[k] for k in a}
+    flat_a = torch.cat([a["blocks.0.w"].flatten(), a["blocks.0.b"]])
+    flat_d = torch.cat([(b[k] - a[k]).flatten() for k in ("blocks.0.w", "blocks.0.b")])
+    true = float(flat_d.norm() / flat_a.norm())
+    estimate = relative_distance(param_sketch(a), param_sketch(b))
+    # 64 buckets: each squared norm within ~18% (1 sigma); the ratio of roots within 2x
+    assert true / 2 < estimate < true * 2
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="buckets"):
+        param_sketch(_state(0), buckets=0)
+    with pytest.raises(ValueError, match="different sizes"):
+        relative_distance([1.0, 2.0], [1.0])
+    assert relative_distance([0.0, 0.0], [0.0, 0.0]) == 0.0
+    assert relative_distance([0.0, 0.0], [1.0, 0.0]) == math.inf

@@ -1,0 +1,130 @@
+"""A replica behind its stage catches up through our transport first, tries hivemind's own
+download once (never its retry loop), and spaces its attempts (node/stage/resync.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import hivemind
+import pytest
+from wanswarm.node.stage.resync import HIVEMIND_OPTIMIZER_ATTRIBUTES, catch_up_through
+
+
+class _Tracker:
+    def __init__(self, global_epoch: int) -> None:
+        self.global_epoch = global_epoch
+        self.lock = threading.Lock()  # hivemind's is not reentrant either
+        self.reports: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        with self.lock:
+            yield
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        self.reports.append((local_epoch, samples_accumulated))
+
+
+class _StateAverager:
+    def __init__(self, epoch: int, donor_epoch: int | None) -> None:
+        self.local_epoch = epoch
+        self.donor_epoch = donor_epoch
+        self.loads = 0
+        self.steps = 0
+        self.state_sharing_priority = 0
+
+    def step(self, wait_for_delayed_updates: bool) -> None:
+        self.steps += 1
+
+    def load_state_from_peers(self, timeout: float | None = None) -> None:
+        self.loads += 1
+        if self.donor_epoch is None:
+            raise TimeoutError("no donor answered")  # hivemind's own loop would spin here
+        self.local_epoch = self.donor_epoch
+
+
+class _Opt:
+    """The attributes of hivemind.Optimizer that the catch-up uses, nothing more."""
+
+    def __init__(self, epoch: int, global_epoch: int, donor_epoch: int | None) -> None:
+        self.state_averager = _StateAverager(epoch, donor_epoch)
+        self.grad_averager = None
+        self.tracker = _Tracker(global_epoch)
+        self.scheduled_grads = None
+        self.load_state_timeout = 1.0
+        self.client_mode = False
+        self.use_gradient_averaging = False
+
+    @property
+    def local_epoch(self) -> int:
+        return self.state_averager.local_epoch
+
+    def _tag_along_with_zero_weight(self, control: Any) -> None:
+        raise AssertionError("no round was scheduled")
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        raise AssertionError("hivemind's own method must have been replaced")
+
+
+def test_the_real_hivemind_optimizer_has_what_the_catch_up_uses() -> None:
+    for name in HIVEMIND_OPTIMIZER_ATTRIBUTES:
+        in_class = hasattr(hivemind.Optimizer, name)
+        set_in_init = name in hivemind.Optimizer.__init__.__code__.co_names
+        assert in_class or set_in_init, name
+
+
+def test_ours_first_and_hivemind_never_called_when_ours_succeeds() -> None:
+    opt = _Opt(epoch=3, global_epoch=9, donor_epoch=9)
+    fetched: list[bool] = []
+
+    def fetch() -> bool:
+        fetched.append(True)
+        opt.state_averager.local_epoch = 9  # import_state sets the epoch
+        return True
+
+    catch_up = catch_up_through(opt, fetch)
+    opt.load_state_from_peers()
+    assert fetched == [True]
+    assert opt.state_averager.loads == 0
+    assert catch_up.counts["ours"] == 1
+
+
+def test_hivemind_once_when_ours_fails_and_then_attempts_are_spaced() -> None:
+    now = [100.0]
+    opt = _Opt(epoch=3, global_epoch=9, donor_epoch=None)  # hivemind's download times out
+    catch_up = catch_up_through(opt, lambda: False, retry_after=30.0)
+    catch_up._clock = lambda: now[0]
+    opt.load_state_from_peers()  # returns: no endless retry on the timeout
+    assert opt.state_averager.loads == 1
+    assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0}
+    assert opt.tracker.reports[-1] == (3, 0)  # behind by more than one: epoch kept
+    now[0] += 10
+    opt.load_state_from_peers()  # within retry_after: back at once, nothing tried
+    assert opt.state_averager.loads == 1 and catch_up.counts["deferred"] == 1
+    now[0] += 25
+    opt.state_averager.donor_epoch = 9
+    opt.load_state_from_peers()  # spaced enough: hivemind's download now works
+    assert opt.state_averager.loads == 2
+    assert catch_up.counts["hivemind"] == 1 and opt.local_epoch == 9
+
+
+def test_a_bug_in_our_path_falls_back_and_one_epoch_behind_catches_up_as_hivemind() -> None:
+    opt = _Opt(epoch=8, global_epoch=9, donor_epoch=8)  # the only donor is not ahead
+
+    def broken() -> bool:
+        raise RuntimeError("a bug")
+
+    catch_up = catch_up_through(opt, broken)
+    opt.load_state_from_peers()
+    assert catch_up.counts["failed"] == 1
+    assert opt.local_epoch == 9  # hivemind's rule: one behind is taken as caught up
+    assert opt.tracker.reports[-1] == (9, 0)
+    assert not opt.tracker.lock.locked()
+
+
+def test_refuses_an_object_that_is_not_a_hivemind_optimizer() -> None:
+    with pytest.raises(TypeError, match="lacks"):
+        catch_up_through(object(), lambda: True)
