@@ -475,6 +475,16 @@ class Dht:
             raise
         except Exception as exc:
             raise DhtError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+        except GeneratorExit:
+            # hivemind's DHT process can garbage-collect the task running our request while
+            # it is pending (asyncio keeps tasks weakly); the GeneratorExit thrown into it is
+            # sent back as the request's outcome, and would end our caller like a close of
+            # our own coroutine. Ours is re-raised; hivemind's is a failed request.
+            if future.done() and not future.cancelled() and isinstance(
+                future.exception(), GeneratorExit
+            ):
+                raise DhtError(f"{what} failed: the DHT process dropped the request") from None
+            raise
 
     async def visible_maddrs(self) -> list[str]:
         """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers.

@@ -39,3 +39,35 @@ def test_progress_record_fields() -> None:
         "peer_id", "epoch", "samples_accumulated", "samples_per_second", "time", "client_mode"
     }, f"{USED_BY} screens these fields of a progress record"
     assert "value" in ValueWithExpiration.__dataclass_fields__
+
+
+def test_a_request_the_dht_process_dropped_is_a_dht_error_not_the_callers_end() -> None:
+    """hivemind's DHT process may garbage-collect the task that runs a request; the
+    GeneratorExit thrown into it comes back as the request's outcome (it ended a daemon's
+    housekeeping once). Dht._call turns it into DhtError."""
+    import asyncio
+    import concurrent.futures
+
+    from wanswarm.node.errors import DhtError
+    from wanswarm.node.membership.dht import Dht
+
+    class DroppingProcess:
+        def is_alive(self) -> bool:
+            return True
+
+        def run_coroutine(self, fn: object, return_future: bool) -> concurrent.futures.Future:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(GeneratorExit())
+            return future
+
+    dht = Dht.__new__(Dht)
+    dht._process = DroppingProcess()  # type: ignore[assignment]
+
+    async def main() -> str:
+        try:
+            await dht._call(lambda *_: None, 5.0, "reading our addresses")
+        except DhtError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "dropped the request" in asyncio.run(main())
