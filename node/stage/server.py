@@ -301,6 +301,7 @@ class StageServer:
             "cache": self._jobs.cached_inputs,
             "digest_epoch": self._jobs.digest[0],
             "param_digest": self._jobs.digest[1],
+            "param_sketch": self._jobs.sketch,  # same epoch: relative_distance of two replicas
             "resumed_from": self.resumed_from,
             "device": str(self.device),
             "precision": self.precision.describe(),

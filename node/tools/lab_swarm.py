@@ -28,6 +28,7 @@ from typing import Any
 
 from ..control import ControlClient
 from ..errors import NodeError
+from ..stage.fingerprint import relative_distance
 from .netlab import Lab
 
 BOOT_DHT_PORT = 31337
@@ -217,13 +218,36 @@ def swarm_figures(statuses: Sequence[dict[str, Any]], n_stages: int) -> dict[str
             "reach": status.get("components", {}).get("endpoint", {}).get("reach", {}),
         })
     digests: dict[int, list[tuple[int, str]]] = {}
+    sketches: dict[int, list[tuple[int, list[float]]]] = {}
     for status in statuses:
         server = _server(status)
         if server.get("state") == "online" and server.get("stage") is not None:
-            digests.setdefault(int(server["stage"]), []).append(
-                (int(server.get("digest_epoch", -1)), str(server.get("param_digest", "")))
-            )
-    return {"nodes": nodes, "paths": dict(paths), "digests": digests}
+            stage, epoch = int(server["stage"]), int(server.get("digest_epoch", -1))
+            digests.setdefault(stage, []).append((epoch, str(server.get("param_digest", ""))))
+            sketch = server.get("param_sketch") or []
+            if epoch >= 0 and sketch:
+                sketches.setdefault(stage, []).append((epoch, [float(v) for v in sketch]))
+    return {"nodes": nodes, "paths": dict(paths), "digests": digests, "sketches": sketches}
+
+
+def replicas_divergence(
+    sketches: dict[int, list[tuple[int, list[float]]]],
+) -> dict[int, float]:
+    """Per stage with two replicas at the same epoch: the largest estimated relative distance
+    between their parameters (fingerprint.py's count sketches; about 1e-7 when averaging left
+    them equal up to rounding, about one optimizer step's size when one applied an update
+    the other has not yet)."""
+    out: dict[int, float] = {}
+    for stage, held in sketches.items():
+        worst = None
+        for i, (epoch_a, a) in enumerate(held):
+            for epoch_b, b in held[i + 1:]:
+                if epoch_a == epoch_b and len(a) == len(b):
+                    d = relative_distance(a, b)
+                    worst = d if worst is None else max(worst, d)
+        if worst is not None:
+            out[stage] = worst
+    return out
 
 
 def replicas_agree(digests: dict[int, list[tuple[int, str]]]) -> dict[int, bool | None]:
@@ -250,6 +274,7 @@ __all__ = [
     "SwarmNode",
     "all_serving",
     "replicas_agree",
+    "replicas_divergence",
     "swarm_figures",
     "through_every_stage",
 ]

@@ -54,3 +54,23 @@ def test_bad_arguments_are_refused() -> None:
         relative_distance([1.0, 2.0], [1.0])
     assert relative_distance([0.0, 0.0], [0.0, 0.0]) == 0.0
     assert relative_distance([0.0, 0.0], [1.0, 0.0]) == math.inf
+
+
+def test_the_lab_compares_replicas_at_a_common_epoch_by_their_sketches() -> None:
+    from wanswarm.node.tools.lab_swarm import replicas_divergence, swarm_figures
+
+    a = _state(0)
+    rounded = {k: v + 1e-7 * v if v.is_floating_point() else v for k, v in a.items()}
+    stepped = {k: v + 1e-2 * _state(3)[k] if v.is_floating_point() else v for k, v in a.items()}
+
+    def status(stage: int, epoch: int, state: dict[str, torch.Tensor]) -> dict[str, object]:
+        server = {"state": "online", "stage": stage, "digest_epoch": epoch,
+                  "param_digest": str(epoch), "param_sketch": param_sketch(state)}
+        return {"components": {"stage_server": server}, "peers": []}
+
+    figures = swarm_figures([status(0, 4, a), status(0, 4, rounded), status(0, 5, stepped),
+                             status(1, 4, a), status(1, 4, stepped)], 2)
+    apart = replicas_divergence(figures["sketches"])
+    assert apart[0] < 1e-6  # equal up to rounding; the replica at epoch 5 is not compared
+    assert 1e-3 < apart[1] < 1e-1  # one replica stepped without the other
+    assert replicas_divergence({2: [(1, [1.0]), (2, [1.0])]}) == {}  # no common epoch
