@@ -21,7 +21,10 @@ def test_a_tiny_run_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> No
     for key in ("caught_after_micro_batches", "false_positives", "extra_compute_fraction",
                 "val_loss_honest", "val_loss_attacked"):
         assert key in result
-    assert result["caught_after_micro_batches"] is not None
+    # whether the router sends the liar any of 6 micro-batches depends on measured timings;
+    # once it served a hop it is caught (every hop spot-checked, every reply wrong)
+    if result["liar_share_before_conviction"]:
+        assert result["caught_after_micro_batches"] is not None
     assert result["false_positives"] == 0
     assert result["extra_compute_fraction"] > 0.0
     assert result["micro_batches"]["attacked"] == {"completed": 6, "failed": 0}
