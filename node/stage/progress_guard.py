@@ -11,8 +11,13 @@ next epoch, so an absurd one ends or stalls epochs at will.
 :func:`screen` (pure) keeps a record only when:
 
 - its epoch is at most ``MAX_EPOCH`` and at most ``max_lead`` ahead of the honest majority's
-  epoch: the lower median of this replica's epoch and the other records' (so one forger
-  among two replicas, or a minority among more, cannot move it);
+  epoch: the lower median of the other replicas' records (so forgers that are no more than
+  the honest replicas cannot move it). This replica's own epoch does not vote: when it
+  did, a replica more than ``max_lead`` epochs behind (after a stall, or while its state
+  was still loading after a move) out-voted a single honest peer, never learnt the stage's
+  epoch and trained on alone at its own (the network lab showed it). The price: beside a
+  single other peer, that peer's epoch is taken as it is, bounded only by ``MAX_EPOCH``;
+  two replicas cannot out-vote each other either way;
 - its ``samples_accumulated`` is at most ``max_samples_factor`` x ``target_batch_size``;
 - its ``samples_per_second`` is at most ``max_samples_per_second``;
 - its timestamp is finite and not more than ``max_clock_skew_s`` in the future.
@@ -106,7 +111,9 @@ def screen(
         and _field(getattr(item, "value", None), "peer_id") != own_peer_id
         and _field(getattr(item, "value", None), "client_mode") is not True
     ]
-    majority = statistics.median_low([float(local_epoch), *others])
+    # this replica's own epoch does not vote: a replica that fell behind (or a newcomer whose
+    # state is still loading) would otherwise out-vote the stage and never learn its epoch
+    majority = statistics.median_low(others) if others else float(local_epoch)
     limit = min(float(MAX_EPOCH), majority + bounds.max_lead)
     kept = {}
     for subkey, item, epoch in parsed:

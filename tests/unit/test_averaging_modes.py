@@ -245,9 +245,15 @@ def test_screen_ignores_an_absurd_epoch_and_keeps_honest_leads() -> None:
     kept, tally = _screen(records)
     assert set(kept) == {b"me", b"a", b"b"}
     assert tally.refused == 1 and tally.reasons == {"epoch": 1}
-    # one forger beside one honest replica cannot move the majority either
-    kept, _ = _screen({b"me": _record(b"me", 7), b"evil": _record(b"evil", MAX_EPOCH)})
-    assert set(kept) == {b"me"}
+    # a forger is out-voted by as many honest replicas; our own epoch does not vote, so a
+    # replica far behind still learns the stage's epoch from a single honest peer
+    kept, _ = _screen({b"me": _record(b"me", 7), b"a": _record(b"a", 7),
+                       b"evil": _record(b"evil", 10**6)})
+    assert set(kept) == {b"me", b"a"}
+    kept, _ = _screen({b"me": _record(b"me", 0), b"a": _record(b"a", 16)}, local_epoch=0)
+    assert set(kept) == {b"me", b"a"}
+    kept, _ = _screen({b"me": _record(b"me", 7), b"evil": _record(b"evil", MAX_EPOCH + 1)})
+    assert set(kept) == {b"me"}  # beyond any run's epochs: refused even alone
 
 
 @pytest.mark.parametrize(
