@@ -157,15 +157,7 @@ class LockstepOptimizer(LocalOptimizer):
 
     @torch.no_grad()
     def step(self, batch_size: int) -> None:
-        if self._anchor is None:
-            self._anchor = batch_size
-        alpha = batch_size / self._anchor
-        for p, acc in zip(self._params, self._acc, strict=False):
-            if p.grad is not None:
-                acc.add_(p.grad, alpha=alpha)
-                p.grad = None
-        self._samples += batch_size
-        self._times += 1
+        self.accumulate(batch_size)  # LocalOptimizer's accumulation; the group decides the step
         self.group.add(batch_size)
         self.step_if_due()
 

@@ -204,7 +204,8 @@ class LocalOptimizer:
         self._epoch = 0
 
     @torch.no_grad()
-    def step(self, batch_size: int) -> None:
+    def accumulate(self, batch_size: int) -> None:
+        """Add the ``.grad`` of ``batch_size`` samples to the accumulator (and clear it)."""
         if self._anchor is None:
             self._anchor = batch_size
         alpha = batch_size / self._anchor
@@ -214,6 +215,10 @@ class LocalOptimizer:
                 p.grad = None
         self._samples += batch_size
         self._times += 1
+
+    @torch.no_grad()
+    def step(self, batch_size: int) -> None:
+        self.accumulate(batch_size)
         if self._samples < self._target:
             return
         for p, acc in zip(self._params, self._acc, strict=False):
