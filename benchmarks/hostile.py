@@ -171,17 +171,6 @@ class LockstepOptimizer(LocalOptimizer):
     def num_peers(self) -> int:
         return len(self.group.members)
 
-    @torch.no_grad()
-    def apply(self) -> None:
-        """Step with the mean gradient the group set (in the barrier's action)."""
-        self._opt.step()
-        self._schedule.step()
-        self._epoch += 1
-        for p, acc in zip(self._params, self._acc, strict=False):
-            p.grad = None
-            acc.zero_()
-        self._samples = self._times = 0
-        self._anchor = None
 
 
 # ---- the liar --------------------------------------------------------------------------

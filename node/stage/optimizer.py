@@ -223,6 +223,12 @@ class LocalOptimizer:
             return
         for p, acc in zip(self._params, self._acc, strict=False):
             p.grad = acc.div_(self._times)
+        self.apply()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Take the optimizer step with the gradients in ``.grad``, then start a new epoch
+        (gradients cleared, accumulator zeroed)."""
         self._opt.step()
         self._schedule.step()
         self._epoch += 1
