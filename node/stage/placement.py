@@ -47,6 +47,7 @@ from .selection import (
     clamp_claims,
     encode_stage_claim,
     join_backoff,
+    keep_resumed_stage,
     next_rebalance_delay,
     plan_move,
     plan_rebalance,
@@ -224,11 +225,21 @@ class ServerComponent:
             return pinned
         resumed = resume_stage(read_stage_claim(Path(ctx.state_dir)), self.spec.run_id, n_stages)
         if resumed is not None:
+            try:
+                await ctx.membership.refresh()
+            except Exception as exc:  # resume from the table as it was
+                log.warning("could not re-read the records before resuming a stage: %s", exc)
+            if keep_resumed_stage(self._selection_view(ctx), n_stages, resumed,
+                                  exclude_peer=ctx.identity.peer_id):
+                log.info(
+                    "serving stage %d of %d again (held before the restart, %s)",
+                    resumed, n_stages, STAGE_CLAIM_FILE,
+                )
+                return resumed
             log.info(
-                "serving stage %d of %d again (held before the restart, %s)",
-                resumed, n_stages, STAGE_CLAIM_FILE,
+                "stage %d (held before the restart) is served by others while a stage has "
+                "no server: choosing anew", resumed,
             )
-            return resumed
         delay = join_backoff(self.rng, self.join_backoff)
         log.info("choosing a stage in %.1fs", delay)
         # a deliberate spread of simultaneous joins, not a synchronisation

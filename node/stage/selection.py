@@ -381,3 +381,17 @@ def resume_stage(raw: bytes | None, run_id: str, n_stages: int) -> int | None:
     if claim is None or claim.run_id != run_id or claim.stage >= n_stages:
         return None
     return claim.stage
+
+
+def keep_resumed_stage(
+    servers: Iterable[ServerLoad], n_stages: int, resumed: int, *, exclude_peer: str | None = None
+) -> bool:
+    """Whether a restarted server should serve its stored stage ``resumed`` again.
+
+    Yes, unless others now serve ``resumed`` while some other stage has no server at all:
+    the swarm filled the gap our death left (a server moved there), and claiming it back
+    would leave the mover's old stage short and start a second move. ``exclude_peer`` drops
+    our own record from before the restart, which the DHT still holds until it expires.
+    """
+    totals = stage_totals((s for s in servers if s.peer_id != exclude_peer), n_stages)
+    return totals[resumed] <= 0.0 or all(total > 0.0 for total in totals)

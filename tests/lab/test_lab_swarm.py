@@ -43,9 +43,23 @@ async def _until(swarm: LabSwarm, what: str, check: Callable[[list[Any]], bool],
         if check(statuses):
             return statuses
         if time.monotonic() > deadline:
-            logs = "\n".join(f"{n.name}:\n  {n.log_tail(6)}" for n in swarm.nodes.values())
+            logs = "\n".join(
+                f"{n.name}: {_summary(n.status)}\n  {n.log_tail(12)}" for n in swarm.nodes.values()
+            )
             pytest.fail(f"{what}: not within {timeout:g} s\n{logs}")
         await asyncio.sleep(1.0)
+
+
+def _summary(status: dict[str, Any] | None) -> str:
+    """One line of what a node's status says: enough to tell why a wait ran out."""
+    if not status:
+        return "no status"
+    server = status["components"].get("stage_server", {})
+    trainer = status["components"].get("trainer", {})
+    batches = trainer.get("micro_batches", {})
+    return (f"state={status['state']} stage={server.get('stage')}/{server.get('state')} "
+            f"moves={server.get('moves')} completed={batches.get('completed')} "
+            f"failed={batches.get('failed')} hops={trainer.get('hops')}")
 
 
 def _paths(statuses: list[dict[str, Any]]) -> set[str]:

@@ -25,6 +25,7 @@ from wanswarm.node.stage.selection import (
     decode_stage_claim,
     encode_stage_claim,
     join_backoff,
+    keep_resumed_stage,
     next_rebalance_delay,
     plan_move,
     plan_rebalance,
@@ -322,6 +323,8 @@ FAKE_PEERS = {  # peer id -> (stage, throughput); with ours (25 at stage 0) the 
     "Qm" + "a" * 44: (0, 10.0),
     "Qm" + "b" * 44: (0, 10.0),
     "Qm" + "c" * 44: (2, 30.0),
+    # stage 1 served, poorly: with it empty, a restart would not resume stage 0 at all
+    "Qm" + "d" * 44: (1, 2.0),
 }
 
 
@@ -483,7 +486,7 @@ def test_daemon_moves_when_the_plan_names_it(
     assert status["moves"] == 1 and status["stage"] == 1
     move = status["last_move"]
     assert (move["from"], move["to"]) == (0, 1)
-    assert move["bottleneck_before"] == 0.0 and move["bottleneck_after"] == 20.0
+    assert move["bottleneck_before"] == 2.0 and move["bottleneck_after"] == 20.0
     assert move["total_s"] >= move["load_s"] >= 0.0
     assert resume_stage(read_stage_claim(tmp_path), component.spec.run_id, 3) == 1
     # published in order: joining at 0, online, draining at 0, joining at 1, online at 1
@@ -531,3 +534,20 @@ def test_pinned_server_does_not_rebalance_unless_allowed(
     assert component.status()["rebalance"]["enabled"] is False
     component.rebalance = pinned.rebalance.model_copy(update={"move_pinned": True})
     assert component.status()["rebalance"]["enabled"] is True
+
+
+def test_a_restarted_server_keeps_its_stage_unless_the_swarm_filled_the_gap_it_left() -> None:
+    own_old_record = ServerLoad("me", 1, 50.0, "online")  # still in the DHT after the crash
+    # nobody took stage 1: resume it (our own stale record does not count as a server)
+    alone = [ServerLoad("a", 0, 50.0, "online"), ServerLoad("b", 2, 50.0, "online"), own_old_record]
+    assert keep_resumed_stage(alone, 3, 1, exclude_peer="me")
+    # every stage served, ours too: resume (the state and checkpoint are ours)
+    full = [*alone, ServerLoad("c", 1, 50.0, "online")]
+    assert keep_resumed_stage(full, 3, 1, exclude_peer="me")
+    # "c" moved from stage 2 to fill stage 1 and stage 2 is now empty: choose anew
+    moved = [ServerLoad("a", 0, 50.0, "online"), ServerLoad("c", 1, 50.0, "joining"),
+             own_old_record]
+    assert not keep_resumed_stage(moved, 3, 1, exclude_peer="me")
+    # an empty stage elsewhere but our stage has no other server: ours first
+    assert keep_resumed_stage([ServerLoad("a", 0, 50.0, "online"), own_old_record], 3, 1,
+                              exclude_peer="me")
