@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .averaging_spec import AveragingSpec
+from .subspace_spec import SubspaceSpec
 
 # Bumped when the meaning of a field changes, so that old and new peers get different ids.
 RUN_SPEC_VERSION = 1
@@ -575,6 +576,13 @@ class RunSpec(_Section):
         default_factory=PrecisionSpec,
         description="Compute precision of the stages; left out of run_id while at the defaults.",
     )
+    subspace: SubspaceSpec = Field(
+        default_factory=SubspaceSpec,
+        description=(
+            "Subspace compression of the stage boundaries (off by default); left out of "
+            "run_id while at the defaults."
+        ),
+    )
 
     @model_validator(mode="after")
     def _layout_matches_model(self) -> RunSpec:
@@ -589,7 +597,37 @@ class RunSpec(_Section):
                 f"model.vocab_size = {self.model.vocab_size} but the data is byte-level "
                 f"(no data.tokenizer): set vocab_size = {VOCAB_SIZE} or name a tokenizer"
             )
+        self._check_subspace()
         return self
+
+    def _check_subspace(self) -> None:
+        k = self.subspace.k
+        if k is None:
+            return
+        if self.n_stages < 2:
+            raise ValueError(
+                "subspace.k is set but the run has a single stage: there is no boundary to "
+                "compress; unset subspace.k or split the model into stages"
+            )
+        widths = (k,) if isinstance(k, int) else k
+        if not isinstance(k, int) and len(k) != self.n_stages - 1:
+            raise ValueError(
+                f"subspace.k has {len(k)} widths but the run has {self.n_stages - 1} "
+                f"boundaries (n_stages - 1 = {len(self.stages.blocks_per_stage)} - 1); give "
+                "one width per boundary or a single int"
+            )
+        d_model = self.model.d_model
+        if max(widths) > d_model:
+            shown = k if isinstance(k, int) else list(k)
+            raise ValueError(
+                f"subspace.k = {shown} exceeds model.d_model = {d_model}; lower subspace.k"
+            )
+        if self.model.pretrained is not None:
+            raise ValueError(
+                "subspace.k is set with model.pretrained: projecting a pretrained checkpoint's "
+                "residual writers onto a random subspace destroys its weights; start from a "
+                "random init or unset subspace.k"
+            )
 
     @property
     def n_stages(self) -> int:
@@ -613,6 +651,8 @@ class RunSpec(_Section):
             del spec["averaging"]
         if self.precision == PrecisionSpec():
             del spec["precision"]
+        if self.subspace == SubspaceSpec():
+            del spec["subspace"]
         payload = {"run_spec_version": RUN_SPEC_VERSION, "spec": spec}
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
 

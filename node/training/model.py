@@ -30,6 +30,7 @@ from torch import nn
 from ..config.runspec import ModelSpec, RunSpec
 from ..stage.layout import StageLayout
 from .llama import RESIDUAL_PROJECTIONS, LlamaBlock, RMSNorm, llama_block_parameters
+from .subspace import Subspace
 
 INIT_STD = 0.02  # GPT-2's init scale for linear layers (and learned positions)
 # Token embeddings start at N(0, 1), torch's default (as in modded-nanogpt), not GPT-2's
@@ -145,6 +146,10 @@ class StageModule(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
         if self.tied and self.head is not None and self.tok_emb is not None:
             self.head.weight = self.tok_emb.weight  # one stage holds both ends: one matrix
+        # With a subspace (subspace.py), stage 0 adds the fixed table E_fixed to its
+        # embedding; a plain attribute, not a buffer: it is derived from the seed, never
+        # trained, saved or sent.
+        self.subspace = Subspace.for_run(spec)
 
     @property
     def tied(self) -> bool:
@@ -173,6 +178,8 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             h = self.tok_emb(x)  # (B, T, C)
+            if self.subspace is not None:
+                h = h + self.subspace.fixed_embedding(h.device, h.dtype)[x]  # (B, T, C)
             if self.pos_emb is not None:
                 h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         else:
@@ -201,25 +208,41 @@ class StageModule(nn.Module):
 
 
 class PipelineModel(nn.Module):
-    """Every stage chained in one process: ``stages[-1](... stages[0](idx))``."""
+    """Every stage chained in one process: ``stages[-1](... stages[0](idx))``.
 
-    def __init__(self, stages: list[StageModule]) -> None:
+    With a ``subspace``, each boundary's activations go through ``to_wire`` and
+    ``from_wire`` as they do between stage servers (autograd then lifts the gradient as the
+    swarm does: ``U U^T g``), so this computes what the swarm computes."""
+
+    def __init__(self, stages: list[StageModule], subspace: Subspace | None = None) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
+        self.subspace = subspace
+
+    def _through(self, idx: torch.Tensor, stages: int) -> torch.Tensor:
+        h = idx  # (B, T) token ids
+        for s in range(stages):
+            h = self.stages[s](h)  # (B, T, C), or (B, T, V) out of the last stage
+            if self.subspace is not None and s < len(self.stages) - 1:
+                c = self.subspace.to_wire(h, idx, s)  # (B, T, k_s)
+                h = self.subspace.from_wire(c, idx, s)  # (B, T, C)
+        return h
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = idx  # (B, T) token ids
-        for stage in self.stages:
-            h = stage(h)  # (B, T, C), finally (B, T, V)
-        return h
+        return self._through(idx, len(self.stages))  # (B, T, V)
 
     def forward_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (nats per token) of ``targets`` (B, T) given ``idx`` (B, T)."""
-        h = idx
-        for stage in self.stages[:-1]:
-            h = stage(h)  # (B, T, C)
+        h = self._through(idx, len(self.stages) - 1)  # (B, T, C)
         last: StageModule = self.stages[-1]  # type: ignore[assignment]
         return last.forward_loss(h, targets)
+
+    def project_(self) -> None:
+        """Put every stage back inside the subspace (after an optimizer step); no-op without."""
+        if self.subspace is None:
+            return
+        for stage in self.stages:
+            self.subspace.project_(stage)  # type: ignore[arg-type]
 
 
 def stage_seed(spec: RunSpec, stage: int) -> int:
@@ -279,12 +302,15 @@ def build_stage(spec: RunSpec, stage: int) -> StageModule:
         module.load_state_dict(tensors, strict=True)
         return module
     _init_parameters(module, torch.Generator().manual_seed(seed))
+    if module.subspace is not None:
+        module.subspace.project_(module)  # a new stage starts inside the constraint
     return module
 
 
 def build_full_model(spec: RunSpec) -> PipelineModel:
     """All stages chained; its parameters equal those of ``build_stage`` for each stage."""
-    return PipelineModel([build_stage(spec, s) for s in range(spec.n_stages)])
+    stages = [build_stage(spec, s) for s in range(spec.n_stages)]
+    return PipelineModel(stages, Subspace.for_run(spec))
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
