@@ -10,6 +10,12 @@ hop and keeps every stage's input, so any hop can be retried on another server):
     eval_loss     stage S-1        tensors [x, targets]        -> []         loss, no grad
     stage_info    any stage        no tensors                  -> []         load figures
 
+In a subspace run (run spec ``[subspace]``, docs/compression.md) ``x`` and ``dL/dx`` after
+stage 0 are the boundary's ``k_b`` coefficients per token instead of ``d_model`` values, and
+every stage after the first also takes the micro-batch's token ids right after ``x``
+(``[x, ids]``, ``[x, ids, targets]``, carried ``[x, ids, dL/dy]``; ``StageContract.ids_dtype``:
+uint8 for byte-level runs), from which it rebuilds ``E_fixed[tokens] + U c``.
+
 Every request header carries a ``HopId`` (run id, trainer peer id, micro-batch id, stage,
 attempt): the server remembers which ``(trainer, micro_batch, stage)`` it has applied, so a
 retried hop never accumulates gradients twice. A request for another run or stage is
@@ -50,6 +56,7 @@ from ..transport.tensors import ReceivedTensor
 from .config.runspec import LimitsSpec, RunSpec
 from .errors import NodeError
 from .membership.records import ServerState
+from .training.subspace import token_id_dtype
 
 PROTOCOL_VERSION: Final[int] = 1
 
@@ -303,21 +310,39 @@ class StageContract:
     seq_len: int
     max_batch: int
     limits: LimitsSpec
+    # activations per token on the wire into and out of this stage: d_model, or the
+    # boundary's subspace width k_b (d_model where there is no such boundary)
+    in_width: int = 0
+    out_width: int = 0
+    # the token ids' wire dtype when the stage's requests carry them (a subspace run: every
+    # stage after the first rebuilds E_fixed[tokens] + U c), else None
+    ids_dtype: torch.dtype | None = None
 
     @classmethod
     def from_spec(cls, spec: RunSpec, stage: int) -> StageContract:
         if not 0 <= stage < spec.n_stages:
             raise ValueError(f"stage {stage} out of range: the run has {spec.n_stages} stages")
+        d_model = spec.model.d_model
+        widths = boundary_widths(spec)
+        carries_ids = spec.subspace.enabled and stage > 0
         return cls(
             run_id=spec.run_id,
             stage=stage,
             n_stages=spec.n_stages,
             vocab_size=spec.model.vocab_size,
-            d_model=spec.model.d_model,
+            d_model=d_model,
             seq_len=spec.model.seq_len,
             max_batch=spec.batch.micro_batch_size,
             limits=spec.limits,
+            in_width=widths[stage - 1] if stage > 0 else d_model,
+            out_width=widths[stage] if stage < spec.n_stages - 1 else d_model,
+            ids_dtype=token_id_dtype(spec.model.vocab_size) if carries_ids else None,
         )
+
+    @property
+    def n_inputs(self) -> int:
+        """Tensors that make up the stage's input on the wire: ``[x]`` or ``[x, ids]``."""
+        return 1 if self.ids_dtype is None else 2
 
     @property
     def first(self) -> bool:
@@ -362,14 +387,27 @@ class StageContract:
             if int(x.min()) < 0 or int(x.max()) >= self.vocab_size:
                 raise refuse(ErrorCode.BAD_REQUEST, f"token ids must lie in [0, {self.vocab_size})")
         else:
-            if x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] != self.d_model:
+            if x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] != self.in_width:
                 raise refuse(
                     ErrorCode.BAD_REQUEST,
-                    f"stage {self.stage} takes float32 (B, T, {self.d_model}), "
+                    f"stage {self.stage} takes float32 (B, T, {self.in_width}), "
                     f"got {x.dtype} {tuple(x.shape)}",
                 )
             self._check_bt(x)
             self._check_values(x, self.limits.max_activation, "input")
+
+    def check_ids(self, ids: torch.Tensor, batch: int, length: int) -> None:
+        """The token ids a subspace run's stage rebuilds its input with: the run's id dtype,
+        (B, T) matching the input, values in [0, V)."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype != self.ids_dtype:
+            raise refuse(ErrorCode.BAD_REQUEST, f"token ids must be a {self.ids_dtype} tensor")
+        if tuple(ids.shape) != (batch, length):
+            raise refuse(
+                ErrorCode.BAD_REQUEST,
+                f"token ids must be ({batch}, {length}), got {tuple(ids.shape)}",
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise refuse(ErrorCode.BAD_REQUEST, f"token ids must lie in [0, {self.vocab_size})")
 
     def check_targets(self, targets: torch.Tensor, batch: int, length: int) -> None:
         """Next-byte targets: int64 (B, T) matching the input, values in [0, V)."""
@@ -385,14 +423,15 @@ class StageContract:
 
     def output_shape(self, batch: int, length: int) -> tuple[int, int, int]:
         """Shape of this (non-last) stage's output and of the gradient a backward carries."""
-        return (batch, length, self.d_model)
+        return (batch, length, self.out_width)
 
     def check_output_grad(self, grad: torch.Tensor, batch: int | None, length: int | None) -> None:
-        """dL/dy: float32 (B, T, C); B and T must match the input when it is known."""
+        """dL/dy: float32 (B, T, C) (C the output's wire width); B and T must match the
+        input when it is known."""
         if not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or grad.dim() != 3:
             raise refuse(ErrorCode.BAD_REQUEST, "output gradient must be float32 (B, T, C)")
-        if grad.shape[2] != self.d_model:
-            raise refuse(ErrorCode.BAD_REQUEST, f"output gradient must have C = {self.d_model}")
+        if grad.shape[2] != self.out_width:
+            raise refuse(ErrorCode.BAD_REQUEST, f"output gradient must have C = {self.out_width}")
         self._check_bt(grad)
         if batch is not None and length is not None and tuple(grad.shape[:2]) != (batch, length):
             raise refuse(
@@ -419,6 +458,16 @@ class StageContract:
             raise refuse(ErrorCode.BAD_REQUEST, f"{what} has NaN or Inf")
         if peak > bound:
             raise refuse(ErrorCode.OUT_OF_RANGE, describe_excess(peak, bound, what))
+
+
+def boundary_widths(spec: RunSpec) -> tuple[int, ...]:
+    """Activations per token on the wire at each boundary ``b`` (between stage b and b + 1):
+    ``d_model``, or the subspace's ``k_b`` in a subspace run."""
+    n = spec.n_stages - 1
+    k = spec.subspace.k
+    if k is None:
+        return (spec.model.d_model,) * n
+    return (k,) * n if isinstance(k, int) else tuple(k)
 
 
 def check_relayed(

@@ -17,6 +17,12 @@ Every job computes in the run's precision (precision.py: fp32, or bf16/fp16 auto
 float32 parameters; activations of any float dtype are accepted and cast to it) and sends
 its activations and gradients as float32 payloads, quantized from their own dtype.
 
+In a subspace run (docs/compression.md) a job computes ``_run``: it rebuilds its input
+``U x + E_fixed[ids]`` from the boundary's coefficients and the token ids that follow them
+in the request (cached with the input for a backward by reference), runs the module, and
+answers the output's coefficients ``U^T (y - E_fixed[ids])``; autograd carries the gradient
+through both transforms, so ``dL/dx`` leaves at the previous boundary's width.
+
 Every job checks its tensors against the stage's contract before computing on them: shape,
 dtype and the run's value bounds (``[limits]`` of the run spec; docs/hostile.md). Its own
 results are checked too, before anything is kept: an output beyond ``max_activation``, a
@@ -160,6 +166,8 @@ class StageJobs:
         self._checkpoints = checkpoints
         self._queue_len = queue_len
         self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
+        # a subspace run's token ids of the cached inputs (same keys, same bounds)
+        self._ids_cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
         self._graphs = GraphCache(config.max_in_flight, config.cache_ttl_s)
         self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
         self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
@@ -209,6 +217,39 @@ class StageJobs:
             self.contract.check_input(x)
         return self._to_device(x)
 
+    def _ids(self, tensors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """The token ids that follow ``x`` in a subspace run's request (checked, on the
+        device), else None."""
+        if self.contract.ids_dtype is None:
+            return None
+        with self._counting():
+            self.contract.check_ids(tensors[1], int(x.shape[0]), int(x.shape[1]))
+        return tensors[1].to(self.device)
+
+    def _run(self, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """The stage's output as it goes on the wire: the module's, or in a subspace run
+        (docs/compression.md) its coefficients ``U^T (y - E_fixed[tokens])``, computed from
+        the rebuilt input ``U x + E_fixed[tokens]``; autograd then carries the gradients
+        through both transforms (``U^T g`` back to the previous stage)."""
+        subspace = self.module.subspace
+        if subspace is None:
+            return self.module(x)  # (B, T, C)
+        tokens = x if self.contract.first else ids
+        assert tokens is not None  # the contract requires ids after stage 0
+        h = x if self.contract.first else subspace.from_wire(x, tokens, self.stage - 1)
+        y = self.module(h)  # (B, T, C)
+        return y if self.contract.last else subspace.to_wire(y, tokens, self.stage)  # (B, T, k)
+
+    def _run_loss(
+        self, x: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """The last stage's loss, from its input as ``_run`` rebuilds it."""
+        subspace = self.module.subspace
+        if subspace is not None and not self.contract.first:
+            assert ids is not None
+            x = subspace.from_wire(x, ids, self.stage - 1)  # (B, T, C)
+        return self.module.forward_loss(x, targets)
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An activation or gradient on the device, in the stage's activation dtype (a
         cast there, after the copy: only the narrower of the two dtypes crosses the bus
@@ -225,16 +266,21 @@ class StageJobs:
 
     def forward(self, msg: ForwardRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
-        self.contract.check_count(tensors, 1, "forward")
+        self.contract.check_count(tensors, self.contract.n_inputs, "forward")
         x = self._input(tensors[0])
+        ids = self._ids(tensors, x)
         ref = (msg.hop.trainer, msg.hop.micro_batch)
         keep_graph = msg.keep_input and self.config.max_in_flight > 0
         leaf = x if self.contract.first or not keep_graph else x.detach().requires_grad_(True)
         with torch.set_grad_enabled(keep_graph), self.precision.autocast():
-            y = self.module(leaf)  # (B, T, C), in the compute dtype
+            y = self._run(leaf, ids)  # (B, T, C) or (B, T, k), in the compute dtype
         self._check(max_abs(y), self.limits.max_activation, f"stage {self.stage}'s output")
         now = self.clock()
         cached = msg.keep_input and self._cache.put(ref, x, now)
+        if cached and ids is not None:
+            cached = self._ids_cache.put(ref, ids, now)
+            if not cached:
+                self._cache.pop(ref)
         if cached and keep_graph:  # its backward then starts from this graph
             self._graphs.put(ref, y, leaf, self.optimizer.local_epoch, now)
         else:
@@ -247,29 +293,32 @@ class StageJobs:
 
     def forward_loss(self, msg: ForwardLossRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
-        self.contract.check_count(tensors, 2, "forward_loss")
+        n_in = self.contract.n_inputs
+        self.contract.check_count(tensors, n_in + 1, "forward_loss")
         x = self._input(tensors[0])
+        ids = self._ids(tensors, x)
         batch, length = int(x.shape[0]), int(x.shape[1])
-        self.contract.check_targets(tensors[1], batch, length)
-        targets = tensors[1].to(self.device)
+        self.contract.check_targets(tensors[n_in], batch, length)
+        targets = tensors[n_in].to(self.device)
         key = msg.hop.key
         self.counters.forward_loss += 1
         if key in self._applied:
             return self._duplicate(
-                key, started, lambda: self._loss_and_grad(x, targets, accumulate=False)
+                key, started, lambda: self._loss_and_grad(x, ids, targets, accumulate=False)
             )
-        loss, grad_x = self._loss_and_grad(x, targets, accumulate=True)
+        loss, grad_x = self._loss_and_grad(x, ids, targets, accumulate=True)
         out = self._encode_grad(msg.hop, grad_x)
         header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
         return self._apply(key, batch, Response(to_header(header), out))
 
     def _loss_and_grad(
-        self, x: torch.Tensor, targets: torch.Tensor, *, accumulate: bool
+        self, x: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor, *,
+        accumulate: bool,
     ) -> tuple[float, torch.Tensor | None]:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             with self.precision.autocast():
-                loss = self.module.forward_loss(x, targets)  # (), float32
+                loss = self._run_loss(x, ids, targets)  # (), float32
             value = float(loss.detach())
             self._check(value, self.limits.max_loss, "the loss")  # before any gradient
             grad_x = self._grads(loss, x, None, accumulate=accumulate)
@@ -279,12 +328,19 @@ class StageJobs:
         started = time.perf_counter()
         hop = msg.hop
         ref = (hop.trainer, hop.micro_batch)
+        ids: torch.Tensor | None = None
         if msg.input_carried:
-            self.contract.check_count(tensors, 2, "backward with its input")
+            n_in = self.contract.n_inputs
+            self.contract.check_count(tensors, n_in + 1, "backward with its input")
             x = self._input(tensors[0])
+            ids = self._ids(tensors, x)
         else:
             self.contract.check_count(tensors, 1, "backward by reference")
-            cached = self._cache.get(ref, self.clock())
+            now = self.clock()
+            cached = self._cache.get(ref, now)
+            if self.contract.ids_dtype is not None and cached is not None:
+                ids = self._ids_cache.get(ref, now)
+                cached = None if ids is None else cached
             if cached is None:
                 self.counters.cache_misses += 1
                 raise refuse(
@@ -303,12 +359,14 @@ class StageJobs:
             self._graphs.pop(ref)
         if hop.key in self._applied:
             return self._duplicate(
-                hop.key, started, lambda: (None, self._recompute(x, grad_y, accumulate=False))
+                hop.key, started,
+                lambda: (None, self._recompute(x, ids, grad_y, accumulate=False)),
             )
         served, grad_x = (False, None) if graph is None else self._from_graph(graph, grad_y)
         if not served:
-            grad_x = self._recompute(x, grad_y, accumulate=True)
+            grad_x = self._recompute(x, ids, grad_y, accumulate=True)
         self._cache.pop(ref)
+        self._ids_cache.pop(ref)
         out = self._encode_grad(hop, grad_x)
         header = BackwardReply(duplicate=False, **self._reply_fields(started))
         return self._apply(hop.key, batch, Response(to_header(header), out))
@@ -330,12 +388,13 @@ class StageJobs:
             return False, None
 
     def _recompute(
-        self, x: torch.Tensor, grad_y: torch.Tensor, *, accumulate: bool
+        self, x: torch.Tensor, ids: torch.Tensor | None, grad_y: torch.Tensor, *,
+        accumulate: bool,
     ) -> torch.Tensor | None:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             with self.precision.autocast():
-                y = self.module(x)  # (B, T, C), in the compute dtype
+                y = self._run(x, ids)  # (B, T, C) or (B, T, k), in the compute dtype
             return self._grads(y, x, grad_y.to(y.dtype), accumulate=accumulate)
 
     def _grads(
@@ -393,11 +452,13 @@ class StageJobs:
 
     def eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
         started = time.perf_counter()
-        self.contract.check_count(tensors, 2, "eval_loss")
+        n_in = self.contract.n_inputs
+        self.contract.check_count(tensors, n_in + 1, "eval_loss")
         x = self._input(tensors[0])
-        self.contract.check_targets(tensors[1], int(x.shape[0]), int(x.shape[1]))
+        ids = self._ids(tensors, x)
+        self.contract.check_targets(tensors[n_in], int(x.shape[0]), int(x.shape[1]))
         with torch.no_grad(), self.precision.autocast():
-            loss = float(self.module.forward_loss(x, tensors[1].to(self.device)))
+            loss = float(self._run_loss(x, ids, tensors[n_in].to(self.device)))
         self._check(loss, self.limits.max_loss, "the loss")
         self.counters.eval_loss += 1
         return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))

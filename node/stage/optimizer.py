@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config.runspec import OptimizerSpec, RunSpec
 from ..training.model import param_groups
+from .constraint import SubspaceConstraint
 from .state_tensors import (
     check_fits,
     checked_epoch,
@@ -113,21 +114,36 @@ class StageOptimizer(Protocol):
 
 
 class ClippedAdamW(torch.optim.AdamW):
-    """AdamW that clips the global gradient norm of all its parameters before each step."""
+    """AdamW that clips the global gradient norm of all its parameters before each step, and
+    in a subspace run projects the stage's residual writers back onto the subspace after it
+    (constraint.py)."""
 
-    def __init__(self, params: Iterable[Any], *, max_grad_norm: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        max_grad_norm: float,
+        constraint: SubspaceConstraint | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(params, **kwargs)
         self.max_grad_norm = max_grad_norm
+        self.constraint = constraint
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if self.max_grad_norm > 0:
             grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
-        return super().step(closure)
+        loss = super().step(closure)
+        if self.constraint is not None:
+            self.constraint.apply_(self.param_groups)
+        return loss
 
 
-def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
+def make_adamw(
+    spec: OptimizerSpec, groups: Iterable[Any], constraint: SubspaceConstraint | None = None
+) -> ClippedAdamW:
     """AdamW for one stage with its state already initialized, without changing parameters.
 
     hivemind needs optimizer state tensors up front (it averages and ships them) and would
@@ -135,7 +151,9 @@ def make_adamw(spec: OptimizerSpec, groups: Iterable[Any]) -> ClippedAdamW:
     We create them with a step at lr = 0 and reset the step counters, which leaves both the
     parameters and Adam's bias correction exactly as if no step had happened.
     """
-    opt = ClippedAdamW(groups, max_grad_norm=spec.grad_clip, **spec.adamw_kwargs())
+    opt = ClippedAdamW(
+        groups, max_grad_norm=spec.grad_clip, constraint=constraint, **spec.adamw_kwargs()
+    )
     saved = []
     for group in opt.param_groups:
         saved.append(group["lr"])
@@ -193,7 +211,9 @@ class LocalOptimizer:
         self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._target = spec.batch.target_batch_size
-        self._opt = make_adamw(spec.optimizer, param_groups(module, spec.optimizer.weight_decay))
+        wd = spec.optimizer.weight_decay
+        constraint = SubspaceConstraint.for_stage(module, wd)
+        self._opt = make_adamw(spec.optimizer, param_groups(module, wd), constraint)
         for p in self._params:
             p.grad = None  # make_adamw left zero gradients behind
         self._schedule = make_schedule(spec.optimizer, self._opt)

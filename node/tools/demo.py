@@ -82,6 +82,7 @@ JSON_FIELDS = (
     "stages",
     "elapsed_s",
     "epoch",
+    "wire_bytes_per_token",
 )
 # and after them, when the run has them: faults (demo_supervisor.py), the loss curve
 EXTRA_JSON_FIELDS = (
@@ -437,6 +438,14 @@ class Demo:
                 f"restarted, {faults['exits']} other exit(s), {faults['skipped_kills']} planned "
                 f"kill(s) skipped; seconds each stage had no server: {faults['stage_empty_s']}"
             )
+        wire = demo_figures.wire_bytes_per_token(self._statuses())
+        bf16 = 2 * self.spec.model.d_model
+        for b, figures in enumerate(wire):
+            self.say(
+                f"boundary {b}->{b + 1}: {figures['forward']:.1f} B/token forward, "
+                f"{figures['backward']:.1f} B/token backward on the wire "
+                f"({bf16 / max(figures['forward'], 1e-9):.1f}x smaller than bf16 forward)"
+            )
         training = demo_figures.traffic_delta(self.traffic_start, self.traffic_end)
         return {
             # the fields of the --json line
@@ -450,6 +459,7 @@ class Demo:
             "stages": rows,
             "elapsed_s": round(elapsed, 1),
             "epoch": totals["epoch"],
+            "wire_bytes_per_token": wire,
             # and these ones after them
             "kills": faults["kills"],
             "restarts": faults["restarts"],

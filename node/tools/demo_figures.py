@@ -230,3 +230,25 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None
     if points and points[-1][0] == x:
         return round(points[-1][1], 4)
     return None
+
+
+def wire_bytes_per_token(statuses: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per stage boundary, the payload bytes per token that crossed it forward and backward
+    (every trainer's ``wire_bytes_per_token``, weighted by its tokens): the figure a subspace
+    run's benchmark predicts (docs/compression.md)."""
+    sums: list[list[float]] = []
+    total = 0
+    for t in _components(statuses, "trainer"):
+        tokens = int(t.get("tokens", 0))
+        wire = t.get("wire_bytes_per_token") or []
+        if tokens <= 0 or not wire:
+            continue
+        total += tokens
+        for b, figures in enumerate(wire):
+            if b == len(sums):
+                sums.append([0.0, 0.0])
+            sums[b][0] += float(figures.get("forward", 0.0)) * tokens
+            sums[b][1] += float(figures.get("backward", 0.0)) * tokens
+    return [
+        {"forward": round(f / total, 3), "backward": round(b / total, 3)} for f, b in sums
+    ] if total else []

@@ -155,6 +155,13 @@ def train_reference(
     pending: list[torch.Tensor | None] | None = None  # gradient whose update has not landed
     lag_micro = round(update_lag * micro_per_step)  # micro-batches run before it lands
 
+    def project(m: PipelineModel) -> None:
+        """A subspace run's constraint after each step, as the stages' optimizers keep it
+        (node/stage/constraint.py)."""
+        if m.subspace is not None:
+            for stage in m.stages:
+                m.subspace.project_(stage)  # type: ignore[arg-type]
+
     def landed_loss(val_loss: float) -> float:
         if pending is None:
             return val_loss
@@ -169,6 +176,7 @@ def train_reference(
             p.grad = None if grad is None else grad.clone()
         clip_per_stage(shadow, opt_spec.grad_clip)
         shadow_opt.step()
+        project(shadow)
         return evaluate(shadow, val_x, val_y, eval_batch)
 
     def apply(grads: list[torch.Tensor | None]) -> None:
@@ -177,6 +185,7 @@ def train_reference(
             p.grad = grad
         clip_per_stage(model, opt_spec.grad_clip)
         optimizer.step()
+        project(model)
         scheduler.step()
         for p, grad in zip(params, accumulating, strict=True):
             p.grad = grad

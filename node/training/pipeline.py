@@ -32,6 +32,12 @@ codec, gradients with the backward codec through error feedback keyed by ``(stag
 "grad_output")``. Codec work on large tensors runs in a worker thread
 (``transport.tensors.THREAD_BYTES``), never on the event loop.
 
+In a subspace run (run spec ``[subspace]``, docs/compression.md) the stages' outputs are the
+boundary's ``k_b`` coefficients per token (their shapes are checked at that width), and
+every input after stage 0 goes with the micro-batch's token ids (uint8 for byte-level runs):
+``[x, ids]``. ``wire_bytes_per_token`` reports what crossed each boundary per token, the
+figure the compression benchmark predicts.
+
 Spot checks (spot_checks.py): a random fraction of ``forward`` hops is re-run on a second
 replica of the stage (``keep_input=False``: nothing cached or accumulated there), and of
 ``forward_loss`` hops as ``eval_loss``; the answers are compared. A server convicted of
@@ -65,6 +71,7 @@ from ..protocol import (
     HopId,
     Kind,
     LossReply,
+    boundary_widths,
     check_relayed,
     describe_excess,
     max_abs,
@@ -73,6 +80,7 @@ from ..protocol import (
 )
 from .hops import HopFailed, HopSender
 from .spot_checks import Answer, SpotChecker, payload_digest
+from .subspace import token_id_dtype
 from .trainer_config import TrainerConfig
 
 
@@ -98,24 +106,52 @@ class Pipeline:
         self.limits = spec.limits
         self._ef = ef
         self.spot = spot
+        # activations per token at each boundary (d_model, or a subspace run's k_b); a
+        # subspace run sends the token ids along with every input after stage 0
+        self.widths = boundary_widths(spec)
+        self.ids_dtype = token_id_dtype(spec.model.vocab_size) if spec.subspace.enabled else None
+        # what crossed each boundary in training micro-batches: forward (the activations or
+        # coefficients as relayed, plus the token ids) and backward (the gradients as relayed)
+        self.boundary_bytes = [[0, 0] for _ in self.widths]
+        self.boundary_tokens = 0
+
+    def wire_bytes_per_token(self) -> list[dict[str, float]]:
+        """Per boundary, payload bytes per token forward and backward (training hops as the
+        trainer relayed them; retries not counted)."""
+        n = max(self.boundary_tokens, 1)
+        return [
+            {"forward": round(f / n, 3), "backward": round(b / n, 3)}
+            for f, b in self.boundary_bytes
+        ]
+
+    def _with_ids(self, inputs: torch.Tensor) -> list[Sendable]:
+        """What follows a stage's input after stage 0: the token ids in a subspace run."""
+        return [] if self.ids_dtype is None else [inputs.to(self.ids_dtype)]
 
     async def forward_backward(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Micro-batch ``mb`` forward through every stage and backward again; returns its
         loss. Raises HopFailed if a hop failed on every attempt."""
         S = self.spec.n_stages
         B, T = int(inputs.shape[0]), int(inputs.shape[1])
-        stage_inputs: list[Sendable] = [inputs]
+        ids = self._with_ids(inputs)
+        stage_inputs: list[list[Sendable]] = [[inputs]]
         holders: list[str | None] = []
         for s in range(S - 1):
             y, holder = await self._forward(mb, s, stage_inputs[s], keep_input=True, shape=(B, T))
             holders.append(holder)
-            stage_inputs.append(await self._relay(y, self.forward_codec))
+            stage_inputs.append([await self._relay(y, self.forward_codec), *ids])
         loss, grad = await self._forward_loss(mb, S - 1, stage_inputs[S - 1], targets, shape=(B, T))
+        backward = [0] * (S - 1)
         for s in reversed(range(S - 1)):
             assert grad is not None  # stages after 0 always return dL/dx
             ef_key = (s, "grad_output") if self.config.error_feedback else None
             sent = await self._relay(grad, self.backward_codec, ef_key)
+            backward[s] = sendable_nbytes(sent)
             grad = await self._backward(mb, s, stage_inputs[s], sent, holders[s], shape=(B, T))
+        for s in range(S - 1):
+            self.boundary_bytes[s][0] += _nbytes(stage_inputs[s + 1])
+            self.boundary_bytes[s][1] += backward[s]
+        self.boundary_tokens += B * T
         return loss
 
     async def eval_loss(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -123,24 +159,25 @@ class Pipeline:
         failed on every attempt."""
         S = self.spec.n_stages
         shape = (int(inputs.shape[0]), int(inputs.shape[1]))
-        x: Sendable = inputs
+        ids = self._with_ids(inputs)
+        x: list[Sendable] = [inputs]
         for s in range(S - 1):
             y, _ = await self._forward(mb, s, x, keep_input=False, shape=shape)
-            x = await self._relay(y, self.forward_codec)
+            x = [await self._relay(y, self.forward_codec), *ids]
         stage = S - 1
         x_last = x
 
         def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
             msg = EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s)
-            return msg, [x_last, targets]
+            return msg, [*x_last, targets]
 
         async def check(response: Response) -> float:
             if response.tensors:
                 raise BadReply("eval_loss returns no tensor")
             return self._loss(parse_reply(EvalReply, response.header).loss, "eval_loss")
 
-        size = sendable_nbytes(x_last) + sendable_nbytes(targets)
+        size = _nbytes(x_last) + sendable_nbytes(targets)
         loss, _ = await self.hops.send(stage, Kind.EVAL_LOSS, make, lambda _: size, check)
         return loss
 
@@ -156,7 +193,7 @@ class Pipeline:
         )
 
     async def _forward(
-        self, mb: int, stage: int, x: Sendable, *, keep_input: bool, shape: tuple[int, int]
+        self, mb: int, stage: int, x: list[Sendable], *, keep_input: bool, shape: tuple[int, int]
     ) -> tuple[ReceivedTensor, str | None]:
         """``forward`` on ``stage``; returns the output and who caches the input (if anyone).
 
@@ -168,27 +205,28 @@ class Pipeline:
             def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
                 hop = self._hop_id(mb, stage, attempt)
                 budget = self.config.request_timeout_s
-                return ForwardRequest(hop=hop, budget_s=budget, keep_input=keep), [x]
+                return ForwardRequest(hop=hop, budget_s=budget, keep_input=keep), list(x)
 
             return make
 
         async def check(response: Response) -> tuple[ReceivedTensor, bool, int]:
             reply = parse_reply(ForwardReply, response.header)
             y = await self._stage_output(
-                response, shape, self.forward_codec, self.limits.max_activation, f"forward {stage}"
+                response, (*shape, self.widths[stage]), self.forward_codec,
+                self.limits.max_activation, f"forward {stage}",
             )
             return y, reply.cached, reply.epoch
 
         async def recompute(exclude: frozenset[str]) -> Answer:
             (y2, _, epoch2), peer2 = await self.hops.send(
-                stage, Kind.FORWARD, make_for(False), lambda _: sendable_nbytes(x), check,
+                stage, Kind.FORWARD, make_for(False), lambda _: _nbytes(x), check,
                 exclude=exclude, spot_check=True,
             )
             return await _answer(peer2, epoch2, y2)
 
         for _ in range(self.config.max_attempts):
             (y, cached, epoch), peer = await self.hops.send(
-                stage, Kind.FORWARD, make_for(keep_input), lambda _: sendable_nbytes(x), check
+                stage, Kind.FORWARD, make_for(keep_input), lambda _: _nbytes(x), check
             )
             if not keep_input or self.spot is None or not self.spot.due():
                 return y, peer if cached else None
@@ -202,11 +240,13 @@ class Pipeline:
         raise HopFailed(f"forward on stage {stage}: every answer was convicted of lying")
 
     async def _forward_loss(
-        self, mb: int, stage: int, x: Sendable, targets: torch.Tensor, *, shape: tuple[int, int]
+        self, mb: int, stage: int, x: list[Sendable], targets: torch.Tensor, *,
+        shape: tuple[int, int],
     ) -> tuple[float, ReceivedTensor | None]:
         def make(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
-            return ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x, targets]
+            msg = ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s)
+            return msg, [*x, targets]
 
         async def check(response: Response) -> tuple[float, ReceivedTensor | None, int]:
             reply = parse_reply(LossReply, response.header)
@@ -216,12 +256,13 @@ class Pipeline:
                     raise BadReply("forward_loss on stage 0 returns no tensor")
                 return loss, None, reply.epoch
             return loss, await self._stage_output(
-                response, shape, self.backward_codec, self.limits.max_gradient, "forward_loss"
+                response, (*shape, self.widths[stage - 1]), self.backward_codec,
+                self.limits.max_gradient, "forward_loss",
             ), reply.epoch
 
         def make_eval(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
-            return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [x, targets]
+            return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [*x, targets]
 
         async def check_eval(response: Response) -> tuple[float, int]:
             if response.tensors:
@@ -236,7 +277,7 @@ class Pipeline:
             )
             return Answer(peer2, epoch2, loss2, payload_digest(loss2))
 
-        size = sendable_nbytes(x) + sendable_nbytes(targets)
+        size = _nbytes(x) + sendable_nbytes(targets)
         for _ in range(self.config.max_attempts):
             (loss, grad, epoch), peer = await self.hops.send(
                 stage, Kind.FORWARD_LOSS, make, lambda _: size, check
@@ -257,7 +298,7 @@ class Pipeline:
         self,
         mb: int,
         stage: int,
-        x: Sendable,
+        x: list[Sendable],
         grad: Sendable,
         holder: str | None,
         *,
@@ -274,7 +315,7 @@ class Pipeline:
             msg = BackwardRequest(
                 hop=hop, budget_s=self.config.request_timeout_s, input_carried=not ref
             )
-            return msg, [grad] if ref else [x, grad]
+            return msg, [grad] if ref else [*x, grad]
 
         async def check(response: Response) -> ReceivedTensor | None:
             parse_reply(BackwardReply, response.header)
@@ -283,11 +324,12 @@ class Pipeline:
                     raise BadReply("backward on stage 0 returns no tensor")
                 return None
             return await self._stage_output(
-                response, shape, self.backward_codec, self.limits.max_gradient, f"backward {stage}"
+                response, (*shape, self.widths[stage - 1]), self.backward_codec,
+                self.limits.max_gradient, f"backward {stage}",
             )
 
         def size(peer: str) -> int:
-            return sendable_nbytes(grad) + (0 if by_reference(peer) else sendable_nbytes(x))
+            return sendable_nbytes(grad) + (0 if by_reference(peer) else _nbytes(x))
 
         result, _ = await self.hops.send(stage, Kind.BACKWARD, make, size, check, carry_to=carry_to)
         return result
@@ -297,15 +339,16 @@ class Pipeline:
     async def _stage_output(
         self,
         response: Response,
-        shape: tuple[int, int],
+        shape: tuple[int, int, int],
         codec: CodecSpec,
         bound: float,
         what: str,
     ) -> ReceivedTensor:
-        """The reply's one tensor: float32 (B, T, C) by its header, finite and within
-        ``bound`` (else BadValues), to relay to the next stage. One in another codec than
-        the run's ``codec`` is kept decoded, to be re-encoded by ``_relay``."""
-        t = check_relayed(response.tensors, (*shape, self.spec.model.d_model), torch.float32, what)
+        """The reply's one tensor: float32 ``shape`` (B, T, C) by its header (C: the
+        boundary's wire width), finite and within ``bound`` (else BadValues), to relay to the
+        next stage. One in another codec than the run's ``codec`` is kept decoded, to be
+        re-encoded by ``_relay``."""
+        t = check_relayed(response.tensors, shape, torch.float32, what)
         keep = t.codec != codec
 
         def peak() -> float:
@@ -341,6 +384,10 @@ class Pipeline:
             return encode(x, codec) if ef_key is None else self._ef.encode(ef_key, x, codec)
 
         return await off_loop(t.decoded_nbytes, run)
+
+
+def _nbytes(tensors: list[Sendable]) -> int:
+    return sum(sendable_nbytes(t) for t in tensors)
 
 
 async def _answer(peer: str, epoch: int, t: ReceivedTensor) -> Answer:

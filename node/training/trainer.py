@@ -187,6 +187,9 @@ class Trainer:
             "loss_ewma": c.loss_ewma,
             "val_loss": c.val_loss,
             "payload_bytes": {"sent": c.payload_bytes_sent, "received": c.payload_bytes_received},
+            # per stage boundary: payload bytes per token forward and backward (a subspace
+            # run's coefficients and token ids; docs/compression.md)
+            "wire_bytes_per_token": self._pipeline.wire_bytes_per_token(),
             "hops": {str(k): v for k, v in sorted(c.hops.items())},
             "errors": dict(c.errors),
             "spot_checks": {

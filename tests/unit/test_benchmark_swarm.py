@@ -180,6 +180,7 @@ def figures(spec: RunSpec, *, tokens_per_s: float, val: float, micro_batches: in
     return {
         "val_loss_start": 5.6, "val_loss_end": val, "tokens": tokens, "tokens_per_s": tokens_per_s,
         "daemons": 2 * spec.n_stages, "stages": [], "elapsed_s": 10.0, "epoch": 3,
+        "wire_bytes_per_token": [],
         "run_id": spec.run_id, "codecs": spec.codecs.model_dump(), "wan": "lan", "replicas": 2,
         "tokens_at_eval_end": tokens + 2048, "failed_micro_batches": 0, "training": training,
         "interrupted": interrupted,
