@@ -78,6 +78,8 @@ from torch import nn
 from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..training.model import param_groups
+from .constraint import SubspaceConstraint
+from .exact_allreduce import ExactGradientAverager
 from .optimizer import make_adamw, make_schedule, set_schedule_epoch
 from .progress_guard import ProgressBounds, guard_tracker
 from .resync import CatchUp, catch_up_through
@@ -271,13 +273,20 @@ class CollaborativeOptimizer:
                 target_batch_size=spec.batch.target_batch_size,
                 batch_size_per_step=spec.batch.micro_batch_size,
                 params=param_groups(module, spec.optimizer.weight_decay),
-                optimizer=partial(make_adamw, spec.optimizer),
+                # in a subspace run each step ends inside the subspace (constraint.py)
+                optimizer=partial(
+                    make_adamw, spec.optimizer,
+                    constraint=SubspaceConstraint.for_stage(module, spec.optimizer.weight_decay),
+                ),
                 scheduler=partial(make_schedule, spec.optimizer),
                 matchmaking_time=config.matchmaking_time,
                 averaging_timeout=config.averaging_timeout,
                 next_chunk_timeout=config.next_chunk_timeout,
                 load_state_timeout=config.load_state_timeout,
                 shutdown_timeout=config.shutdown_timeout,
+                # every member of a round gets the same averaged gradients, bit for bit, so
+                # replicas stay identical (exact_allreduce.py)
+                grad_averager_factory=ExactGradientAverager,
                 offload_optimizer=True,
                 delay_optimizer_step=delayed,
                 delay_grad_averaging=delayed,

@@ -1,0 +1,150 @@
+"""hivemind's gradient all-reduce, made to hand every member the same bits.
+
+hivemind 1.1.12's butterfly all-reduce (``hivemind.averaging.allreduce.AllReduceRunner``)
+returns deltas: the peer that reduces part ``p`` sends each member ``mean_p - x_p`` (compressed
+with that member's own compression), and the member adds it to its own ``x_p``. The result
+``x_p + (mean_p - x_p)`` differs from ``mean_p`` in the last bits, differently on every member,
+and by the compression's error (fp16: about 1e-3 relative) when the delta is compressed. The
+replicas of a stage then step with averaged gradients that are not quite equal, and their
+parameters drift apart by rounding: their digests never agree after a round (issue #12's
+acceptance asks that they do), and tests can only compare them within a tolerance.
+
+:class:`ExactAllReduceRunner` sends the mean itself: the reducer of part ``p`` compresses
+``mean_p`` once, with its own compression and the part's compression info, sends those same
+bytes to every member and keeps their decompression for itself; every member *assigns* the
+decompressed part (``TensorPartContainer(return_deltas=False)``). Every member of the round
+then holds the same averaged gradients bit for bit, and replicas that start from the same
+parameters stay bit-identical after every round they all take part in (a part whose reducer
+failed keeps the member's own values, as hivemind does). The wire carries the same amount:
+one compressed part per member and part.
+
+:class:`ExactGradientAverager` is hivemind's ``GradientAverager`` with this runner (the
+``grad_averager_factory`` of ``hivemind.Optimizer``, averaging.py). It overrides hivemind
+internals, which is why hivemind is pinned exactly (pyproject.toml) and
+tests/unit/test_exact_allreduce.py checks the names this module relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
+
+# the TensorPartContainer arguments AllReduceRunner passes on from its **kwargs
+_CONTAINER_ARGS = ("compression", "part_size_bytes", "tensor_infos", "prefetch")
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An AllReduceRunner whose members all receive the same compressed mean of each part."""
+
+    def __init__(self, *, tensors: Sequence[torch.Tensor], **kwargs: Any) -> None:
+        super().__init__(tensors=tensors, **kwargs)
+        container_args = {k: kwargs[k] for k in _CONTAINER_ARGS if k in kwargs}
+        self.tensor_part_container = TensorPartContainer(
+            tensors, self.peer_fractions, return_deltas=False, **container_args
+        )
+        own = self.ordered_peer_ids.index(self.peer_id)
+        self._own_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own)
+        # part index -> (its mean as sent, as every member decompresses it)
+        self._means: dict[int, asyncio.Future[tuple[runtime_pb2.Tensor, torch.Tensor]]] = {}
+
+    async def _mean_of(
+        self, part_index: int, averaged: torch.Tensor
+    ) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+        """Part ``part_index``'s mean compressed once (our compression, the part's info), and
+        its decompression: the same bits for every member, ourselves included."""
+        future = self._means.get(part_index)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._means[part_index] = future
+            compression = self.tensor_part_container.compression
+            info = self._own_infos[part_index]
+
+            def run() -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+                sent = compression.compress(averaged, info)
+                return sent, deserialize_torch_tensor(sent)
+
+            try:
+                future.set_result(await asyncio.get_running_loop().run_in_executor(None, run))
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+        return await future
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            await super()._communicate_with_peer(peer_id)
+            return
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            _, mean = await self._mean_of(part_index, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, mean)
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                except BannedException:
+                    break  # the sender was banned: it gets nothing more
+                sent, _ = await self._mean_of(part_index, averaged)
+                part_index += 1
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=sent
+                )
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class ExactGradientAverager(GradientAverager):
+    """hivemind's GradientAverager whose rounds leave every member the same averaged bits."""
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._averaging_alpha != 1.0:
+            raise ValueError("the exact all-reduce assigns the mean: averaging_alpha must be 1")
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, mean in azip(as_aiter(*tensors), runner):
+                tensor.copy_(mean)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
