@@ -28,8 +28,12 @@ pick a smaller codec), and hivemind relays them through the group's leader.
 Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
 joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
 stage's averagers for a newer outer state (one round ahead at most, see below) and adopts
-it if there is one, else simply tries again after another H inner steps; the others do not
-wait for it. A replica whose group reports a later round adopts that round's state after
+it if there is one, else tries again after one more inner step (``RETRIES_AFTER_ONE_STEP``
+times in a row, then after H: replicas count their own inner steps, so their rounds come
+due at different times, and the one stalled in matchmaking gets none of the traffic
+meanwhile; the retry is where they meet); the others do not wait for it. A replica that
+knows no other replica of its stage takes its rounds alone, without matchmaking.
+A replica whose group reports a later round adopts that round's state after
 the all-reduce instead of stepping. A newly joined replica starts from the latest outer
 state through state transfer: :meth:`export_state` is the shared outer state (anchor as the
 stage's parameters, outer momentum, epoch ``round * H``), identical on every replica that
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import signal
 import threading
 import time
@@ -78,6 +83,9 @@ log = get_logger(__name__)
 # a replica that missed rounds adopts a newer outer state only this many rounds ahead of its
 # own: the averagers' state download trusts one donor, so a forged round number is bounded
 MAX_ROUNDS_BEHIND = 1
+# rounds that found no group are retried after one inner step this many times in a row,
+# then after H again (a replica whose partners are gone stops stalling every inner step)
+RETRIES_AFTER_ONE_STEP = 3
 # gathered payloads ride in hivemind's matchmaking messages (libp2p: 4 MiB a message)
 MAX_PAYLOAD_BYTES = 768 * 1024
 MAX_GROUP = 4
@@ -116,6 +124,16 @@ def _hivemind_carrier_class() -> type:
                      **kwargs: Any) -> None:
             self._outer_state = state
             super().__init__(*args, **kwargs)
+
+        async def add_p2p_handlers(self, *args: Any, **kwargs: Any) -> Any:
+            # Runs in the averager's process, just after hivemind registered its command
+            # pipe with uvloop's add_reader, which makes the pipe non-blocking. A command
+            # longer than the pipe's buffer (a step whose gathered payload is hundreds of
+            # KiB) then reads half, raises EAGAIN, and the next read unpickles garbage: the
+            # averager's thread dies (seen in real daemons). A blocking pipe reads whole
+            # messages; readiness still comes from the reader.
+            os.set_blocking(self._inner_pipe.fileno(), True)
+            return await super().add_p2p_handlers(*args, **kwargs)
 
         def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
             meta, tensors = self._outer_state()
@@ -208,9 +226,14 @@ class DilocoOptimizer:
         stage: int,
         config: AveragingConfig,
         carrier: Callable[[Callable[[], tuple[Any, list[torch.Tensor]]]], OuterCarrier],
+        others: Callable[[], int] | None = None,
     ) -> None:
         """``carrier(state)`` builds the transport of the rounds; ``state`` gives the outer
-        state it shares. :func:`make_diloco_optimizer` passes hivemind's."""
+        state it shares. :func:`make_diloco_optimizer` passes hivemind's. ``others`` counts
+        the stage's other replicas the node knows of: with none, a round is taken alone,
+        without matchmaking (which would hold the device thread for the round's timeout
+        and find nobody)."""
+        self._others = others
         self.spec, self.averaging = spec, spec.averaging
         self.run_id = averaging_run_id(spec, stage) + "_outer"
         self._module = module
@@ -227,6 +250,7 @@ class DilocoOptimizer:
         self._group = 1
         self.last_round: dict[str, Any] = {}
         self.rounds_missed = 0
+        self._missed_in_a_row = 0
         self.rounds_adopted = 0
         self.payload_bytes_sent = 0
         self._shapes = [tuple(self.outer.anchor[n].shape) for n in self._names]
@@ -305,6 +329,7 @@ class DilocoOptimizer:
             "participants": last.get("participants", 0),
             "bytes_sent": last.get("bytes_sent", 0),
             "round_s": last.get("seconds"),
+            "anchor_digest": last.get("anchor_digest"),
             "payload_bytes": self.payload_nbytes,
             "bytes_sent_total": self.payload_bytes_sent,
             "rounds_missed": self.rounds_missed,
@@ -339,10 +364,19 @@ class DilocoOptimizer:
         digest = anchor_digest(self.outer)
         data = {"round": self.outer.round, "anchor": digest,
                 "weight": max(self._samples, 1e-3), "payload": payload}
-        gathered = self._carrier.gather(data, self.averaging.round_timeout_s)
+        alone = self._others is not None and self._others() == 0
+        gathered = (
+            {"": data} if alone else self._carrier.gather(data, self.averaging.round_timeout_s)
+        )
         if gathered is None:
             self.feedback.residuals = saved  # nothing was sent: the debt stays as it was
             self.rounds_missed += 1
+            self._missed_in_a_row += 1
+            if self._missed_in_a_row < RETRIES_AFTER_ONE_STEP:
+                # try again after one more inner step rather than H: replicas whose rounds
+                # come due at different times (each counts its own inner steps, and the one
+                # in a round gets none of the traffic) meet at the retry
+                self._since_round = self.averaging.inner_steps - 1
             adopted = self.load_state_from_peers()
             self._record(started, 1, 0, ok=False, adopted=adopted)
             return
@@ -406,10 +440,15 @@ class DilocoOptimizer:
         return out, float(weight)
 
     def _record(self, started: float, group: int, sent: int, *, ok: bool, adopted: bool) -> None:
+        if ok or adopted:
+            self._missed_in_a_row = 0
         self.last_round = {
             "round": self.outer.round, "ok": ok, "participants": group,
             "bytes_sent": sent, "adopted_newer_state": adopted,
             "seconds": round(time.monotonic() - started, 3),
+            # the outer state after the round: equal on every replica that took the same
+            # rounds (what a swarm test compares)
+            "anchor_digest": anchor_digest(self.outer),
         }
         setter = getattr(self._carrier, "set_priority", None)
         if setter is not None:
@@ -526,9 +565,11 @@ class DilocoOptimizer:
 
 
 def make_diloco_optimizer(
-    module: nn.Module, spec: RunSpec, stage: int, host: AveragerHost, config: AveragingConfig
+    module: nn.Module, spec: RunSpec, stage: int, host: AveragerHost, config: AveragingConfig,
+    others: Callable[[], int] | None = None,
 ) -> DilocoOptimizer:
-    """A DiLoCo optimizer whose rounds run over hivemind's averager on ``host``'s DHT."""
+    """A DiLoCo optimizer whose rounds run over hivemind's averager on ``host``'s DHT;
+    ``others`` counts the stage's other replicas (rounds alone skip matchmaking)."""
     if threading.current_thread() is not threading.main_thread():
         raise AveragingError("construct the DiLoCo optimizer on the main thread (hivemind forks)")
     prefix = averaging_run_id(spec, stage) + "_outer"
@@ -536,11 +577,12 @@ def make_diloco_optimizer(
     def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]]) -> OuterCarrier:
         return HivemindCarrier(host, prefix, state, config, spec.averaging.round_timeout_s)
 
-    return DilocoOptimizer(module, spec, stage, config, carrier)
+    return DilocoOptimizer(module, spec, stage, config, carrier, others)
 
 
 def make_stage_optimizer(
-    module: nn.Module, spec: RunSpec, stage: int, dht: Any, config: AveragingConfig
+    module: nn.Module, spec: RunSpec, stage: int, dht: Any, config: AveragingConfig,
+    others: Callable[[], int] | None = None,
 ) -> Any:
     """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
     hivemind's collaborative Optimizer (``allreduce``) or :class:`DilocoOptimizer`."""
@@ -550,7 +592,7 @@ def make_stage_optimizer(
 
         return CollaborativeOptimizer(module, spec, stage, dht, config)
     if mode == "diloco":
-        return make_diloco_optimizer(module, spec, stage, dht, config)
+        return make_diloco_optimizer(module, spec, stage, dht, config, others)
     raise AveragingError(
         f"averaging.mode = {mode!r} runs in benchmarks/averaging.py only so far; the daemon "
         "serves 'allreduce' and 'diloco' (docs/averaging.md)"

@@ -187,7 +187,10 @@ class ServerComponent:
             endpoint=self.endpoint.endpoint,
             # the [averaging] mode's optimizer: hivemind's collaborative one, or DiLoCo's
             make_optimizer=lambda module: make_stage_optimizer(
-                module, self.spec, stage, dht, averaging
+                module, self.spec, stage, dht, averaging,
+                others=lambda: len(ctx.peers.servers(
+                    COUNTED_STATES, stage=stage, run_id=self.spec.run_id
+                )),
             ),
             state_dir=Path(ctx.state_dir),
             donors=lambda: self._donors(ctx, stage),
