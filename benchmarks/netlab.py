@@ -19,11 +19,14 @@ Reported, from the daemons' own status:
   every stage is served), summed over the nodes;
 - ``paths``: connections each node holds to its peers, counted by kind (direct, reversed,
   punched, relayed), summed over the nodes;
-- ``replicas_agree``: per stage with two replicas, whether their parameter digests of the
-  same optimizer epoch are equal (they differ by rounding after hivemind's all-reduce);
-  ``replica_divergence``: the estimated relative distance of their parameters at a common
-  epoch (count sketches, node/stage/fingerprint.py), min/median/max over the polls; the
-  check is that the replicas agreed to 1e-4 at some common epoch;
+- ``replicas_agree``: per stage with two replicas, whether every poll that found them at the
+  same optimizer epoch found equal parameter digests (SHA-256 of the parameters; the
+  all-reduce hands every member the same bits, node/stage/exact_allreduce.py);
+  ``digests_equal``: at how many of those polls they were equal; ``replica_divergence``:
+  the estimated relative distance of their parameters at a common epoch (count sketches,
+  node/stage/fingerprint.py), min/median/max over the polls; the check is that the
+  digests were equal at some common epoch after a round (a poll can catch one replica
+  before its delayed update lands and the other after);
 - ``val_loss_start``/``val_loss_end``: the bootstrap's first and last validation loss;
 - with ``--restart``: a home node behind a cone NAT is SIGKILLed after the window and
   restarted; ``restart_s`` is how long until it served again and its trainer completed a
@@ -72,7 +75,6 @@ from wanswarm.node.tools.netlab_topology import Home, Link, Topology
 HOSTS = (("boot", "public"), ("alice", "cone"), ("bob", "cone"), ("carol", "symmetric"))
 FORM_TIMEOUT_S = 180.0
 TARGET_RATIO = 0.70
-AGREE_BELOW = 1e-4  # replicas' estimated relative parameter distance at a common epoch
 
 
 def say(text: str) -> None:
@@ -186,6 +188,7 @@ async def run_swarm(
                 for stage, seen in sorted(agreement.items())
             } or {str(k): None for k in replicas_agree(figures["digests"])},
             "digest_comparisons": {str(k): len(v) for k, v in sorted(agreement.items())},
+            "digests_equal": {str(k): sum(v) for k, v in sorted(agreement.items())},
             # per stage with two replicas at a common epoch: the estimated relative distance
             # of their parameters over the window's polls (fingerprint.py)
             "replica_divergence": {
@@ -258,7 +261,9 @@ def _table(lab: dict[str, Any], loop: dict[str, Any]) -> str:
         ("validation loss start", lab["val_loss_start"], loop["val_loss_start"]),
         ("validation loss end", lab["val_loss_end"], loop["val_loss_end"]),
         ("paths", lab["paths"], loop["paths"]),
-        ("replica digests equal", lab["replicas_agree"], loop["replicas_agree"]),
+        ("replica digests equal (polls)",
+         {k: f"{n}/{lab['digest_comparisons'][k]}" for k, n in lab["digests_equal"].items()},
+         {k: f"{n}/{loop['digest_comparisons'][k]}" for k, n in loop["digests_equal"].items()}),
         ("replica divergence", lab["replica_divergence"], loop["replica_divergence"]),
     ]
     for name in lab["micro_batches"]:
@@ -322,10 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         and lab_result["every_stage_s"] <= FORM_TIMEOUT_S,
         "punched_path": lab_result["paths"].get("punched", 0) > 0,
         "relayed_path": lab_result["paths"].get("relayed", 0) > 0,
-        # after an averaging round: two replicas at the same epoch agree to 1e-4 (relative,
-        # from the parameter sketches; the digests differ by all-reduce rounding)
-        "replicas_agree": bool(lab_result["replica_divergence"])
-        and all(d["min"] < AGREE_BELOW for d in lab_result["replica_divergence"].values()),
+        # after an averaging round: two replicas at the same epoch hold equal digests
+        "replicas_agree": bool(lab_result["digests_equal"])
+        and all(n > 0 for n in lab_result["digests_equal"].values()),
         "val_loss_falls": (lab_result["val_loss_start"] or 0) > (lab_result["val_loss_end"] or 0),
         "tokens_per_s_ratio_ge_0.70": ratio >= TARGET_RATIO,
     }
