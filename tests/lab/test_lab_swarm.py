@@ -66,7 +66,7 @@ def _paths(statuses: list[dict[str, Any]]) -> set[str]:
     return {p["path"] for s in statuses for p in s["peers"] if p.get("path")}
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_volunteers_behind_nat_train_together(lab: LabFactory, tmp_path: Path) -> None:
     link = Link(delay_ms=10, loss=0.005, rate_mbit=100)
     net = lab(Topology(public=("boot",),
@@ -89,7 +89,9 @@ def test_volunteers_behind_nat_train_together(lab: LabFactory, tmp_path: Path) -
                     and s["components"]["endpoint"]["reach"]["nat"] != "unknown"
                     for s in st
                 ),
-                120,
+                # the acceptance's 3 minutes: on a loaded 2-core CI machine the single server
+                # of a stage, behind a relay, is what the four trainers wait for
+                180,
             )
             for status in statuses:  # what each node announces, as its peers read it
                 for peer in status["peers"]:

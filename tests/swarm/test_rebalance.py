@@ -202,7 +202,7 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
         swarm.close()
 
 
-def test_a_restarted_server_claims_its_stage_again() -> None:
+def test_a_restarted_server_claims_its_stage_again_unless_the_swarm_filled_it() -> None:
     # rebalancing off: with one stage empty the plan would move a server of the doubled stage
     swarm = LocalSwarm(
         0, extra_args=(*FAST, *TRAINING, *NO_TRAINER, "--set", "rebalance.enabled=false"), env=ENV
@@ -219,18 +219,31 @@ def test_a_restarted_server_claims_its_stage_again() -> None:
         assert claim == {"v": 1, "run_id": default_run_spec().run_id, "stage": stage}
         crash(roamer)
 
-        # another server takes the stage it left: choosing anew, it would take the other
-        # empty stage, so only the remembered claim brings it back to `stage`
+        # another server takes the stage it left while the third stage is still empty: the
+        # restarted server does not claim its old stage back (the swarm filled that gap)
+        # but chooses anew, and takes the empty stage
         second = add(swarm, "p1", addrs, "--set", f"node.stage={stage}")
         second_id = second.wait_online(timeout=120).peer_id
         wait_for(lambda: second_id in first.peers(), 30, "the first server to list the second",
                  explain=swarm.explain)
-
+        other = 3 - stage  # the stage nobody serves: 1 or 2
         restarted = DaemonProcess("x", roamer.state_dir, roamer.args, ENV).start()
         swarm.nodes.append(restarted)
         restarted.wait_online(timeout=120)
-        assert server(restarted)["stage"] == stage
+        assert server(restarted)["stage"] == other
         log_text = restarted.log_path.read_text(errors="replace")
-        assert f"serving stage {stage} of 3 again" in log_text, restarted.log_tail()
+        assert f"stage {stage} (held before the restart) is served by others" in log_text, (
+            restarted.log_tail()
+        )
+
+        # crashed again, its stage (now `other`) is empty while it is down: the restart
+        # claims it again from stage.json
+        crash(restarted)
+        again = DaemonProcess("x", roamer.state_dir, roamer.args, ENV).start()
+        swarm.nodes.append(again)
+        again.wait_online(timeout=120)
+        assert server(again)["stage"] == other
+        log_text = again.log_path.read_text(errors="replace")
+        assert f"serving stage {other} of 3 again" in log_text, again.log_tail()
     finally:
         swarm.close()
