@@ -479,10 +479,11 @@ class Dht:
             # hivemind's DHT process can garbage-collect the task running our request while
             # it is pending (asyncio keeps tasks weakly); the GeneratorExit thrown into it is
             # sent back as the request's outcome, and would end our caller like a close of
-            # our own coroutine. Ours is re-raised; hivemind's is a failed request.
-            if future.done() and not future.cancelled() and isinstance(
-                future.exception(), GeneratorExit
-            ):
+            # our own coroutine. Ours is re-raised; hivemind's is a failed request. A request
+            # whose future is already settled (hivemind's GeneratorExit as its outcome, or the
+            # future cancelled under it: seen once in a demo, where it ended the daemon from
+            # its address refresh) cannot be ours being closed, which happens while we wait.
+            if future.done():
                 raise DhtError(f"{what} failed: the DHT process dropped the request") from None
             raise
 
