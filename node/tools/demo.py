@@ -427,7 +427,8 @@ class Demo:
             f"validation loss at end:   {val_end:.3f} nats/byte after {elapsed:.0f}s, "
             f"{totals['tokens'] / 1e3:.0f}k tokens, optimizer epoch {totals['epoch']}"
         )
-        rows = demo_figures.stage_rows(self._statuses(), self.spec.n_stages)
+        statuses = self._statuses()  # one poll for the table and the wire figures
+        rows = demo_figures.stage_rows(statuses, self.spec.n_stages)
         for line in demo_figures.stage_table(rows):
             self.say(line)
         assert self.supervisor is not None
@@ -438,7 +439,7 @@ class Demo:
                 f"restarted, {faults['exits']} other exit(s), {faults['skipped_kills']} planned "
                 f"kill(s) skipped; seconds each stage had no server: {faults['stage_empty_s']}"
             )
-        wire = demo_figures.wire_bytes_per_token(self._statuses())
+        wire = demo_figures.wire_bytes_per_token(statuses)
         bf16 = 2 * self.spec.model.d_model
         for b, figures in enumerate(wire):
             self.say(
