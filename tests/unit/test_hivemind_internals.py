@@ -71,3 +71,20 @@ def test_a_request_the_dht_process_dropped_is_a_dht_error_not_the_callers_end() 
         return "no error"
 
     assert "dropped the request" in asyncio.run(main())
+
+
+def test_tracker_run_and_factory_used_by_the_dht_adapter() -> None:
+    """node/membership/dht.py replaces ProgressTracker.run (to close its event loop) and
+    builds the tracker through Optimizer._make_progress_tracker: both must be as copied."""
+    where = "node/membership/dht.py"
+    run = inspect.getsource(ProgressTracker.run)
+    assert "loop = asyncio.new_event_loop()" in run, f"{where}: ProgressTracker.run changed"
+    assert "asyncio.gather(self._progress_reporter(), self._progress_fetcher())" in run, where
+    assert "self.shutdown_complete.set()" in run, where
+    make = getattr(hivemind.Optimizer, "_make_progress_tracker", None)
+    assert make is not None, f"{where}: Optimizer._make_progress_tracker is gone"
+    assert list(inspect.signature(make).parameters) == ["self", "target_batch_size", "kwargs"]
+    source = inspect.getsource(make)
+    for arg in ("dht=self.dht", "prefix=self.run_id", "client_mode=self.client_mode",
+                "status_loglevel=self.status_loglevel", "start=True"):
+        assert arg in source, f"{where}: Optimizer._make_progress_tracker no longer passes {arg}"
