@@ -32,6 +32,12 @@ Modes (docs/averaging.md):
   butterfly all-reduce (``2 (R - 1) / R`` x 4 bytes a value), compressed ones are all-gathered
   (each replica sends its payload to the ``R - 1`` others; a sum of int4 or sign codes is not
   itself one) and every replica decodes and averages the same bits;
+- ``diloco-H<h>-stream<f>-sign-ef``: Streaming DiLoCo's fragments (Douillard et al. 2025,
+  arXiv:2501.18512) without its overlap: the stage's tensors are split into ``f`` fragments
+  of about equal size, and fragment ``p`` takes its outer round every ``h`` steps, offset by
+  ``p h / f`` steps, so a round sends ``1 / f`` of the stage at a time (the same bytes per
+  token as ``diloco-H<h>``, a ``f`` times smaller peak); sign pseudo-gradients with error
+  feedback;
 - ``gossip-H<h>``: the same inner steps; every ``h`` steps each replica averages its
   parameters with its neighbours of the round on the one-peer exponential graph (float32
   parameters, one neighbour); replicas then differ, which ``replica_max_divergence`` shows.
@@ -89,6 +95,7 @@ class Mode:
     compression: str = "none"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    fragments: int = 1  # Streaming DiLoCo: parameter fragments synchronised on a stagger
 
 
 @dataclass
@@ -98,7 +105,7 @@ class Replica:
     schedule: torch.optim.lr_scheduler.LambdaLR
     outer: outer.OuterState | None = None
     feedback: ErrorFeedback | None = None
-    samples: int = 0  # since the last round
+    samples: int = 0  # trained on so far
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,6 +155,8 @@ def train(mode: Mode, spec: RunSpec, args: argparse.Namespace, corpus: Any) -> d
     step_times: list[float] = []
     rounds = 0
     micro_per_step = per_step // micro
+    stage_fragments = [split_fragments(group[0].module, mode.fragments) for group in stages]
+    offsets = [f * mode.inner_steps // mode.fragments for f in range(mode.fragments)]
     for step in range(args.steps):
         started = time.perf_counter()
         # one optimizer step per replica: every replica of every stage sees micro_per_step
@@ -182,10 +191,15 @@ def train(mode: Mode, spec: RunSpec, args: argparse.Namespace, corpus: Any) -> d
                 rep.opt.step()
                 rep.schedule.step()
                 rep.opt.zero_grad(set_to_none=True)
-            if mode.kind != "allreduce" and (step + 1) % mode.inner_steps == 0:
-                sent_bytes += outer_round(mode, group, spec, args, rounds, s)
-        if mode.kind != "allreduce" and (step + 1) % mode.inner_steps == 0:
-            rounds += 1
+            if mode.kind == "allreduce":
+                continue
+            for f, names in enumerate(stage_fragments[s]):
+                if step + 1 >= offsets[f] and (step + 1 - offsets[f]) % mode.inner_steps == 0:
+                    sent_bytes += outer_round(mode, group, spec, args, rounds, s, names)
+        if mode.kind != "allreduce":
+            rounds += sum(
+                1 for o in offsets if step + 1 >= o and (step + 1 - o) % mode.inner_steps == 0
+            )
     tokens = args.steps * args.global_batch * spec.model.seq_len
     val_loss = evaluate([group[0].module for group in stages], spec, corpus)
     divergence = max(
@@ -207,10 +221,30 @@ def train(mode: Mode, spec: RunSpec, args: argparse.Namespace, corpus: Any) -> d
     }
 
 
+def split_fragments(module: torch.nn.Module, n: int) -> list[list[str]]:
+    """The stage's parameter names in ``n`` fragments of about equal size (largest tensor to
+    the lightest fragment first; ties by name, so every replica splits the same way)."""
+    sizes = sorted(((p.numel(), name) for name, p in module.named_parameters()), reverse=True)
+    frags: list[list[str]] = [[] for _ in range(n)]
+    load = [0] * n
+    for numel, name in sizes:
+        i = min(range(n), key=lambda k: (load[k], k))
+        frags[i].append(name)
+        load[i] += numel
+    return [sorted(f) for f in frags if f]
+
+
 def outer_round(
-    mode: Mode, group: list[Replica], spec: RunSpec, args: argparse.Namespace, rnd: int, s: int
+    mode: Mode,
+    group: list[Replica],
+    spec: RunSpec,
+    args: argparse.Namespace,
+    rnd: int,
+    s: int,
+    names: list[str] | None = None,
 ) -> int:
-    """One outer round of a stage; returns the bytes its replicas sent."""
+    """One outer round of a stage (of the fragment ``names``, else of every parameter);
+    returns the bytes its replicas sent."""
     n_rep = len(group)
     if mode.kind == "gossip":
         # parameters averaged with the round's neighbours (Metropolis weights, symmetric)
@@ -227,23 +261,41 @@ def outer_round(
     contributions = []
     sent = 0
     numel = 0
-    for rep in group:
-        assert rep.outer is not None and rep.feedback is not None
-        delta = outer.pseudo_gradient(rep.outer.anchor, _params(rep.module))
+    views = [_fragment(rep, names) for rep in group]
+    for rep, (state, params) in zip(group, views, strict=True):
+        assert rep.feedback is not None
+        delta = outer.pseudo_gradient(state.anchor, params)
         decoded, nbytes = rep.feedback.compress_all(delta)
         numel = sum(t.numel() for t in delta.values())
-        contributions.append((decoded, float(rep.samples)))
-        rep.samples = 0
+        # the samples this replica trained on since this fragment's last round
+        key = "since:" + (",".join(names) if names is not None else "*")
+        contributions.append((decoded, float(rep.samples - rep.extra.get(key, 0))))
+        rep.extra[key] = rep.samples
         if mode.compression == "none":
             sent += int(2 * (n_rep - 1) / n_rep * 4 * numel)  # fp32 butterfly all-reduce
         else:
             sent += (n_rep - 1) * nbytes  # all-gather of the compressed payload
     mean = outer.weighted_mean(contributions)
-    for rep in group:
-        assert rep.outer is not None
-        outer.nesterov_step(rep.outer, mean, mode.outer_lr, mode.outer_momentum)
-        outer.load_anchor(_params(rep.module), rep.outer)
+    for state, params in views:
+        outer.nesterov_step(state, mean, mode.outer_lr, mode.outer_momentum)
+        outer.load_anchor(params, state)
     return sent
+
+
+def _fragment(
+    rep: Replica, names: list[str] | None
+) -> tuple[outer.OuterState, dict[str, torch.Tensor]]:
+    """The replica's outer state and parameters restricted to ``names`` (the same tensors,
+    so a step on the view is a step on the replica)."""
+    assert rep.outer is not None
+    params = _params(rep.module)
+    if names is None:
+        return rep.outer, params
+    state = outer.OuterState(
+        anchor={n: rep.outer.anchor[n] for n in names},
+        momentum={n: rep.outer.momentum[n] for n in names},
+    )
+    return state, {n: params[n] for n in names}
 
 
 @torch.no_grad()
@@ -294,11 +346,14 @@ def main() -> None:
         (f"diloco-H{h_small}-sign-ef", h_small, "sign"),
         (f"diloco-H{h_small}-topk-ef", h_small, "topk"),
     ]
+    streamed = (f"diloco-H{h_small}-stream4-sign-ef", h_small, "sign")
     modes = [Mode("allreduce", "allreduce")]
     for pair in args.outer:
         lr, momentum = (float(v) for v in pair.split(":"))
         suffix = f"@{lr:g}/{momentum:g}" if len(args.outer) > 1 else ""
         modes += [Mode(name + suffix, "diloco", h, c, lr, momentum) for name, h, c in diloco]
+        name, h, c = streamed
+        modes.append(Mode(name + suffix, "diloco", h, c, lr, momentum, fragments=4))
     modes.append(Mode(f"gossip-H{h_small}", "gossip", h_small))
     if args.modes:
         wanted = set(args.modes.split(","))

@@ -81,14 +81,24 @@ class _Handlers:
 
     def __init__(self) -> None:
         self.handlers: dict[str, Handler] = {}
+        self.devices: dict[str, str | None] = {}
 
-    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
+    def register(
+        self,
+        kind: str,
+        handler: Handler,
+        *,
+        allow_nonfinite: bool = False,
+        device: str | None = None,
+    ) -> None:
         self.handlers[kind] = handler
+        self.devices[kind] = device
 
     async def call(
         self, kind: str, header: dict[str, Any], received: list[ReceivedTensor]
     ) -> Response:
-        tensors = await decode_all(received)  # as the endpoint does before a server's handler
+        # as the endpoint does before a server's handler: on the device it registered with
+        tensors = await decode_all(received, self.devices[kind])
         return await self.handlers[kind](Request(TRAINER, kind, header, tensors))
 
 

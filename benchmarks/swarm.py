@@ -335,7 +335,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"swarm benchmark: run {meta['run']} "
         f"({meta['stages']} stages x {meta['replicas']} replicas, "
         f"{meta['tokens']} tokens per configuration, {meta['eval_windows']} validation windows); "
-        f"reference: one process, {meta['reference_threads']} thread(s), "
+        f"reference: one process on {meta['reference_device']}, "
+        f"{meta['reference_threads']} thread(s), "
         f"update lag {meta['update_lag']}",
         "",
         f"{'config':<14} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
@@ -411,6 +412,7 @@ class Options:
     json_only: bool
     keep: bool
     quick: bool = False
+    reference_device: str = "cpu"
 
 
 def _names(text: str, what: str) -> tuple[str, ...]:
@@ -488,6 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="torch threads of the reference (default 1)",
+    )
+    parser.add_argument(
+        "--reference-device",
+        default="cpu",
+        help="torch device of the reference (default cpu; cuda to compare a swarm whose "
+        "daemons run --set stage_server.device=cuda on the same GPU)",
     )
     parser.add_argument(
         "--data-seed",
@@ -588,6 +596,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         args.json_only,
         args.keep,
         args.quick,
+        args.reference_device,
     )
 
 
@@ -666,6 +675,7 @@ def run_reference(
             update_lag=opts.update_lag,
             val_windows=opts.eval_windows,
             landed_val=True,
+            device=opts.reference_device,
         )
     finally:
         torch.set_num_threads(threads)
@@ -684,6 +694,7 @@ def run_reference(
         "val_loss_start": round(result.val_loss_start, 4),
         "update_lag": opts.update_lag,
         "threads": opts.reference_threads,
+        "device": opts.reference_device,
         "curve": [[t, round(v, 4)] for t, v in curve],
     }, curve
 
@@ -709,6 +720,7 @@ def build_report(
             "eval_windows": opts.eval_windows,
             "update_lag": opts.update_lag,
             "reference_threads": opts.reference_threads,
+            "reference_device": opts.reference_device,
             "data_seed": opts.data_seed,
             "sets": list(opts.sets),
             "quick": opts.quick,

@@ -130,9 +130,15 @@ def _quantize_kernel(
         tl.store(codes_ptr + offs, code.to(tl.uint8), mask=offs < n)
     else:
         # Clamp first: a scale capped at ``limit`` leaves |y| unbounded, and the integer
-        # conversion in _rne needs |y| < 2**22. Clamping to the integer QMAX commutes
-        # with both roundings, so the result equals the reference's round-then-clamp.
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        # conversion in _rne needs |y| < 2**22. Clamping to the integer QMAX commutes with
+        # round-half-even. It does not with ``floor(y + u)``: for y beyond -QMAX, -QMAX + u
+        # can round up to -QMAX + 1 in float32 (u within 2**-22 of 1; seen on an H100), where
+        # the reference's floor(y + u) is at most -QMAX. Clamping to QMAX + 1 keeps every
+        # y + u that the reference's clamp maps to +-QMAX on that side of it.
+        if STOCHASTIC:
+            y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX + 1.0)
+        else:
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if STOCHASTIC:
             # Philox counter c serves elements 4c..4c+3 (output j for element 4c + j).
             ctr = rows[:, None] * (BS // 4) + tl.arange(0, BS // 4)[None, :]  # (ROWS, BS/4)

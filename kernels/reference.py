@@ -275,7 +275,10 @@ def quantize(
         raise NonFiniteInput(first_nonfinite_block(amax, block_size))
     qmax = QMAX[fmt]
     limit = scale_limit(fmt, x.dtype, scale_dtype)
-    scale = torch.clamp(amax / qmax, max=limit).to(scale_dtype)  # (nb,)
+    # qmax as a tensor on amax's device: CUDA divides by a CPU scalar as a multiplication
+    # by its reciprocal (not IEEE division, so not what the CPU or the kernels compute)
+    divisor = torch.full((), qmax, dtype=torch.float32, device=amax.device)
+    scale = torch.clamp(amax / divisor, max=limit).to(scale_dtype)  # (nb,)
     s = scale.to(torch.float32)[:, None]  # (nb, 1)
     pos = s > 0
     y = xb / torch.where(pos, s, 1.0)  # (nb, bs), the one full-size float buffer

@@ -36,7 +36,7 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -608,6 +608,7 @@ def _describe_join_failure(exc: BaseException) -> str:
 
 
 
+@cache
 def _tidy_optimizer_class() -> type:
     """``hivemind.Optimizer`` whose progress tracker closes the event loop it runs on.
 

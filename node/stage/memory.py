@@ -296,9 +296,11 @@ def limit_device_memory(config: StageServerConfig, device: torch.device) -> None
     out-of-memory past it); on the CPU the limit is what the memory check counts against."""
     if config.max_device_memory_mb is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    # an index is required: 'cuda' alone is the current device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, config.max_device_memory_mb * MIB / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 def check_fits(

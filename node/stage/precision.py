@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -34,6 +35,14 @@ from typing import Final, Literal
 import torch
 
 logger = logging.getLogger(__name__)
+
+# torch's autograd thread for a CUDA device makes its first cuBLAS call before the thread has
+# made the primary context current, warns, and makes it current itself: nothing to act on
+warnings.filterwarnings(
+    "ignore",
+    message="Attempting to run cuBLAS, but there was no current CUDA context",
+    category=UserWarning,
+)
 
 Requested = Literal["auto", "fp32", "bf16", "fp16"]
 Mode = Literal["fp32", "bf16", "fp16"]

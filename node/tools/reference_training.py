@@ -13,6 +13,7 @@ Used to tune the default run and as the baseline of ``benchmarks/swarm.py``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config.runspec import RunSpec, default_run_spec, load_run_spec
+from ..stage.precision import ComputePrecision, resolve_precision
 from ..training.data import Corpus, TrainStream, load_corpus, validation_set
 from ..training.model import PipelineModel, build_full_model, param_groups
 
@@ -61,15 +63,22 @@ class ReferenceResult:
 
 @torch.no_grad()
 def evaluate(
-    model: PipelineModel, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
+    model: PipelineModel,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    batch_size: int,
+    compute: ComputePrecision | None = None,
 ) -> float:
-    """Mean cross-entropy (nats per token) of ``model`` over ``(N, T)`` windows."""
+    """Mean cross-entropy (nats per token) of ``model`` over ``(N, T)`` windows, under
+    ``compute``'s autocast when given."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, inputs.shape[0], batch_size):
         x, y = inputs[i : i + batch_size], targets[i : i + batch_size]  # (b, T)
-        total += float(model.forward_loss(x, y)) * y.numel()
+        with contextlib.nullcontext() if compute is None else compute.autocast():
+            loss = model.forward_loss(x, y)
+        total += float(loss) * y.numel()
         count += y.numel()
     model.train(was_training)
     return total / count
@@ -95,6 +104,7 @@ def train_reference(
     update_lag: float = 0.0,
     val_windows: int | None = None,
     landed_val: bool = False,
+    device: torch.device | str = "cpu",
 ) -> ReferenceResult:
     """Train the full model for at least ``tokens`` training tokens (whole steps).
 
@@ -116,6 +126,12 @@ def train_reference(
     with the update still in flight (``update_lag`` > 0) applied: the state a swarm with
     delayed updates reaches once step k's averaging lands, which is what an evaluation that
     starts a moment after step k sees. Training itself is unchanged (``val_loss_landed``).
+
+    ``device`` trains there in the precision the run spec's ``[precision] compute`` gives a
+    stage on that device (bf16 autocast on CUDA by default, fp32 on the CPU), with float32
+    master weights and AdamW state, as the stage servers do; so a swarm of GPU stages is
+    compared with a reference on the same GPU. fp16 (a loss scaler) and subspace runs are
+    refused off the CPU.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be positive, got {tokens}")
@@ -123,14 +139,22 @@ def train_reference(
         raise ValueError(f"update_lag must be in [0, 1], got {update_lag}")
     if val_windows is not None and val_windows < 1:
         raise ValueError(f"val_windows must be positive, got {val_windows}")
+    device = torch.device(device)
+    compute = resolve_precision(spec.precision.compute, device)
+    if device.type != "cpu" and (compute.scaler is not None or spec.subspace.k is not None):
+        raise ValueError(
+            f"the reference trains on {device} only in fp32 or bf16 and without [subspace] "
+            f"(precision {compute.describe()}, subspace k {spec.subspace.k})"
+        )
     corpus = load_corpus(spec.data) if corpus is None else corpus
     stream = TrainStream(spec, seed, corpus)
     val_x, val_y = validation_set(spec, corpus)  # (N, T) each
     if val_windows is not None:
         val_x, val_y = val_x[:val_windows], val_y[:val_windows]
+    val_x, val_y = val_x.to(device), val_y.to(device)
     eval_batch = max(spec.batch.micro_batch_size, 32)
 
-    model = build_full_model(spec)
+    model = build_full_model(spec).to(device)
     model.train()
     opt_spec = spec.optimizer
     optimizer = torch.optim.AdamW(
@@ -144,7 +168,7 @@ def train_reference(
     every = total_steps // 20 if log_every is None else log_every // tokens_per_step
     every = max(1, every)
 
-    start_loss = evaluate(model, val_x, val_y, eval_batch)
+    start_loss = evaluate(model, val_x, val_y, eval_batch, compute)
     curve = [CurvePoint(0, 0, 0.0, start_loss, float("nan"), start_loss if landed_val else None)]
     if on_point is not None:
         on_point(curve[0])
@@ -177,7 +201,7 @@ def train_reference(
         clip_per_stage(shadow, opt_spec.grad_clip)
         shadow_opt.step()
         project(shadow)
-        return evaluate(shadow, val_x, val_y, eval_batch)
+        return evaluate(shadow, val_x, val_y, eval_batch, compute)
 
     def apply(grads: list[torch.Tensor | None]) -> None:
         accumulating = [p.grad for p in params]
@@ -200,7 +224,9 @@ def train_reference(
                 apply(pending)
                 pending = None
             x, y = next(stream)  # (B, T) each
-            loss = model.forward_loss(x, y) / micro_per_step  # mean over the step's samples
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with compute.autocast():
+                loss = model.forward_loss(x, y) / micro_per_step  # mean over the step's samples
             loss.backward()
             step_loss += float(loss.detach())
         if pending is not None:  # update_lag = 1: the previous update lands only now
@@ -213,7 +239,7 @@ def train_reference(
         train_seconds += time.perf_counter() - began
         losses.append(step_loss)
         if step % every == 0 or step == total_steps:
-            val_loss = evaluate(model, val_x, val_y, eval_batch)
+            val_loss = evaluate(model, val_x, val_y, eval_batch, compute)
             point = CurvePoint(
                 step * tokens_per_step,
                 step,
@@ -274,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="evaluate only the first N validation windows (default: all of the spec's)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device to train on, e.g. cuda (default cpu); precision from the spec",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = default_run_spec() if args.spec is None else load_run_spec(args.spec)
@@ -292,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         log_every=args.log_every,
         target_val_loss=args.target,
         update_lag=args.update_lag,
+        device=args.device,
         on_point=show,
         val_windows=args.val_windows,
     )

@@ -142,13 +142,25 @@ def test_copies_go_through_pinned_memory_on_their_own_stream() -> None:
 class _Registry:
     def __init__(self) -> None:
         self.handlers: dict[str, Handler] = {}
+        self.devices: dict[str, str | None] = {}
 
-    def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
+    def register(
+        self,
+        kind: str,
+        handler: Handler,
+        *,
+        allow_nonfinite: bool = False,
+        device: str | None = None,
+    ) -> None:
         self.handlers[kind] = handler
+        self.devices[kind] = device
 
     async def call(self, kind: str, header: Any, tensors: list[Any]) -> Response:
+        # decoded where the server asked (its GPU), as the endpoint does
+        device = self.devices[kind]
         decoded = [
-            ReceivedTensor.of(t).tensor() if isinstance(t, EncodedTensor) else t for t in tensors
+            ReceivedTensor.of(t).tensor(device) if isinstance(t, EncodedTensor) else t
+            for t in tensors
         ]
         return await self.handlers[kind](Request(TRAINER, kind, to_header(header), decoded))
 

@@ -8,6 +8,7 @@ bytes; the compressed payloads are smaller still, in the codecs' order).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ def test_json_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
     results = {r["mode"]: r for r in line["results"]}
     assert list(results) == [
         "allreduce", "diloco-H2", "diloco-H4", "diloco-H2-int4-ef", "diloco-H2-sign-ef",
-        "diloco-H2-topk-ef", "gossip-H2",
+        "diloco-H2-topk-ef", "diloco-H2-stream4-sign-ef", "gossip-H2",
     ]
     for r in results.values():
         assert {"mode", "averaging_bytes_per_token", "reduction_vs_allreduce", "val_loss",
@@ -52,6 +53,31 @@ def test_json_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
         assert results[mode]["replica_max_divergence"] == 0.0
         assert results[mode]["outer_rounds"] == 4 // int(mode.split("-")[1][1:])
     assert results["gossip-H2"]["replica_max_divergence"] == 0.0  # two replicas: exact mean
+    # streamed: every fragment of the stage synchronised as often as in diloco-H2-sign-ef
+    # (sign payloads are per tensor, so the split changes no byte), on a stagger: offsets
+    # 0, 0, 1, 1 for four fragments at H = 2, each fragment twice in four steps
+    streamed = results["diloco-H2-stream4-sign-ef"]
+    assert streamed["averaging_bytes_per_token"] == bytes_of["diloco-H2-sign-ef"]
+    assert streamed["outer_rounds"] == 4 * 2
+
     model = line["runtime_model"]
     assert model["gamma"] > 0 and model["predicted_speedup_gossip"] > 0
     assert model["measured_speedup_gossip"] is None
+
+
+def bench_args() -> argparse.Namespace:
+    return argparse.Namespace(
+        d_model=16, seq_len=16, micro_batch=2, global_batch=4, lr=1e-3, warmup=1, steps=4,
+        val_windows=4,
+    )
+
+
+def test_fragments_split_the_stage_evenly_and_deterministically() -> None:
+    module = bench.build_stage(bench.run_spec(bench_args()), 0)
+    frags = bench.split_fragments(module, 4)
+    names = [n for f in frags for n in f]
+    assert sorted(names) == sorted(n for n, _ in module.named_parameters())
+    assert len(frags) == 4 and frags == bench.split_fragments(module, 4)
+    sizes = dict((n, p.numel()) for n, p in module.named_parameters())
+    loads = [sum(sizes[n] for n in f) for f in frags]
+    assert max(loads) - min(loads) <= max(sizes.values())

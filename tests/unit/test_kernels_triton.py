@@ -215,3 +215,33 @@ def test_dispatcher_override_runs_triton_on_cpu() -> None:
     assert torch.equal(
         _bits(d), _bits(ops.dequantize(c_ref, s_ref, "int4", 32, 500, torch.bfloat16))
     )
+
+
+def _draw_near_one(n: int) -> tuple[int, int]:
+    """A (seed, index < n) whose stochastic-rounding uniform is within 2**-22 of 1."""
+    for seed in range(2000):
+        u = R.stochastic_uniforms(seed, n)
+        i = int(torch.argmax(u))
+        if float(u[i]) >= 1.0 - 2.0**-22:
+            return seed, i
+    raise AssertionError("no uniform near 1 in 2000 seeds")
+
+
+@pytest.mark.parametrize(("fmt", "big"), [("int8", 12_058_624.0), ("int4", 581_632.0)])
+def test_stochastic_rounding_beyond_qmax_with_u_near_one(fmt: R.Format, big: float) -> None:
+    """Blocks whose scale is capped at the fp16 limit hold |x / scale| > QMAX. There the
+    kernel once clamped y to -QMAX before adding u, and -QMAX + u rounded up to -QMAX + 1
+    in float32 where the reference's floor(y + u) stays at -QMAX (found on an H100: one
+    code in 16 Mi). A uniform that close to 1 is drawn about once in 4 million elements:
+    the seed is searched for."""
+    n = 1 << 14
+    seed, i = _draw_near_one(n)
+    # the fp16 scale is capped at 65504: |y| = big / 65504 > QMAX + 1 (184.1, 8.9)
+    x = torch.full((n,), -big, dtype=torch.bfloat16)
+    x[n // 2 :] = big
+    c_ref, _ = R.quantize(x, fmt, 32, torch.float16, seed=seed)
+    q = R.QMAX[fmt]
+    expected = -q if x[i] < 0 else q
+    got = int(c_ref[i]) if fmt == "int8" else int(c_ref[i // 2] >> (4 * (i % 2)) & 0xF) - 8
+    assert got == expected
+    _assert_same(x, fmt, 32, torch.float16, seed)
