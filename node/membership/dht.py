@@ -412,7 +412,7 @@ class Dht:
     def hivemind_optimizer(self, **options: Any) -> Optimizer:
         """A ``hivemind.Optimizer`` that collaborates over this DHT (averaging.py's
         CollaborativeOptimizer): ``options`` are its keyword arguments other than ``dht``."""
-        return _tidy_optimizer_class()(dht=self._process, **options)
+        return tidy_optimizer_class()(dht=self._process, **options)
 
     def hivemind_averager(self, factory: Callable[..., Any], **options: Any) -> Any:
         """A hivemind averager (``factory``: a ``DecentralizedAverager`` subclass, diloco.py)
@@ -609,15 +609,17 @@ def _describe_join_failure(exc: BaseException) -> str:
 
 
 @cache
-def _tidy_optimizer_class() -> type:
+def tidy_optimizer_class() -> type:
     """``hivemind.Optimizer`` whose progress tracker closes the event loop it runs on.
 
     hivemind 1.1.12's ``ProgressTracker.run`` makes an event loop for its thread and never
     closes it: after the tracker's shutdown the loop and its self-pipe sockets linger until the
     garbage collector finds them, which then warns about an unclosed loop and sockets in
     whatever code happens to run (a later test, under pytest's unraisable-exception check).
-    The loop is closed here when the thread's work is done; the run itself is hivemind's
-    (tests/unit/test_hivemind_internals.py pins what this relies on)."""
+    The loop is closed here when the thread's work is done, after cancelling the tasks hivemind
+    leaves pending; the run itself is hivemind's (tests/unit/test_hivemind_internals.py pins
+    what this relies on). Every ``hivemind.Optimizer`` we build comes from this class, the
+    tests' too."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
 
@@ -632,6 +634,12 @@ def _tidy_optimizer_class() -> type:
                 self.shutdown_complete.set()
             finally:
                 try:
+                    # hivemind leaves its DHT getter task pending at shutdown: cancel what
+                    # is left, so that no task is destroyed pending with the closed loop
+                    left = asyncio.all_tasks(loop)
+                    for task in left:
+                        task.cancel()
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
                     loop.run_until_complete(loop.shutdown_asyncgens())
                     loop.run_until_complete(loop.shutdown_default_executor())
                 finally:

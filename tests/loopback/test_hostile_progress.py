@@ -26,7 +26,6 @@ from tests.loopback.test_averaging import (
     STAGE,
     B,
     _accumulate,
-    _close_default_loop,  # noqa: F401  (autouse fixture)
     _daemon_sigint,
     _Host,
 )
