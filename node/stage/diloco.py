@@ -14,7 +14,10 @@ other replicas (outer.py):
    payload and takes the mean weighted by the samples each trained on since the last
    round, in peer-id order, so that every replica computes it from the same bytes in the
    same order;
-3. the outer Nesterov step on the anchor, and the parameters set to it.
+3. the outer Nesterov step on the anchor, and the parameters set to it, plus the inner steps
+   this replica took while the gather ran: the gather runs in the averager's process and the
+   device thread trains on meanwhile (``_outer_round`` starts it, ``_poll_round`` finishes
+   it from ``step`` or the server's periodic ``step_if_due``).
 
 Why the all-gather and not hivemind's all-reduce of ``averaged_tensors``: its butterfly hands
 a peer back ``x + (mean - x)`` for its own ``x``, which differs from the mean in the last
@@ -30,8 +33,7 @@ joining, or alone) keeps its parameters, restores its residual (nothing was sent
 stage's averagers for a newer outer state (one round ahead at most, see below) and adopts
 it if there is one, else tries again after one more inner step (``RETRIES_AFTER_ONE_STEP``
 times in a row, then after H: replicas count their own inner steps, so their rounds come
-due at different times, and the one stalled in matchmaking gets none of the traffic
-meanwhile; the retry is where they meet); the others do not wait for it. A replica that
+due at different times; the retry is where they meet); the others do not wait for it. A replica that
 knows no other replica of its stage takes its rounds alone, without matchmaking.
 A replica whose group reports a later round adopts that round's state after
 the all-reduce instead of stepping. A newly joined replica starts from the latest outer
@@ -55,6 +57,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -99,8 +102,33 @@ class AveragerHost(Protocol):
         """``factory(dht=<the node's hivemind DHT>, **options)``."""
 
 
+class PendingGather(Protocol):
+    """A gather under way: :meth:`done` without blocking, then :meth:`result` once."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> dict[str, Any] | None:
+        """What :meth:`OuterCarrier.gather` returns; called only once ``done()``."""
+
+
+class _Finished:
+    """A gather that already ended (a carrier that gathers synchronously)."""
+
+    def __init__(self, gathered: dict[str, Any] | None) -> None:
+        self._gathered = gathered
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> dict[str, Any] | None:
+        return self._gathered
+
+
 class OuterCarrier(Protocol):
-    """What an outer round needs from its transport (hivemind's averager, or a test's)."""
+    """What an outer round needs from its transport (hivemind's averager, or a test's).
+
+    A carrier may also offer ``start_gather(data, timeout) -> PendingGather``, the same
+    gather in the background; without it :meth:`gather` runs on the device thread."""
 
     def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         """Every group member's ``data`` by peer id (ours included), or None when no group
@@ -190,6 +218,15 @@ class HivemindCarrier:
             return None
         return {str(peer): value for peer, value in gathered.items()}
 
+    def start_gather(self, data: dict[str, Any], timeout: float) -> PendingGather:
+        """The gather in hivemind's averager process; the device thread goes on training."""
+        try:
+            control = self._averager.step(gather=data, weight=1.0, timeout=timeout, wait=False)
+        except Exception as exc:  # as in gather
+            log.info("outer round failed: %r", exc)
+            return _Finished(None)
+        return _HivemindPending(control)
+
     def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         try:
             found = self._averager.load_state_from_peers(timeout=timeout)
@@ -205,6 +242,41 @@ class HivemindCarrier:
             self._averager.shutdown()
         except (RuntimeError, OSError, TimeoutError, ValueError) as exc:
             log.warning("outer averager shutdown failed: %s", exc)
+
+
+class _HivemindPending:
+    """hivemind's StepControl of a gather started with ``wait=False``."""
+
+    def __init__(self, control: Any) -> None:
+        self._control = control
+
+    def done(self) -> bool:
+        return bool(self._control.done())
+
+    def result(self) -> dict[str, Any] | None:
+        try:
+            gathered = self._control.result(timeout=0)
+        except Exception as exc:  # hivemind raises its own errors, and asyncio's, from a round
+            log.info("outer round failed: %r", exc)
+            return None
+        if not isinstance(gathered, dict) or not gathered:
+            return None
+        return {str(peer): value for peer, value in gathered.items()}
+
+
+@dataclass
+class _Round:
+    """An outer round whose gather is under way: what it started from."""
+
+    pending: PendingGather
+    started: float
+    round: int  # the outer round it belongs to
+    digest: str
+    payload_len: int
+    samples: float  # the weight it sent: samples since the last completed round
+    saved: dict[str, torch.Tensor]  # residuals before its encode, restored if it fails
+    params: dict[str, torch.Tensor]  # the parameters its pseudo-gradient was taken from
+    epoch: int  # the inner epoch then
 
 
 def anchor_digest(state: OuterState) -> str:
@@ -264,23 +336,28 @@ class DilocoOptimizer:
                 "carries: set averaging.compression to a smaller codec (int8, int4, sign, topk)"
             )
         self._carrier = carrier(self._shared_state)
+        self._round: _Round | None = None  # the round whose gather is under way
         self._shut = False
 
     # ---- the StageOptimizer contract -----------------------------------------------------
 
     def step(self, batch_size: int) -> None:
+        self._poll_round()
         before = self._inner.local_epoch
         self._inner.step(batch_size)
         self._samples += batch_size
         if self._inner.local_epoch == before:
             return
         self._since_round += 1
-        if self._since_round >= self.averaging.inner_steps:
+        if self._since_round >= self.averaging.inner_steps and self._round is None:
             self._since_round = 0
             self._outer_round()
 
     def step_if_due(self) -> bool:
-        return False  # rounds are due after this replica's own inner steps, never idle
+        # rounds come due after this replica's own inner steps, never idle; a round whose
+        # gather ended while no micro-batch came is finished here
+        self._poll_round()
+        return False
 
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         pass  # a replica behind adopts the newer outer state at its next round (_adopt)
@@ -300,6 +377,11 @@ class DilocoOptimizer:
     @property
     def num_peers(self) -> int:
         return self._group
+
+    @property
+    def round_in_progress(self) -> bool:
+        """An outer round's gather is under way (finished by ``step`` or ``step_if_due``)."""
+        return self._round is not None
 
     def is_synchronized(self) -> bool:
         """False after a round this replica missed without catching up (until the next)."""
@@ -334,6 +416,7 @@ class DilocoOptimizer:
             "bytes_sent_total": self.payload_bytes_sent,
             "rounds_missed": self.rounds_missed,
             "rounds_adopted": self.rounds_adopted,
+            "round_in_progress": self._round is not None,
         }
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -351,6 +434,12 @@ class DilocoOptimizer:
 
     @torch.no_grad()
     def _outer_round(self) -> None:
+        """Start a round: the pseudo-gradient's payload goes to the carrier, which gathers
+        the group's in the background when it can; the device thread goes on training, and
+        :meth:`_poll_round` finishes the round once the gather ended. A replica whose
+        device thread waited for matchmaking would stall the trainers routed through it,
+        and with them its partners' inner steps: two replicas then take turns in rounds
+        that never meet."""
         started = time.monotonic()
         params = self._params()
         saved = {n: r.clone() for n, r in self.feedback.residuals.items()}
@@ -362,52 +451,83 @@ class DilocoOptimizer:
             log.warning("%s: no outer round: %s", self.run_id, exc)
             return
         digest = anchor_digest(self.outer)
-        data = {"round": self.outer.round, "anchor": digest,
-                "weight": max(self._samples, 1e-3), "payload": payload}
+        weight = max(self._samples, 1e-3)
+        data = {"round": self.outer.round, "anchor": digest, "weight": weight,
+                "payload": payload}
         alone = self._others is not None and self._others() == 0
-        gathered = (
-            {"": data} if alone else self._carrier.gather(data, self.averaging.round_timeout_s)
+        if alone:
+            pending: PendingGather = _Finished({"": data})
+        else:
+            start = getattr(self._carrier, "start_gather", None)
+            if start is not None:
+                pending = start(data, self.averaging.round_timeout_s)
+            else:
+                pending = _Finished(self._carrier.gather(data, self.averaging.round_timeout_s))
+        self._round = _Round(
+            pending, started, self.outer.round, digest, len(payload), self._samples, saved,
+            {n: p.detach().clone() for n, p in params.items()}, self._inner.local_epoch,
         )
+        self._poll_round()
+
+    @torch.no_grad()
+    def _poll_round(self) -> None:
+        """Finish the round under way if its gather ended (device thread)."""
+        current = self._round
+        if current is None or not current.pending.done():
+            return
+        self._round = None
+        gathered = current.pending.result()
+        if current.round != self.outer.round:  # a newer outer state was adopted meanwhile
+            self._record(current.started, 1, 0, ok=False, adopted=True)
+            return
         if gathered is None:
-            self.feedback.residuals = saved  # nothing was sent: the debt stays as it was
+            self.feedback.residuals = current.saved  # nothing was sent: the debt stays
             self.rounds_missed += 1
             self._missed_in_a_row += 1
             if self._missed_in_a_row < RETRIES_AFTER_ONE_STEP:
                 # try again after one more inner step rather than H: replicas whose rounds
-                # come due at different times (each counts its own inner steps, and the one
-                # in a round gets none of the traffic) meet at the retry
-                self._since_round = self.averaging.inner_steps - 1
+                # come due at different times (each counts its own inner steps) meet at the
+                # retry
+                self._since_round = max(self._since_round, self.averaging.inner_steps - 1)
             adopted = self.load_state_from_peers()
-            self._record(started, 1, 0, ok=False, adopted=adopted)
+            self._record(current.started, 1, 0, ok=False, adopted=adopted)
             return
         group = len(gathered)
         self._group = group
-        sent = len(payload) * (group - 1)  # what an all-gather sends of ours
+        sent = current.payload_len * (group - 1)  # what an all-gather sends of ours
         self.payload_bytes_sent += sent
         rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
         newest = max((r for r in rounds if type(r) is int), default=self.outer.round)
         if newest > self.outer.round:
             # the others took a round without us: take their state rather than step
-            self.feedback.residuals = saved
+            self.feedback.residuals = current.saved
             adopted = self.load_state_from_peers()
-            self._record(started, group, sent, ok=False, adopted=adopted)
+            self._record(current.started, group, sent, ok=False, adopted=adopted)
             return
         contributions = []
         for peer in sorted(gathered):
-            decoded = self._contribution(peer, gathered[peer], digest)
+            decoded = self._contribution(peer, gathered[peer], current.digest)
             if decoded is not None:
                 contributions.append(decoded)
         if not contributions:  # not even ours: cannot happen unless the carrier lost it
-            self.feedback.residuals = saved
-            self._record(started, group, sent, ok=False, adopted=False)
+            self.feedback.residuals = current.saved
+            self._record(current.started, group, sent, ok=False, adopted=False)
             return
         mean = weighted_mean(contributions)
+        params = self._params()
         with self._lock:
             nesterov_step(self.outer, mean, self.averaging.outer_lr, self.averaging.outer_momentum)
-            load_anchor(params, self.outer)
-        self._samples = 0.0
+            if self._inner.local_epoch == current.epoch:  # no inner step while it ran
+                load_anchor(params, self.outer)
+            else:
+                # the new anchor plus the inner steps this replica took while the gather
+                # ran: they enter the next pseudo-gradient, so no sample's update is lost
+                for name, p in params.items():
+                    moved = p - current.params[name]
+                    p.copy_(self.outer.anchor[name]).add_(moved)
+        self._samples = max(self._samples - current.samples, 0.0)
         self._group = len(contributions)
-        self._record(started, len(contributions), sent, ok=True, adopted=False)
+        self._record(current.started, len(contributions), sent, ok=True, adopted=False)
 
     def _contribution(
         self, peer: str, data: Any, digest: str

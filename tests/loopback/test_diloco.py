@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,6 +75,16 @@ def _inner_steps(module: torch.nn.Module, opt: DilocoOptimizer, gen: torch.Gener
         opt.step(B)
 
 
+def _finish_round(opt: DilocoOptimizer, timeout: float = 60.0) -> None:
+    """Poll as the server's periodic check does until the round's gather ended (the device
+    thread trains on meanwhile; here it has nothing else to do)."""
+    deadline = time.monotonic() + timeout
+    while opt.round_in_progress:
+        assert time.monotonic() < deadline, "the outer round did not end"
+        opt.step_if_due()
+        time.sleep(0.05)
+
+
 @HIVEMIND_PATH_WARNING
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(120)
@@ -94,7 +105,8 @@ def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there
             gen = torch.Generator().manual_seed(seed)
             _inner_steps(module, opt, gen, H - 1)
             barrier.wait()  # both enter the round together, as replicas at network pace would
-            _inner_steps(module, opt, gen, 1)  # the H-th inner step runs the round
+            _inner_steps(module, opt, gen, 1)  # the H-th inner step starts the round
+            _finish_round(opt)
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
             runs = [pool.submit(device_thread, m, o, seed)
@@ -161,6 +173,7 @@ def test_a_replica_alone_misses_its_round_within_the_timeout_and_keeps_training(
         residual_before = {n: r.clone() for n, r in opt.feedback.residuals.items()}
         params_before = [p.detach().clone() for p in module.parameters()]
         _inner_steps(module, opt, gen, 1)
+        _finish_round(opt)
         assert not opt.last_round["ok"] and opt.rounds_missed == 1
         limit = spec.averaging.round_timeout_s + CONFIG.load_state_timeout
         assert opt.last_round["seconds"] < limit

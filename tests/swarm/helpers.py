@@ -227,5 +227,12 @@ class LocalSwarm:
                 node.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 node.kill()
+        keep = os.environ.get("WANSWARM_KEEP_TEST_LOGS")
+        if keep:  # the daemons' logs of every swarm test, for a failure seen once
+            target = Path(keep) / self.base_dir.name
+            for node in self.nodes:
+                if node.log_path.exists():
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(node.log_path, target / node.log_path.name)
         if self._own_base:
             shutil.rmtree(self.base_dir, ignore_errors=True)
