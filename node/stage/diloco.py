@@ -209,14 +209,7 @@ class HivemindCarrier:
         self._averager.state_sharing_priority = value
 
     def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        try:
-            gathered = self._averager.step(gather=data, weight=1.0, timeout=timeout)
-        except Exception as exc:  # hivemind raises its own errors, and asyncio's, from a round
-            log.info("outer round failed: %r", exc)
-            return None
-        if not isinstance(gathered, dict) or not gathered:
-            return None
-        return {str(peer): value for peer, value in gathered.items()}
+        return _by_peer(lambda: self._averager.step(gather=data, weight=1.0, timeout=timeout))
 
     def start_gather(self, data: dict[str, Any], timeout: float) -> PendingGather:
         """The gather in hivemind's averager process; the device thread goes on training."""
@@ -254,14 +247,19 @@ class _HivemindPending:
         return bool(self._control.done())
 
     def result(self) -> dict[str, Any] | None:
-        try:
-            gathered = self._control.result(timeout=0)
-        except Exception as exc:  # hivemind raises its own errors, and asyncio's, from a round
-            log.info("outer round failed: %r", exc)
-            return None
-        if not isinstance(gathered, dict) or not gathered:
-            return None
-        return {str(peer): value for peer, value in gathered.items()}
+        return _by_peer(lambda: self._control.result(timeout=0))
+
+
+def _by_peer(outcome: Callable[[], Any]) -> dict[str, Any] | None:
+    """A gather's outcome as the members' data by peer id; None when it failed."""
+    try:
+        gathered = outcome()
+    except Exception as exc:  # hivemind raises its own errors, and asyncio's, from a round
+        log.info("outer round failed: %r", exc)
+        return None
+    if not isinstance(gathered, dict) or not gathered:
+        return None
+    return {str(peer): value for peer, value in gathered.items()}
 
 
 @dataclass
