@@ -619,11 +619,24 @@ def tidy_optimizer_class() -> type:
     The loop is closed here when the thread's work is done, after cancelling the tasks hivemind
     leaves pending; the run itself is hivemind's (tests/unit/test_hivemind_internals.py pins
     what this relies on). Every ``hivemind.Optimizer`` we build comes from this class, the
-    tests' too."""
+    tests' too.
+
+    The tracker also takes a ``hold_epoch`` callable: while it answers True, the tracker
+    says the epoch is not ready to end, so that hivemind's ``step`` accumulates instead of
+    beginning the next epoch's step (averaging.py holds while the previous epoch's delayed
+    round still runs: hivemind would wait for it on the caller's thread)."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ClosingProgressTracker(ProgressTracker):
+        hold_epoch: Callable[[], bool] | None = None
+
+        @property
+        def ready_to_update_epoch(self) -> bool:
+            if self.hold_epoch is not None and self.hold_epoch():
+                return False
+            return bool(super().ready_to_update_epoch)
+
         def run(self) -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)

@@ -22,7 +22,15 @@ the accumulated gradients to a background all-reduce and optimizer step and retu
 once; the new parameters are copied into the served module by the first ``step`` after they
 are ready, on the device thread, so forward and backward never see a half-written tensor.
 The price is one epoch of staleness (gradients computed at ``theta_k`` are applied to
-``theta_{k+1}``), which DPU shows to be harmless at the large batches this targets.
+``theta_{k+1}``), which DPU shows to be harmless at the large batches this targets. One
+wait is left in hivemind's delayed step: an epoch that ends while the previous epoch's
+round still runs (a slow or vanished partner: up to ``averaging_timeout``) waits for that
+round inside ``step``, on the device thread; the stage's queue filled and it answered
+``busy`` to every trainer for as long (50 s in the lab, a stage-1 replica behind a
+symmetric NAT). So the epoch is held while a round runs (the tracker's ``hold_epoch``,
+membership/dht.py): the micro-batches that arrive meanwhile accumulate into the epoch,
+which ends at the first ``step`` after the round finished (``epochs_held`` counts the
+steps that found it due and held it).
 ``delayed_updates = false`` gives exactly synchronous training (equivalent to one big
 batch) at the cost of the stall.
 
@@ -212,6 +220,13 @@ class OptimizerHost(Protocol):
         """A ``hivemind.Optimizer`` on this DHT; ``options`` are its arguments but ``dht``."""
 
 
+def _due(tracker: Any) -> bool:
+    """Whether hivemind's tracker, left to itself, would end the epoch now."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    return bool(ProgressTracker.ready_to_update_epoch.fget(tracker))
+
+
 def averaging_run_id(spec: RunSpec, stage: int) -> str:
     """hivemind run id of a stage's collaboration: ``{name}_{run_id}_stage{s}`` (no dots)."""
     return f"{spec.name}_{spec.run_id}_stage{stage}"
@@ -317,6 +332,9 @@ class CollaborativeOptimizer:
         except (RuntimeError, OSError, TimeoutError) as exc:
             self._opt.shutdown()
             raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
+        if delayed:
+            self._opt.tracker.hold_epoch = self.background_busy
+        self.epochs_held = 0
         for p in module.parameters():
             p.grad = None
         self._shut = False
@@ -330,6 +348,8 @@ class CollaborativeOptimizer:
     def step(self, batch_size: int) -> None:
         if not self.config.delayed_updates:
             self._prepare_round()
+        elif self.background_busy() and _due(self._opt.tracker):
+            self.epochs_held += 1  # the tracker holds it (module docstring)
         try:
             self._opt.step(batch_size=batch_size)
         finally:
@@ -478,6 +498,7 @@ class CollaborativeOptimizer:
             "grad_compression": self.config.grad_compression,
             "rounds_formed_early": self.rounds_formed_early,
             "failed_rounds_dropped": self.failed_rounds_dropped,
+            "epochs_held": self.epochs_held,
             "progress_records_refused": self.progress_screen.refused,
             # fell behind and caught up: through our transport, hivemind's, failed, deferred
             "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,

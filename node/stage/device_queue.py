@@ -8,10 +8,23 @@ up (the endpoint cancels the handler when the request stream is reset) or whose 
 out before it reached the device is dropped unrun. A job's slot is held until the job
 really finishes on the device thread, whether or not its requester still waits.
 
+Two lanes. A ``backward``, or the last stage's ``forward_loss``, finishes a micro-batch whose
+forwards already ran on every stage before; a ``forward`` (or an ``eval_loss``) starts or
+extends one. Under load the difference decides whether the swarm makes progress: with one
+queue, a server full of forwards answered ``busy`` to the backwards of the micro-batches
+those forwards belong to, the trainers dropped them after their attempts and sent new
+forwards, and the swarm did the forward work of many micro-batches and completed few (in
+CI, the lab's symmetric-NAT node completed 0 in 180 s, its stage-0 backwards refused as
+``busy: 16 jobs queued``). So the last ``reserve`` slots of the capacity (a quarter) take
+finishing jobs only, and the device thread runs every queued finishing job before any
+other. The bound on memory is the capacity still: a queued job holds its payload,
+whichever lane.
+
 Fair shares between peers (issue #13): one peer may hold at most ``max_peer_share`` of the
-capacity (half by default), so a peer that floods the queue leaves room for the others;
+capacity (half by default; its backwards may take half the reserve beyond), so a peer that
+floods the queue leaves room for the others;
 and the device thread takes queued jobs round-robin by peer, not in arrival order, so
-another peer's job waits behind at most one job of each other peer, not behind a
+another peer's job waits behind at most one job of each other peer in its lane, not behind a
 flooder's whole backlog (which would expire it). Identities are free to make: a peer
 running several identities gets several shares (docs/hostile.md).
 
@@ -22,6 +35,7 @@ torch failure) as ``internal``; the device thread goes on serving.
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 import threading
 import time
@@ -49,11 +63,20 @@ class QueueCounts(Protocol):
 
 
 MAX_PEER_SHARE = 0.5  # of the capacity, one peer's at most
+FINISH_RESERVE = 0.25  # of the capacity, the slots only backwards may take
+
+
+class Lane(enum.IntEnum):
+    """Which work a job is: the device thread runs ``FINISH`` jobs first."""
+
+    FINISH = 0  # backward, forward_loss: completes a micro-batch whose forwards ran
+    START = 1  # forward, eval_loss
 
 
 @dataclass
 class _Job:
     peer: str
+    lane: Lane
     deadline: float  # time.monotonic()
     work: Callable[[], Response]
     future: asyncio.Future[Response] = field(repr=False)
@@ -80,6 +103,10 @@ class DeviceQueue:
         self.capacity = capacity
         # a lone server of capacity 1 must still serve someone
         self.peer_capacity = max(1, math.floor(capacity * max_peer_share))
+        # a lone slot serves either lane
+        self.reserve = math.ceil(capacity * FINISH_RESERVE) if capacity > 1 else 0
+        # one peer's backwards may take half the reserve beyond its share
+        self.peer_reserve = (self.reserve + 1) // 2
         self.counters = counters
         self.clock = clock
         # other device-thread work (state transfer, checkpoints, the optimizer's flush and
@@ -90,11 +117,11 @@ class DeviceQueue:
         self._per_peer: dict[str, int] = {}  # jobs queued or running, by peer
         self._idle = asyncio.Event()
         self._idle.set()
-        # jobs not yet started, by peer, and the round-robin order of peers that have some
-        # (touched by the event loop and the device thread: under the lock)
+        # per lane: jobs not yet started, by peer, and the round-robin order of peers that
+        # have some (touched by the event loop and the device thread: under the lock)
         self._lock = threading.Lock()
-        self._waiting: dict[str, deque[_Job]] = {}
-        self._turns: deque[str] = deque()
+        self._waiting: tuple[dict[str, deque[_Job]], ...] = tuple({} for _ in Lane)
+        self._turns: tuple[deque[str], ...] = tuple(deque() for _ in Lane)
 
     @property
     def pending(self) -> int:
@@ -105,27 +132,31 @@ class DeviceQueue:
         """Jobs of ``peer`` queued or running."""
         return self._per_peer.get(peer, 0)
 
-    def admit(self, peer: str) -> None:
-        """Refuse with ``busy`` when the queue is full, or ``peer`` holds its share of it."""
-        if self._pending >= self.capacity:
+    def admit(self, peer: str, lane: Lane = Lane.START) -> None:
+        """Refuse with ``busy`` when the queue is full for ``lane`` (a ``START`` job finds
+        the last ``reserve`` slots taken), or ``peer`` holds its share of it."""
+        reserve = self.reserve if lane == Lane.START else 0
+        if self._pending >= self.capacity - reserve:
             self.counters.busy += 1
             raise refuse(ErrorCode.BUSY, f"{self._pending} jobs queued")
-        if self._per_peer.get(peer, 0) >= self.peer_capacity:
+        share = self.peer_capacity + (self.peer_reserve if lane == Lane.FINISH else 0)
+        if self._per_peer.get(peer, 0) >= share:
             self.counters.busy += 1
-            raise refuse(
-                ErrorCode.BUSY, f"you hold {self.peer_capacity} of the {self.capacity} slots"
-            )
+            raise refuse(ErrorCode.BUSY, f"you hold {share} of the {self.capacity} slots")
 
-    async def run(self, peer: str, budget_s: float, work: Callable[[], Response]) -> Response:
-        """Queue ``peer``'s ``work`` for the device thread (taken round-robin by peer); the
-        slot is held until it really finishes."""
+    async def run(
+        self, peer: str, budget_s: float, work: Callable[[], Response], lane: Lane = Lane.START
+    ) -> Response:
+        """Queue ``peer``'s ``work`` for the device thread (``FINISH`` jobs first, each lane
+        taken round-robin by peer); the slot is held until it really finishes."""
         loop = asyncio.get_running_loop()
-        job = _Job(peer, self.clock() + budget_s, work, loop.create_future())
+        job = _Job(peer, lane, self.clock() + budget_s, work, loop.create_future())
         with self._lock:
-            queue = self._waiting.get(peer)
+            waiting = self._waiting[lane]
+            queue = waiting.get(peer)
             if queue is None:
-                queue = self._waiting[peer] = deque()
-                self._turns.append(peer)
+                queue = waiting[peer] = deque()
+                self._turns[lane].append(peer)
             queue.append(job)
         self._pending += 1
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
@@ -155,21 +186,23 @@ class DeviceQueue:
         finishes. Call on the event loop."""
         self.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            jobs = [job for queue in self._waiting.values() for job in queue]
-            self._waiting.clear()
-            self._turns.clear()
+            jobs = [job for lane in self._waiting for queue in lane.values() for job in queue]
+            for waiting, turns in zip(self._waiting, self._turns, strict=True):
+                waiting.clear()
+                turns.clear()
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(refuse(ErrorCode.DRAINING, "the stage is closing"))
 
     def _drop(self, job: _Job) -> None:
         with self._lock:
-            queue = self._waiting.get(job.peer)
+            waiting = self._waiting[job.lane]
+            queue = waiting.get(job.peer)
             if queue is not None and job in queue:
                 queue.remove(job)
                 if not queue:
-                    del self._waiting[job.peer]
-                    self._turns.remove(job.peer)
+                    del waiting[job.peer]
+                    self._turns[job.lane].remove(job.peer)
 
     def _job_done(self, peer: str, future: asyncio.Future[Response]) -> None:
         self._pending -= 1
@@ -185,18 +218,20 @@ class DeviceQueue:
             future.exception()  # retrieved: a shielded job whose requester left is not an error
 
     def _next_job(self) -> _Job | None:
-        """The next job, round-robin by peer (device thread)."""
+        """The next job: the first lane that has one, round-robin by peer (device thread)."""
         with self._lock:
-            if not self._turns:
-                return None
-            peer = self._turns.popleft()
-            queue = self._waiting[peer]
-            job = queue.popleft()
-            if queue:
-                self._turns.append(peer)
-            else:
-                del self._waiting[peer]
-            return job
+            for waiting, turns in zip(self._waiting, self._turns, strict=True):
+                if not turns:
+                    continue
+                peer = turns.popleft()
+                queue = waiting[peer]
+                job = queue.popleft()
+                if queue:
+                    turns.append(peer)
+                else:
+                    del waiting[peer]
+                return job
+            return None
 
     def _device_next(self, loop: asyncio.AbstractEventLoop) -> None:
         """Runs on the device thread: one turn, the next job in fair order."""

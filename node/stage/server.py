@@ -6,7 +6,8 @@ Serves the training protocol (protocol.py) for stage ``s`` of the run: ``forward
 each request's header, admits it (run, stage and trainer id match; the server is online;
 the device queue has room) and queues its job. The pieces:
 
-- device_queue.py: the one device thread and its bounded queue (``busy``, expiry);
+- device_queue.py: the one device thread and its bounded queue (``busy``, expiry, backwards
+  first);
 - jobs.py: what each request computes there, applied once, and the optimizer steps;
 - server_config.py: the ``[stage_server]`` config.
 
@@ -65,7 +66,7 @@ from ..protocol import (
 )
 from ..training.model import StageModule, build_stage
 from .checkpointer import Checkpointer, ResumeSource
-from .device_queue import DeviceQueue
+from .device_queue import DeviceQueue, Lane
 from .jobs import StageJobs, StageServerCounters
 from .memory import StageFootprint, check_fits, limit_device_memory
 from .optimizer import StageOptimizer
@@ -345,7 +346,7 @@ class StageServer:
 
     # ---- admission and the periodic step check --------------------------------------
 
-    def _admit(self, hop: HopId, sender: str) -> None:
+    def _admit(self, hop: HopId, sender: str, lane: Lane = Lane.START) -> None:
         try:
             self.contract.check_hop(hop, sender)
             if self.state == "joining":
@@ -357,7 +358,7 @@ class StageServer:
         except RemoteError:
             self.counters.refused += 1
             raise
-        self._queue.admit(sender)
+        self._queue.admit(sender, lane)
 
     async def _check_step_loop(self) -> None:
         """While online: every step_check_period_s, a device-thread job joins a due epoch step
@@ -396,20 +397,22 @@ class StageServer:
 
     async def _on_forward_loss(self, request: Request) -> Response:
         msg = parse_request(ForwardLossRequest, request.header)
-        self._admit(msg.hop, request.peer_id)
+        self._admit(msg.hop, request.peer_id, Lane.FINISH)
         self._require_last("forward_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.forward_loss(msg, request.tensors)
+            request.peer_id, msg.budget_s, lambda: self._jobs.forward_loss(msg, request.tensors),
+            Lane.FINISH,
         )
 
     async def _on_backward(self, request: Request) -> Response:
         msg = parse_request(BackwardRequest, request.header)
-        self._admit(msg.hop, request.peer_id)
+        self._admit(msg.hop, request.peer_id, Lane.FINISH)
         if self.contract.last:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage's backward is forward_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.backward(msg, request.tensors)
+            request.peer_id, msg.budget_s, lambda: self._jobs.backward(msg, request.tensors),
+            Lane.FINISH,
         )
 
     async def _on_eval_loss(self, request: Request) -> Response:

@@ -26,7 +26,10 @@ class StageServerConfig(BaseModel):
         default=16,
         ge=1,
         le=4096,
-        description="Jobs queued or running on the device; beyond it we answer 'busy'.",
+        description=(
+            "Jobs queued or running on the device; beyond it we answer 'busy'. The last "
+            "quarter takes backwards and forward_loss only (they finish micro-batches)."
+        ),
     )
     max_in_flight: int = Field(
         default=4,

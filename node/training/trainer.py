@@ -1,14 +1,17 @@
 """The trainer: keeps micro-batches moving through the swarm's stages (SWARM, client side).
 
-Up to ``max_in_flight`` micro-batches move at once (one asyncio task each, bounded by a
-semaphore) so that WAN latency is hidden behind other micro-batches' work; a new one starts
-only while every stage has an online server. The pieces:
+Up to ``max_in_flight`` micro-batches move at once (one asyncio task each) so that WAN
+latency is hidden behind other micro-batches' work; how many exactly is a window that starts
+small, grows as micro-batches complete and halves when they fail (window.py: an overloaded
+swarm gets fewer new micro-batches, not as many as before); a new one starts only while
+every stage has an online server. The pieces:
 
 - pipeline.py: one micro-batch forward through every stage and backward again, the stage
   outputs relayed as they came;
 - hops.py: one hop to a server the router picks, re-routed when it fails;
 - servers.py: the servers of each stage, as the daemon's peer table and the endpoint's
   path measurements show them;
+- window.py: the in-flight window;
 - trainer_config.py: the ``[trainer]`` config.
 
 A micro-batch whose hop failed on every attempt is counted and dropped; a completed one
@@ -28,6 +31,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from .routing import Router
 from .servers import ServerSource, ServerView
 from .spot_checks import SpotChecker
 from .trainer_config import TrainerConfig
+from .window import InFlightWindow
 
 log = get_logger(__name__)
 
@@ -74,6 +79,12 @@ class TrainerCounters:
     spot_checks_skipped: int = 0
     spot_check_disagreements: int = 0
     convicted: int = 0  # peers caught lying by a spot check
+
+
+def _release(window: InFlightWindow, number: int, task: asyncio.Task[bool]) -> None:
+    """A micro-batch's task ended: give its slot back (ok: it completed)."""
+    ok = not task.cancelled() and task.exception() is None and task.result()
+    window.release(number, ok=ok)
 
 
 class Trainer:
@@ -132,6 +143,7 @@ class Trainer:
         self._task: asyncio.Task[Any] | None = None
         self._started_at: float | None = None
         self._completions: deque[tuple[float, int]] = deque()
+        self.window = InFlightWindow(config.max_in_flight)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -178,6 +190,7 @@ class Trainer:
         return {
             "paused": not self._unpaused.is_set(),
             "micro_batches": {"started": c.started, "completed": c.completed, "failed": c.failed},
+            "window": self.window.status(),
             "retried_hops": c.retried_hops,
             "busy_backoffs": c.busy_backoffs,
             "cache_misses": c.cache_misses,
@@ -232,18 +245,18 @@ class Trainer:
             )
         data = self._data
         self._started_at = time.monotonic()
-        slots = asyncio.Semaphore(self.config.max_in_flight)
+        window = self.window
         async with asyncio.TaskGroup() as tg:
             while not self._stopping and (
                 max_micro_batches is None or self.counters.started < max_micro_batches
             ):
-                await slots.acquire()
+                number = await window.acquire()
                 await self._unpaused.wait()
                 await self._wait_for_every_stage()
                 # None: a finite source ran out
                 batch = None if self._stopping else next(data, None)
                 if batch is None:
-                    slots.release()
+                    window.cancel()
                     break
                 inputs, targets = batch
                 mb = self._new_id()
@@ -251,7 +264,7 @@ class Trainer:
                 task = tg.create_task(
                     self._train_one(mb, inputs, targets), name=f"micro-batch {mb}"
                 )
-                task.add_done_callback(lambda _: slots.release())
+                task.add_done_callback(partial(_release, window, number))
 
     async def _wait_for_every_stage(self) -> None:
         while not self._stopping:
@@ -266,13 +279,14 @@ class Trainer:
         self._next_id = (self._next_id + 1) % (1 << 63)
         return mb
 
-    async def _train_one(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    async def _train_one(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        """One micro-batch through the swarm; False if it failed."""
         try:
             loss = await self._pipeline.forward_backward(mb, inputs, targets)
         except HopFailed as exc:
             self.counters.failed += 1
             log.warning("trainer: micro-batch %d failed: %s", mb, exc)
-            return
+            return False
         c = self.counters
         tokens = inputs.numel()
         c.completed += 1
@@ -281,6 +295,7 @@ class Trainer:
         a = self.config.loss_ewma_alpha
         c.loss_ewma = loss if c.loss_ewma is None else (1 - a) * c.loss_ewma + a * loss
         self._completions.append((time.monotonic(), tokens))
+        return True
 
     # ---- validation -------------------------------------------------------------------
 

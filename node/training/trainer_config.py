@@ -18,7 +18,13 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_in_flight: int = Field(
-        default=8, ge=1, le=4096, description="Micro-batches moving through the swarm at once."
+        default=8,
+        ge=1,
+        le=4096,
+        description=(
+            "Micro-batches moving through the swarm at once, at most: the number starts at 2, "
+            "grows as micro-batches complete and halves when one fails (window.py)."
+        ),
     )
     request_timeout_s: float = Field(
         default=30.0,

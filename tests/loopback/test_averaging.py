@@ -18,7 +18,7 @@ import gc
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -245,6 +245,63 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         for dht in dhts:
             dht.shutdown()
         del optimizers, dhts
+        gc.collect()
+
+
+class _RoundStillRunning(Future[Any]):
+    """Stands for the previous epoch's background round, still running: records whether
+    anyone waited for it (hivemind's delayed step does, on the caller's thread)."""
+
+    waited = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self.waited = True
+            raise TimeoutError("waited for the previous round")
+        return super().result(timeout)
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -> None:
+    """With delayed updates, the epoch that ends while the previous epoch's round still runs
+    accumulates on instead of waiting for that round in ``step`` (on the stage's device
+    thread, up to averaging_timeout); it ends at the first step after the round finished."""
+    hivemind = pytest.importorskip("hivemind")
+    config = AveragingConfig(
+        matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
+        grad_compression="none", state_compression="none",
+    )
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opt: CollaborativeOptimizer | None = None
+    try:
+        module = build_stage(SPEC, STAGE)
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        running = _RoundStillRunning()
+        opt._opt.state_averager.pending_updates.add(running)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):  # the epoch's target (4 samples) and one micro-batch beyond
+            _accumulate(module, gen)
+            opt.step(B)
+        assert not running.waited
+        assert opt.local_epoch == 0 and opt.epochs_held >= 1
+        assert opt.samples_accumulated == 3 * B
+        assert opt.averaging_status()["epochs_held"] == opt.epochs_held
+        running.set_result(None)  # the round finished: the next step ends the epoch
+        _accumulate(module, gen)
+        opt.step(B)
+        assert opt.local_epoch == 1
+        opt.flush()
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+        del opt, dht
         gc.collect()
 
 
