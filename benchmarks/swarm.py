@@ -229,12 +229,20 @@ def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) 
         "training_tokens": training["tokens"],
         "elapsed_s": figures["elapsed_s"],
         "epoch": figures["epoch"],
+        # the samples in a step, the mean over the stages' last steps (demo_figures.step_size)
+        "samples_per_step": _mean_step(figures.get("stages", [])),
+        "target_batch_size": spec.batch.target_batch_size,
         "failed_micro_batches": figures["failed_micro_batches"],
         "retried_hops": training["retried_hops"],
         "cache_misses": training["cache_misses"],
         "run_id": figures["run_id"],
         "interrupted": figures["interrupted"],
     }
+
+
+def _mean_step(stages: Sequence[dict[str, Any]]) -> float | None:
+    sizes = [r["samples_per_step"] for r in stages if r.get("samples_per_step") is not None]
+    return round(sum(sizes) / len(sizes), 1) if sizes else None
 
 
 def failed_row(profile: str, codec: str, error: str) -> dict[str, Any]:
@@ -270,6 +278,8 @@ def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, fl
         ref = curve_at(curve, at)
         row["reference_tokens"] = round(at)
         row["reference_val_loss"] = _round(ref, 4)
+        # the reference's steps by then (its curve has a point at 0 and after every step)
+        row["reference_steps"] = sum(1 for t, _ in curve if 0 < t <= at)
         row["val_loss_vs_reference"] = (
             None if ref is None else round(row["val_loss"] / ref - 1.0, 4)
         )
@@ -340,7 +350,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"update lag {meta['update_lag']}",
         "",
         f"{'config':<14} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
-        f"{'QUIC B/tok':>10} {'val loss':>8} {'ref val':>8} {'vs ref':>7}",
+        f"{'QUIC B/tok':>10} {'val loss':>8} {'ref val':>8} {'vs ref':>7} {'steps':>6} "
+        f"{'ref':>5} {'smp/step':>8}",
     ]
     ref_tps = ref.get("tokens_per_s")
     lines.append(
@@ -362,14 +373,19 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_num(r.get('ideal_bytes_per_token'), '.1f'):>7} "
             f"{_num(r.get('quic_bytes_per_token'), '.1f'):>10} {_num(r['val_loss'], '.4f'):>8} "
             f"{_num(r.get('reference_val_loss'), '.4f'):>8} "
-            f"{_num(None if vs is None else 100 * vs, '+.1f'):>6}%"
+            f"{_num(None if vs is None else 100 * vs, '+.1f'):>6}% "
+            f"{_num(r.get('epoch'), 'd'):>6} {_num(r.get('reference_steps'), 'd'):>5} "
+            f"{_num(r.get('samples_per_step'), '.1f'):>8}"
         )
     lines += [
         "",
         "wire B/tok: trainer payload bytes across stage boundaries per token per boundary "
         "(token ids and targets excluded); ideal: the codec's payload for 4 crossings per "
         "boundary; QUIC B/tok: UDP bytes sent by every endpoint per token per boundary; "
-        "ref val: the reference's curve at the swarm's tokens during its final evaluation.",
+        "ref val: the reference's curve at the swarm's tokens during its final evaluation; "
+        "steps: the swarm's optimizer steps, ref: the reference's at the same tokens; "
+        "smp/step: samples in a swarm step, summed over a stage's replicas (mean of the "
+        f"stages' last steps; the spec's target: {meta.get('target_batch_size', '-')}).",
         "",
         "targets",
     ]
@@ -715,6 +731,7 @@ def build_report(
             "run": spec.name,
             "run_id": spec.run_id,
             "stages": spec.n_stages,
+            "target_batch_size": spec.batch.target_batch_size,
             "replicas": opts.replicas,
             "tokens": opts.tokens,
             "eval_windows": opts.eval_windows,

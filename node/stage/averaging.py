@@ -49,6 +49,19 @@ with synchronous steps only: with delayed updates no step waits for a missing re
 a failed pre-scheduled round is left to hivemind (docs/averaging.md says what that means
 for the replicas).
 
+Epochs of ``target_batch_size`` samples. hivemind ends an epoch when its *estimate* of the
+samples the replicas accumulated reaches the target: each replica's reported count plus its
+samples per second times the age of its report. The estimate runs ahead (a replica's rate
+is an average over its idle time too): in the tiny run on two replicas per stage a step
+held 51.5 samples of 64 on average, and the swarm took 25 steps where the reference took
+18 at the same tokens. The tracker here ends an epoch on the reported counts
+(``averaging.exact_epochs``, membership/dht.py); the estimate still decides when
+matchmaking starts. A step then holds the target plus what the replicas accumulate
+between the first one's trigger and the last one's (73.5 samples on average in the same
+run: 17 steps where the reference took 18). Each replica records the samples it brought to
+each step (``step_samples`` in the status); the demo and the swarm benchmark sum them over a
+stage's replicas and print the mean step size beside the target.
+
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
 ``OptimizerSpec.lr_multiplier(local_epoch)``. The AdamW, the schedule and the
@@ -75,6 +88,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, Protocol
@@ -114,6 +128,7 @@ _BYTES_PER_VALUE: dict[str, float] = {
 
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
 IDLE_ROUND_WEIGHT = 1e-3
+STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
 
 
 class AveragingError(NodeError):
@@ -198,6 +213,13 @@ class AveragingConfig(BaseModel):
             "gradient round when the epoch is estimated to end within matchmaking_time plus two "
             "check intervals, so the group is ready at the boundary; false: only hivemind's own "
             "pre-scheduling (matchmaking_time ahead)."
+        ),
+    )
+    exact_epochs: bool = Field(
+        default=True,
+        description=(
+            "End an epoch when the samples the replicas reported reach target_batch_size; "
+            "false: when hivemind's extrapolated estimate does (earlier, smaller steps)."
         ),
     )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
@@ -334,7 +356,11 @@ class CollaborativeOptimizer:
             raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
         if delayed:
             self._opt.tracker.hold_epoch = self.background_busy
+        # epochs end at the samples the spec says, not at hivemind's estimate (module docstring)
+        self._opt.tracker.exact_epochs = config.exact_epochs
         self.epochs_held = 0
+        # (epoch, samples this replica brought to its step), the last few epochs
+        self.step_samples: deque[tuple[int, int]] = deque(maxlen=STEP_SAMPLES_KEPT)
         for p in module.parameters():
             p.grad = None
         self._shut = False
@@ -350,12 +376,18 @@ class CollaborativeOptimizer:
             self._prepare_round()
         elif self.background_busy() and _due(self._opt.tracker):
             self.epochs_held += 1  # the tracker holds it (module docstring)
+        epoch, before, resyncs = self.local_epoch, self.samples_accumulated, self._resyncs()
         try:
             self._opt.step(batch_size=batch_size)
         finally:
             # hivemind copied the gradients into its accumulators (or dropped them when this
             # replica had to resync): either way they must not count again
             self._opt.zero_grad(set_to_none=False)
+        if self.local_epoch == epoch + 1 and self._resyncs() == resyncs:
+            self.step_samples.append((epoch, before + batch_size))
+
+    def _resyncs(self) -> int:
+        return sum(self.catch_up.counts.values()) if self.catch_up is not None else 0
 
     def step_if_due(self) -> bool:
         if self.config.delayed_updates:
@@ -382,8 +414,11 @@ class CollaborativeOptimizer:
             averager.local_samples_accumulated = IDLE_ROUND_WEIGHT
         # what hivemind's step does once due, without accumulating a (zero) micro-batch: its
         # mean gradient divides by the number of accumulations, which that would inflate
+        before = self.samples_accumulated
         opt._update_global_epoch(None)
         self.idle_steps += 1
+        if self.local_epoch == epoch + 1:
+            self.step_samples.append((epoch, before))
         return self.local_epoch != epoch
 
     def _prepare_round(self) -> None:
@@ -499,6 +534,9 @@ class CollaborativeOptimizer:
             "rounds_formed_early": self.rounds_formed_early,
             "failed_rounds_dropped": self.failed_rounds_dropped,
             "epochs_held": self.epochs_held,
+            # the samples this replica brought to each of its last steps; summed over a
+            # stage's replicas, a step's samples (demo_figures.step_size)
+            "step_samples": {str(e): n for e, n in self.step_samples},
             "progress_records_refused": self.progress_screen.refused,
             # fell behind and caught up: through our transport, hivemind's, failed, deferred
             "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,

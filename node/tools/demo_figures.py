@@ -119,9 +119,33 @@ def stage_rows(statuses: Sequence[Status], n_stages: int) -> list[dict[str, Any]
                 "epoch": max(
                     (c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0
                 ),
+                **step_size([c.get("stage_server", {}) for c in comp]),
             }
         )
     return rows
+
+
+def step_size(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The samples in a step of one stage: each replica's status lists the samples it brought
+    to its last steps (``averaging.step_samples``, by epoch); a step's samples are their sum
+    over the replicas. Only the epochs that every replica lists count (one that a replica
+    missed, or that fell out of its list, would be counted short). Returns
+    ``samples_per_step`` (the mean; None when no epoch counts), ``samples_per_step_range``
+    (min, max) and ``steps_measured``."""
+    lists = [
+        {int(e): int(n) for e, n in (s.get("averaging") or {}).get("step_samples", {}).items()}
+        for s in servers
+        if s
+    ]
+    common = set.intersection(*(set(x) for x in lists)) if lists else set()
+    sizes = [sum(x[e] for x in lists) for e in sorted(common)]
+    if not sizes:
+        return {"samples_per_step": None, "samples_per_step_range": None, "steps_measured": 0}
+    return {
+        "samples_per_step": round(sum(sizes) / len(sizes), 1),
+        "samples_per_step_range": [min(sizes), max(sizes)],
+        "steps_measured": len(sizes),
+    }
 
 
 def stage_servers(statuses: Sequence[Status]) -> dict[int, list[Any]]:
@@ -194,19 +218,22 @@ def stage_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The lines of the per-stage table of :func:`stage_rows`, header and footnote included."""
     lines = [
         f"{'stage':>5} {'peers':>5} {'micro-batches':>13} {'bytes sent':>12} {'mean RTT':>10} "
-        f"{'device s':>9} {'in step s':>9} {'epoch':>6}"
+        f"{'device s':>9} {'in step s':>9} {'epoch':>6} {'samples/step':>12}"
     ]
     for r in rows:
         rtt = "-" if r["mean_rtt_ms"] is None else f"{r['mean_rtt_ms']:.1f} ms"
+        size = r.get("samples_per_step")
         lines.append(
             f"{r['stage']:>5} {r['peers']:>5} {r['micro_batches']:>13} "
             f"{format_bytes(r['bytes_sent']):>12} "
-            f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6}"
+            f"{rtt:>10} {r['compute_s']:>9.1f} {r['optimizer_s']:>9.1f} {r['epoch']:>6} "
+            f"{'-' if size is None else f'{size:.1f}':>12}"
         )
     lines.append(
         "(device s: seconds the stage's servers ran requests, summed; in step s: seconds "
         "inside the optimizer, from requests and from the periodic step check, where a "
-        "synchronous step waits for the stage's all-reduce)"
+        "synchronous step waits for the stage's all-reduce; samples/step: the mean samples "
+        "in the stage's last steps, summed over its replicas)"
     )
     return lines
 

@@ -35,6 +35,7 @@ from wanswarm.node.stage.averaging import (
     AveragingConfig,
     AveragingError,
     CollaborativeOptimizer,
+    _due,
     averaging_run_id,
 )
 from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
@@ -267,8 +268,11 @@ class _RoundStillRunning(Future[Any]):
 def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -> None:
     """With delayed updates, the epoch that ends while the previous epoch's round still runs
     accumulates on instead of waiting for that round in ``step`` (on the stage's device
-    thread, up to averaging_timeout); it ends at the first step after the round finished."""
+    thread, up to averaging_timeout); it ends at the first step after the round finished,
+    and the replica records the samples it brought to it. An epoch ends on the samples
+    reported, not when hivemind's estimated arrival time has passed."""
     hivemind = pytest.importorskip("hivemind")
+    from hivemind.utils.timed_storage import get_dht_time
     config = AveragingConfig(
         matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
         grad_compression="none", state_compression="none",
@@ -296,7 +300,18 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
         _accumulate(module, gen)
         opt.step(B)
         assert opt.local_epoch == 1
+        assert opt.averaging_status()["step_samples"] == {"0": 4 * B}  # what it brought
         opt.flush()
+
+        # the epoch ends on the samples reported, not on hivemind's estimate of them
+        tracker = opt._opt.tracker
+        with tracker.lock_global_progress:
+            tracker.global_progress.eta_next_epoch = get_dht_time() - 1.0
+        assert tracker.global_progress.samples_accumulated == 0
+        assert _due(tracker) and not tracker.ready_to_update_epoch
+        _accumulate(module, gen)
+        opt.step(B)
+        assert opt.local_epoch == 1
     finally:
         if opt is not None:
             opt.shutdown()

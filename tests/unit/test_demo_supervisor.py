@@ -240,6 +240,25 @@ class _Tty(io.StringIO):
         return True
 
 
+def test_step_size_sums_the_replicas_over_the_epochs_they_all_list() -> None:
+    def server(steps: dict[str, int]) -> dict[str, Any]:
+        return {"averaging": {"mode": "allreduce", "step_samples": steps}}
+
+    a = server({"3": 40, "4": 32, "5": 24})
+    b = server({"4": 40, "5": 48, "6": 16})  # epoch 3 fell out of its list; 6 not yet in a's
+    size = demo_figures.step_size([a, b])
+    assert size == {"samples_per_step": 72.0, "samples_per_step_range": [72, 72],
+                    "steps_measured": 2}
+    assert demo_figures.step_size([server({})])["samples_per_step"] is None
+    assert demo_figures.step_size([{"averaging": {"mode": "solo"}}])["steps_measured"] == 0
+    assert demo_figures.step_size([])["samples_per_step"] is None
+    rows = demo_figures.stage_rows(
+        [{"stage": 0, "peer_id": "p", "components": {"stage_server": a}}], 1
+    )
+    assert rows[0]["samples_per_step"] == 32.0 and rows[0]["steps_measured"] == 3
+    assert demo_figures.stage_table(rows)[1].split()[-1] == "32.0"
+
+
 def test_a_report_ends_the_progress_line_redrawn_in_place(tmp_path: Path) -> None:
     out = _Tty()
     demo = Demo(DemoOptions(root=tmp_path), out=out)
