@@ -287,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--restart", action="store_true",
                         help="then SIGKILL and restart a NATed node and time its return")
-    parser.add_argument("--keep", action="store_true", help="keep the daemons' logs")
+    parser.add_argument(
+        "--keep", action="store_true",
+        help="keep the daemons' logs (a failed run keeps them anyway)",
+    )
     parser.add_argument("--sequential", action="store_true",
                         help="run the loopback swarm after the lab's instead of beside it (on an "
                         "idle machine with cores to spare; the default shares the load fairly)")
@@ -302,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"netlab benchmark: {reason}", file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="wanswarm-netlab-bench-"))
+    failed = True  # the logs of a failed run are kept, whatever --keep says
     try:
         loop_args = argparse.Namespace(**{**vars(args), "restart": False})
         with Lab(_topology(args)) as lab:
             if args.lab_only:
                 print(json.dumps({"lab": asyncio.run(run_swarm(lab, root / "lab", args, "lab"))}))
+                failed = False
                 return 0
             if args.sequential:
                 lab_result = asyncio.run(run_swarm(lab, root / "lab", args, "lab"))
@@ -314,11 +319,12 @@ def main(argv: list[str] | None = None) -> int:
                 lab_result, loop_result = asyncio.run(_side_by_side(lab, root, args, loop_args))
         if args.sequential:
             loop_result = asyncio.run(run_swarm(None, root / "loopback", loop_args, "loopback"))
+        failed = False
     except NodeError as exc:
         print(f"netlab benchmark failed: {exc}\nlogs in {root}", file=sys.stderr)
         return 1
     finally:
-        if not args.keep:
+        if not args.keep and not failed:
             shutil.rmtree(root, ignore_errors=True)
     ratio = lab_result["tokens_per_s"] / max(loop_result["tokens_per_s"], 1e-9)
     print(_table(lab_result, loop_result))

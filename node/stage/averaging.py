@@ -30,7 +30,9 @@ round inside ``step``, on the device thread; the stage's queue filled and it ans
 symmetric NAT). So the epoch is held while a round runs (the tracker's ``hold_epoch``,
 membership/dht.py): the micro-batches that arrive meanwhile accumulate into the epoch,
 which ends at the first ``step`` after the round finished (``epochs_held`` counts the
-steps that found it due and held it).
+steps that found it due and held it). A round still running after twice
+``averaging_timeout`` (hung) is no longer waited out this way: hivemind's wait, which
+times out and cancels it, takes over.
 ``delayed_updates = false`` gives exactly synchronous training (equivalent to one big
 batch) at the cost of the stall.
 
@@ -355,7 +357,10 @@ class CollaborativeOptimizer:
             self._opt.shutdown()
             raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
         if delayed:
-            self._opt.tracker.hold_epoch = self.background_busy
+            self._opt.tracker.hold_epoch = self._hold_epoch
+        # a round that outlives this is left to hivemind's own wait (which times out)
+        self.hold_limit_s = 2 * config.averaging_timeout
+        self._running_since: dict[int, float] = {}  # id of a running update -> first seen
         # epochs end at the samples the spec says, not at hivemind's estimate (module docstring)
         self._opt.tracker.exact_epochs = config.exact_epochs
         self.epochs_held = 0
@@ -374,7 +379,7 @@ class CollaborativeOptimizer:
     def step(self, batch_size: int) -> None:
         if not self.config.delayed_updates:
             self._prepare_round()
-        elif self.background_busy() and _due(self._opt.tracker):
+        elif self._hold_epoch() and _due(self._opt.tracker):
             self.epochs_held += 1  # the tracker holds it (module docstring)
         epoch, before, resyncs = self.local_epoch, self.samples_accumulated, self._resyncs()
         try:
@@ -489,6 +494,17 @@ class CollaborativeOptimizer:
 
     def flush(self) -> None:
         self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+
+    def _hold_epoch(self) -> bool:
+        """Whether to hold the epoch open: a background round runs, and has run for less
+        than ``hold_limit_s`` (one that hangs past it is hivemind's to wait for and cancel)."""
+        running = [u for u in self._opt.state_averager.pending_updates if not u.done()]
+        if not running:
+            self._running_since.clear()
+            return False
+        now = time.monotonic()
+        self._running_since = {id(u): self._running_since.get(id(u), now) for u in running}
+        return now - min(self._running_since.values()) < self.hold_limit_s
 
     def background_busy(self) -> bool:
         return any(not update.done() for update in self._opt.state_averager.pending_updates)

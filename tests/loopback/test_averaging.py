@@ -312,6 +312,16 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
         _accumulate(module, gen)
         opt.step(B)
         assert opt.local_epoch == 1
+
+        # a round that runs past hold_limit_s is hivemind's to wait for (and cancel)
+        hung = _RoundStillRunning()
+        opt._opt.state_averager.pending_updates.add(hung)
+        opt.hold_limit_s = 0.0
+        while opt.local_epoch == 1:
+            _accumulate(module, gen)
+            opt.step(B)
+        assert hung.waited and hung.cancelled()
+        opt.flush()
     finally:
         if opt is not None:
             opt.shutdown()
