@@ -63,7 +63,7 @@ class QueueCounts(Protocol):
 
 
 MAX_PEER_SHARE = 0.5  # of the capacity, one peer's at most
-FINISH_RESERVE = 0.25  # of the capacity, the slots only backwards may take
+FINISH_RESERVE = 0.25  # of the capacity, the slots only finishing jobs may take
 
 
 class Lane(enum.IntEnum):
@@ -81,6 +81,49 @@ class _Job:
     work: Callable[[], Response]
     future: asyncio.Future[Response] = field(repr=False)
     cancelled: bool = False  # the requester gave up (set from the event loop)
+
+
+class _RoundRobin:
+    """One lane's jobs not yet started, by peer, taken one per peer in turn."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, deque[_Job]] = {}
+        self._turns: deque[str] = deque()  # the peers that have some, in turn order
+
+    def push(self, job: _Job) -> None:
+        queue = self._waiting.get(job.peer)
+        if queue is None:
+            queue = self._waiting[job.peer] = deque()
+            self._turns.append(job.peer)
+        queue.append(job)
+
+    def pop(self) -> _Job | None:
+        """The next peer's oldest job; None when the lane is empty."""
+        if not self._turns:
+            return None
+        peer = self._turns.popleft()
+        queue = self._waiting[peer]
+        job = queue.popleft()
+        if queue:
+            self._turns.append(peer)
+        else:
+            del self._waiting[peer]
+        return job
+
+    def remove(self, job: _Job) -> None:
+        queue = self._waiting.get(job.peer)
+        if queue is not None and job in queue:
+            queue.remove(job)
+            if not queue:
+                del self._waiting[job.peer]
+                self._turns.remove(job.peer)
+
+    def drain(self) -> list[_Job]:
+        """Every job, the lane left empty."""
+        jobs = [job for queue in self._waiting.values() for job in queue]
+        self._waiting.clear()
+        self._turns.clear()
+        return jobs
 
 
 class DeviceQueue:
@@ -117,11 +160,10 @@ class DeviceQueue:
         self._per_peer: dict[str, int] = {}  # jobs queued or running, by peer
         self._idle = asyncio.Event()
         self._idle.set()
-        # per lane: jobs not yet started, by peer, and the round-robin order of peers that
-        # have some (touched by the event loop and the device thread: under the lock)
+        # per lane, in Lane order, the jobs not yet started (touched by the event loop and
+        # the device thread: under the lock)
         self._lock = threading.Lock()
-        self._waiting: tuple[dict[str, deque[_Job]], ...] = tuple({} for _ in Lane)
-        self._turns: tuple[deque[str], ...] = tuple(deque() for _ in Lane)
+        self._lanes = tuple(_RoundRobin() for _ in Lane)
 
     @property
     def pending(self) -> int:
@@ -152,12 +194,7 @@ class DeviceQueue:
         loop = asyncio.get_running_loop()
         job = _Job(peer, lane, self.clock() + budget_s, work, loop.create_future())
         with self._lock:
-            waiting = self._waiting[lane]
-            queue = waiting.get(peer)
-            if queue is None:
-                queue = waiting[peer] = deque()
-                self._turns[lane].append(peer)
-            queue.append(job)
+            self._lanes[lane].push(job)
         self._pending += 1
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self._idle.clear()
@@ -186,23 +223,14 @@ class DeviceQueue:
         finishes. Call on the event loop."""
         self.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            jobs = [job for lane in self._waiting for queue in lane.values() for job in queue]
-            for waiting, turns in zip(self._waiting, self._turns, strict=True):
-                waiting.clear()
-                turns.clear()
+            jobs = [job for lane in self._lanes for job in lane.drain()]
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(refuse(ErrorCode.DRAINING, "the stage is closing"))
 
     def _drop(self, job: _Job) -> None:
         with self._lock:
-            waiting = self._waiting[job.lane]
-            queue = waiting.get(job.peer)
-            if queue is not None and job in queue:
-                queue.remove(job)
-                if not queue:
-                    del waiting[job.peer]
-                    self._turns[job.lane].remove(job.peer)
+            self._lanes[job.lane].remove(job)
 
     def _job_done(self, peer: str, future: asyncio.Future[Response]) -> None:
         self._pending -= 1
@@ -220,17 +248,10 @@ class DeviceQueue:
     def _next_job(self) -> _Job | None:
         """The next job: the first lane that has one, round-robin by peer (device thread)."""
         with self._lock:
-            for waiting, turns in zip(self._waiting, self._turns, strict=True):
-                if not turns:
-                    continue
-                peer = turns.popleft()
-                queue = waiting[peer]
-                job = queue.popleft()
-                if queue:
-                    turns.append(peer)
-                else:
-                    del waiting[peer]
-                return job
+            for lane in self._lanes:
+                job = lane.pop()
+                if job is not None:
+                    return job
             return None
 
     def _device_next(self, loop: asyncio.AbstractEventLoop) -> None:
