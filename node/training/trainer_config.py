@@ -23,7 +23,7 @@ class TrainerConfig(BaseModel):
         le=4096,
         description=(
             "Micro-batches moving through the swarm at once, at most: the number starts at 2, "
-            "grows as micro-batches complete and halves when one fails (window.py)."
+            "grows as micro-batches complete and halves when one fails."
         ),
     )
     request_timeout_s: float = Field(
