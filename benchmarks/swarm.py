@@ -5,8 +5,9 @@ For every (profile, codec) configuration this script writes a run spec variant (
 TOML file, the base spec with ``codecs.forward_activations`` and ``codecs.backward_gradients``
 both set to the codec, so a different run id) and trains it on a local swarm of real daemons
 (``wanswarm.node.tools.demo.run_swarm``: replicas x stages daemons on 127.0.0.1, every QUIC port
-behind a WAN emulator of the profile, trainer i on data seed ``--data-seed`` + i) until the
-trainers completed ``--tokens`` tokens. Each configuration reports:
+and every DHT port behind a WAN emulator of the profile, trainer i on data seed
+``--data-seed`` + i) until the trainers completed ``--tokens`` tokens. Each configuration
+reports:
 
 - tokens/s: tokens the trainers completed during the training phase / its duration (the
   phase runs between the swarm's first and last validation; start-up excluded);
@@ -27,7 +28,9 @@ trainers completed ``--tokens`` tokens. Each configuration reports:
 - QUIC bytes per token per boundary: UDP payload bytes every daemon's endpoint sent during
   the training phase / the same tokens / boundaries: everything on the wire between daemons (token
   ids, headers, FEC repair symbols, retransmissions, acknowledgements, pings). Averaging is
-  not in it: hivemind averages over libp2p (TCP), outside QUIC and outside the emulator;
+  not in it: hivemind averages over libp2p (TCP), outside QUIC; but it crosses the same
+  emulated links (each emulator relays its daemon's libp2p port too, transport/wan_tcp.py),
+  so tokens/s include its cost, and the report prints the libp2p bytes that crossed them;
 - final validation loss: the swarm's own evaluation after training (``--eval-windows``
   windows through the swarm, activations through the codec). The trainers keep training
   while it runs, so it is compared with the reference at the mean of the token counts
@@ -232,6 +235,9 @@ def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) 
         # the samples in a step, the mean over the stages' last steps (demo_figures.step_size)
         "samples_per_step": _mean_step(figures.get("stages", [])),
         "target_batch_size": spec.batch.target_batch_size,
+        # what crossed the WAN emulators over the whole run, QUIC datagrams and libp2p
+        # streams (DHT, averaging, state): the averaging traffic shares the emulated links
+        "wan_links": figures.get("wan_links"),
         "failed_micro_batches": figures["failed_micro_batches"],
         "retried_hops": training["retried_hops"],
         "cache_misses": training["cache_misses"],
@@ -386,6 +392,17 @@ def format_report(report: dict[str, Any]) -> str:
         "steps: the swarm's optimizer steps, ref: the reference's at the same tokens; "
         "smp/step: samples in a swarm step, summed over a stage's replicas (mean of the "
         f"stages' last steps; the spec's target: {meta.get('target_batch_size', '-')}).",
+    ]
+    for r in report["results"]:
+        links = r.get("wan_links")
+        if links:
+            lines.append(
+                f"{r['profile']}/{r['codec']}: across the emulated links (whole run) "
+                f"{links['quic_bytes'] / 1e6:.1f} MB of QUIC datagrams and "
+                f"{links['libp2p_bytes'] / 1e6:.1f} MB of libp2p streams (DHT, hivemind's "
+                "averaging, state downloads), sharing each daemon's link"
+            )
+    lines += [
         "",
         "targets",
     ]

@@ -78,7 +78,7 @@ Exits 0 once the daemon has exited, 1 when no daemon is running or it outlives -
 DEMO_EPILOG = """\
 examples:
   wanswarm demo                           # 3 stages x 2 replicas on loopback, the default tiny run
-  wanswarm demo --wan wan                 # every QUIC link through a 100 ms, 1%-loss emulated WAN
+  wanswarm demo --wan wan                 # all traffic (QUIC, libp2p) across a 100 ms WAN
   wanswarm demo --replicas 1 --tokens 200000 --json   # short; ends with one JSON line
   wanswarm demo --duration 60 --keep      # keep the daemons' state dirs and logs
   wanswarm demo --chaos --json            # SIGKILL and restart daemons while it trains
@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--wan",
         choices=["lan", "home", "wan", "bad"],
-        help="put a WAN emulator before every QUIC port",
+        help="put a WAN emulator before every daemon's QUIC and DHT ports (its stage "
+        "traffic, DHT and averaging share the emulated link)",
     )
     demo.add_argument(
         "--eval-windows",

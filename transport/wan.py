@@ -26,6 +26,11 @@ Two ways to use it:
   prints ``{"event": "listening", "address": "127.0.0.1:PORT", ...}`` as one JSON line
   on stdout, and on SIGTERM or SIGINT ``{"event": "stats", ...}`` (the counters and
   the process's CPU time) as one more JSON line before exiting 0.
+
+With ``tcp_target`` (``--tcp-target``) the emulator also relays TCP connections to it
+(``tcp_address``), and their bytes cross the same two links as the datagrams: a daemon's
+libp2p traffic (DHT, hivemind's averaging, state downloads) then shares its emulated
+access link with its QUIC traffic (wan_tcp.py says what a stream takes from the profile).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from .wan_link import (
     LinkEmulator,
     LinkProfile,
 )
+from .wan_tcp import StreamChunk, TcpRelay
 
 __all__ = ["PROFILES", "WanEmulator", "WanProfile", "main"]
 
@@ -200,12 +206,12 @@ class _Pump(Generic[T]):
         self._armed_for = float("inf")
         self._last_arrival = float("-inf")
 
-    def submit(self, payload: T, size: int, arrived: float) -> None:
+    def submit(self, payload: T, size: int, arrived: float, *, stream: bool = False) -> None:
         # Arrival stamps of one link come from several sockets (the downlink reads one
         # per client), so they may step back a little; the link model wants them in order.
         arrived = max(arrived, self._last_arrival)
         self._last_arrival = arrived
-        self.link.submit(payload, size, arrived)
+        self.link.submit(payload, size, arrived, stream=stream)
         self._arm()
         if self._observer is not None:
             self._observer()
@@ -300,6 +306,7 @@ class WanEmulator:
         idle_timeout_s: float = 60.0,
         max_clients: int = 1024,
         observer: Callable[[], None] | None = None,
+        tcp_target: Address | None = None,
     ) -> None:
         self.profile = WanProfile.parse(profile) if isinstance(profile, str) else profile
         self.target = target
@@ -311,8 +318,10 @@ class WanEmulator:
         self._clients: dict[Address, _Client] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listen: socket.socket | None = None
-        self._up: _Pump[tuple[_Client, bytes]] | None = None
-        self._down: _Pump[tuple[Address, bytes]] | None = None
+        self._up: _Pump[tuple[_Client, bytes] | StreamChunk] | None = None
+        self._down: _Pump[tuple[Address, bytes] | StreamChunk] | None = None
+        self._tcp_target = tcp_target
+        self.tcp: TcpRelay | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._rng = random.Random(seed)
         self._io_errors = 0
@@ -351,9 +360,26 @@ class WanEmulator:
         logger.info(
             "WAN emulator %s on %s:%d -> %s:%d", self.profile.name, host, port, *self.target
         )
+        if self._tcp_target is not None:
+            # TCP streams share the two links with the datagrams (wan_tcp.py)
+            up, down = self._up, self._down
+            self.tcp = TcpRelay(
+                self._tcp_target,
+                (lambda c, n, t: up.submit(c, n, t, stream=True), up.link.room),
+                (lambda c, n, t: down.submit(c, n, t, stream=True), down.link.room),
+                listen=(host, 0),
+            )
+            await self.tcp.start()
+
+    @property
+    def tcp_address(self) -> Address | None:
+        """The TCP relay's bound address (None without a ``tcp_target``)."""
+        return self.tcp.address if self.tcp is not None else None
 
     async def close(self) -> None:
         """Stop relaying; packets still in flight stay counted as pending."""
+        if self.tcp is not None:
+            await self.tcp.close()
         for pump in (self._up, self._down):
             if pump is not None:
                 pump.close()
@@ -392,6 +418,8 @@ class WanEmulator:
         out["refused_packets"] = self._refused
         out["send_buffer_drops"] = self._send_buffer_drops
         out["io_errors"] = self._io_errors
+        if self.tcp is not None:
+            out["tcp"] = self.tcp.stats()
         return out
 
     # -- packet paths ------------------------------------------------------------------
@@ -449,12 +477,18 @@ class WanEmulator:
         self._loop.add_reader(sock.fileno(), self._read, sock, client)
         return client
 
-    def _to_target(self, item: tuple[_Client, bytes]) -> None:
+    def _to_target(self, item: tuple[_Client, bytes] | StreamChunk) -> None:
+        if isinstance(item, StreamChunk):
+            item.deliver()
+            return
         client, data = item
         if client.sock.fileno() >= 0:  # not swept meanwhile
             self._send(client.sock, data, None)
 
-    def _to_client(self, item: tuple[Address, bytes]) -> None:
+    def _to_client(self, item: tuple[Address, bytes] | StreamChunk) -> None:
+        if isinstance(item, StreamChunk):
+            item.deliver()
+            return
         if self._listen is not None:
             self._send(self._listen, item[1], item[0])
 
@@ -513,13 +547,17 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    wan = WanEmulator(args.profile, args.target, listen=args.listen, seed=args.seed)
+    wan = WanEmulator(
+        args.profile, args.target, listen=args.listen, seed=args.seed, tcp_target=args.tcp_target
+    )
     async with wan:
         host, port = wan.address
+        tcp = wan.tcp_address
         _emit(
             {
                 "event": "listening",
                 "address": f"{host}:{port}",
+                "tcp_address": f"{tcp[0]}:{tcp[1]}" if tcp is not None else None,
                 "profile": wan.profile.model_dump(mode="json"),
                 "pid": os.getpid(),
             }
@@ -535,12 +573,21 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the relay until SIGTERM/SIGINT; JSON lines on stdout (see module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m wanswarm.transport.wan", description="User-space WAN emulator (UDP relay)."
+        prog="python -m wanswarm.transport.wan",
+        description="User-space WAN emulator: a UDP relay, and optionally a TCP relay whose "
+        "streams share its links.",
     )
     parser.add_argument(
         "--profile", default="wan", help=f"one of {sorted(PROFILES)} or a JSON WanProfile"
     )
-    parser.add_argument("--target", type=_parse_address, required=True, help="HOST:PORT")
+    parser.add_argument("--target", type=_parse_address, required=True, help="HOST:PORT (UDP)")
+    parser.add_argument(
+        "--tcp-target",
+        type=_parse_address,
+        default=None,
+        help="HOST:PORT: also relay TCP connections there, through the same links "
+        "(listening on the UDP address's host, a port of its own: 'tcp_address')",
+    )
     parser.add_argument("--listen", type=_parse_address, default=("127.0.0.1", 0), help="HOST:PORT")
     parser.add_argument("--seed", type=int, default=0, help="seed of loss and jitter draws")
     parser.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU")

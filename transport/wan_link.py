@@ -283,12 +283,16 @@ class LinkEmulator(Generic[T]):
         self._expire_backlog(now)
         return len(self._backlog)
 
-    def submit(self, payload: T, size: int, now: float) -> Verdict:
-        """Offer a packet of ``size`` bytes at ``now``; returns whether it was queued."""
+    def submit(self, payload: T, size: int, now: float, *, stream: bool = False) -> Verdict:
+        """Offer a packet of ``size`` bytes at ``now``; returns whether it was queued.
+
+        ``stream``: a chunk of a byte stream (the TCP relay's): never lost, never dropped
+        by the queue (its sender waits for room instead, as TCP's flow control would:
+        :meth:`room`) and never reordered, whatever the profile says."""
         c = self.counters
         c.offered_packets += 1
         c.offered_bytes += size
-        if self._loss.lose(self._rng):
+        if not stream and self._loss.lose(self._rng):
             c.lost_packets += 1
             c.lost_bytes += size
             return Verdict.LOST
@@ -297,8 +301,9 @@ class LinkEmulator(Generic[T]):
             leave_link = now
         else:
             self._expire_backlog(now)
-            if (p.queue_bytes is not None and self._backlog_bytes + size > p.queue_bytes) or (
-                p.queue_packets is not None and len(self._backlog) + 1 > p.queue_packets
+            if not stream and (
+                (p.queue_bytes is not None and self._backlog_bytes + size > p.queue_bytes)
+                or (p.queue_packets is not None and len(self._backlog) + 1 > p.queue_packets)
             ):
                 c.overflow_packets += 1
                 c.overflow_bytes += size
@@ -313,12 +318,25 @@ class LinkEmulator(Generic[T]):
         if p.jitter_s > 0.0:
             delay = max(0.0, delay + self._rng.uniform(-p.jitter_s, p.jitter_s))
         deliver_at = leave_link + delay
-        if not p.reorder:
+        if stream or not p.reorder:
             deliver_at = max(deliver_at, self._last_delivery)
             self._last_delivery = deliver_at
         self._seq += 1
         heapq.heappush(self._due, (deliver_at, self._seq, now, size, payload))
         return Verdict.QUEUED
+
+    def room(self, now: float) -> float:
+        """Seconds until the queue holds less than its bound (0.0: there is room now; a link
+        without a rate limit always has room). A stream sender waits this long before its
+        next chunk, so streams fill the queue to its bound and no further."""
+        if self._byte_rate is None:
+            return 0.0
+        self._expire_backlog(now)
+        bound = self.profile.queue_bytes
+        if bound is None:  # bounded in packets: count each as a full-size datagram
+            bound = (self.profile.queue_packets or 1) * 1500
+        excess = self._backlog_bytes - bound
+        return excess / self._byte_rate if excess > 0 else 0.0
 
     def next_deadline(self) -> float | None:
         """When the next packet is due, or None when nothing is pending."""

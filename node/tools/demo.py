@@ -6,7 +6,9 @@ the others start together once it is up and join through its address. Daemon ``i
 stage ``i mod S`` (``node.stage``): the demo knows its layout, so it pins it rather than
 waiting for each claim in turn (a swarm of volunteers uses stage_selection instead). With
 ``--wan PROFILE`` every daemon gets a WAN emulator process in front of its QUIC port and
-announces the emulator's address, so every link into it crosses the emulated WAN.
+its DHT port and announces the emulator's addresses, so every link into it, the stage
+traffic and the libp2p traffic (DHT, averaging, state downloads) alike, crosses the
+emulated WAN.
 
 While the swarm trains, a progress line (optimizer epoch, trainer loss, tokens/s, elapsed,
 the time left) is redrawn in place on a TTY, printed every few seconds otherwise. Validation
@@ -56,7 +58,14 @@ from ..errors import NodeError
 from ..logs import get_logger
 from . import demo_figures
 from .demo_chaos import ChaosConfig, chaos_schedule, describe
-from .demo_daemons import DemoDaemon, DemoError, check_alive, spawn_daemon, stop_daemons
+from .demo_daemons import (
+    DemoDaemon,
+    DemoError,
+    check_alive,
+    spawn_daemon,
+    stop_daemons,
+    wan_link_totals,
+)
 from .demo_reference import ReferenceRun
 from .demo_supervisor import Supervisor
 
@@ -90,6 +99,7 @@ EXTRA_JSON_FIELDS = (
     "restarts",
     "exits",
     "stage_empty_s",
+    "wan_links",
     "reference_val_loss",
     "loss_curve_png",
 )
@@ -245,8 +255,10 @@ class Demo:
         }
         return True if served >= set(range(self.spec.n_stages)) else None
 
-    async def shutdown(self) -> None:
-        await stop_daemons(self.nodes, self.say)
+    async def shutdown(self) -> dict[str, int] | None:
+        """Stop every daemon; with ``--wan``, what crossed the emulated links."""
+        stats = await stop_daemons(self.nodes, self.say)
+        return wan_link_totals(stats) if self.options.wan else None
 
     # ---- evaluation ---------------------------------------------------------------
 
@@ -506,9 +518,8 @@ class Demo:
             (self.curve[0][0] if self.curve else 0.0, result["val_loss_start"]),
             (tokens, result["val_loss_end"]),
         ]
-        title = (
-            f"wanswarm demo: {self.n_daemons} daemons, run {self.spec.name}"
-            + (f", --chaos ({result['kills']} kills)" if self.options.chaos else "")
+        title = f"wanswarm demo: {self.n_daemons} daemons, run {self.spec.name}" + (
+            f", --chaos ({result['kills']} kills)" if self.options.chaos else ""
         )
         try:
             written = await asyncio.to_thread(
@@ -570,7 +581,16 @@ class Demo:
     async def _stop_daemons(self, result: dict[str, Any] | None = None) -> None:
         self.say("stopping the daemons (SIGTERM)...")
         try:
-            await self.shutdown()
+            links = await self.shutdown()
+            if links is not None:
+                self.say(
+                    f"through the WAN emulators (the whole run): "
+                    f"{links['quic_bytes'] / 1e6:.1f} MB of QUIC datagrams, "
+                    f"{links['libp2p_bytes'] / 1e6:.1f} MB of libp2p streams (DHT, averaging, "
+                    f"state) on {links['libp2p_connections']} connections"
+                )
+                if result is not None:
+                    result["wan_links"] = links
             if result is not None:
                 await self.draw_loss_curve(result)
         finally:

@@ -5,7 +5,9 @@ its own state directory and log file), with the demo's settings (:func:`daemon_s
 daemon ``i`` serves stage ``i mod S``, and the trainer, averaging and membership settings
 suit a few daemons sharing one machine over loopback. With a WAN profile, a WAN emulator
 process (``python -m wanswarm.transport.wan``) listens in front of the daemon's QUIC port
-and the daemon announces the emulator's address. A daemon's status comes from its control
+and its DHT (libp2p TCP) port, and the daemon announces the emulator's addresses: stage
+traffic, the DHT, hivemind's averaging and state downloads to that daemon all cross its
+emulated link, which they share. A daemon's status comes from its control
 socket; one that exits during start-up ends the demo with the tail of its log
 (:func:`check_alive`), one that exits later is the supervisor's (demo_supervisor.py), which
 may start it again (:meth:`DemoDaemon.restart`: same state directory, so same identity and
@@ -138,10 +140,17 @@ def daemon_settings(
     return sets
 
 
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _start_emulator(
-    profile: str, index: int, quic_port: int
-) -> tuple[subprocess.Popen[bytes], str, str]:
-    """A WAN emulator in front of ``quic_port``: the process and the host and port it bound."""
+    profile: str, index: int, quic_port: int, dht_port: int
+) -> tuple[subprocess.Popen[bytes], str, str, str]:
+    """A WAN emulator in front of ``quic_port`` (UDP) and ``dht_port`` (TCP): the process,
+    the host and UDP port it bound, and its TCP port."""
     emulator = subprocess.Popen(
         [
             sys.executable,
@@ -151,6 +160,8 @@ def _start_emulator(
             profile,
             "--target",
             f"127.0.0.1:{quic_port}",
+            "--tcp-target",
+            f"127.0.0.1:{dht_port}",
             "--listen",
             "127.0.0.1:0",
             "--seed",
@@ -163,11 +174,13 @@ def _start_emulator(
     assert emulator.stdout is not None
     line = emulator.stdout.readline().decode()  # its first line: the bound address
     try:
-        host, _, port = json.loads(line)["address"].rpartition(":")
-    except (ValueError, KeyError) as exc:
+        event = json.loads(line)
+        host, _, port = event["address"].rpartition(":")
+        tcp_port = event["tcp_address"].rpartition(":")[2]
+    except (ValueError, KeyError, AttributeError) as exc:
         emulator.kill()
         raise DemoError(f"WAN emulator did not start: {line!r}") from exc
-    return emulator, host, port
+    return emulator, host, port, tcp_port
 
 
 def spawn_daemon(
@@ -187,12 +200,16 @@ def spawn_daemon(
     state_dir.mkdir(mode=0o700)
     log_file = root / f"node{index}.log"
     emulator = None
-    quic_port = 0
+    quic_port = dht_port = 0
     sets = daemon_settings(index, n_stages, spec_path, data_seed)
     if wan is not None:
-        quic_port = _free_udp_port()
-        emulator, host, port = _start_emulator(wan, index, quic_port)
-        sets += [f"node.announce_host={host}", f"node.announce_port={port}"]
+        quic_port, dht_port = _free_udp_port(), _free_tcp_port()
+        emulator, host, port, tcp_port = _start_emulator(wan, index, quic_port, dht_port)
+        sets += [
+            f"node.announce_host={host}",
+            f"node.announce_port={port}",
+            f"dht.announce_maddrs=/ip4/{host}/tcp/{tcp_port}",
+        ]
     cmd = [
         sys.executable,
         "-m",
@@ -203,7 +220,7 @@ def spawn_daemon(
         "--host",
         "127.0.0.1",
         "--dht-port",
-        "0",
+        str(dht_port),
         "--quic-port",
         str(quic_port),
         "--run",
@@ -251,9 +268,13 @@ def check_alive(daemons: Sequence[DemoDaemon]) -> None:
             )
 
 
-async def stop_daemons(daemons: Sequence[DemoDaemon], say: Callable[[str], None]) -> None:
+async def stop_daemons(
+    daemons: Sequence[DemoDaemon], say: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """SIGTERM every daemon, SIGKILL those that outlive the shutdown timeout, then stop the
-    WAN emulators; ``say`` reports a daemon killed."""
+    WAN emulators; ``say`` reports a daemon killed. Returns the stats each emulator printed
+    as it stopped (``python -m wanswarm.transport.wan``'s last line)."""
+    stats: list[dict[str, Any]] = []
     for daemon in daemons:
         if daemon.proc.poll() is None:
             daemon.proc.send_signal(signal.SIGTERM)
@@ -272,3 +293,37 @@ async def stop_daemons(daemons: Sequence[DemoDaemon], say: Callable[[str], None]
                 await asyncio.to_thread(daemon.emulator.wait, 10)
             except subprocess.TimeoutExpired:
                 daemon.emulator.kill()
+            else:
+                stats += _emulator_stats(daemon.emulator)
+    return stats
+
+
+def _emulator_stats(emulator: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
+    """The stats line an emulator printed as it stopped (none when it printed none)."""
+    if emulator.stdout is None:
+        return []
+    for line in reversed(emulator.stdout.read().decode(errors="replace").splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "stats":
+            return [record]
+    return []
+
+
+def wan_link_totals(stats: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """What crossed the emulated links, summed over the emulators: datagrams (QUIC) and
+    stream bytes (libp2p: DHT, averaging, state downloads), both directions."""
+    delivered = sum(
+        s.get(d, {}).get("delivered_bytes", 0) for s in stats for d in ("uplink", "downlink")
+    )
+    tcp = sum(
+        s.get("tcp", {}).get("bytes_up", 0) + s.get("tcp", {}).get("bytes_down", 0) for s in stats
+    )
+    return {
+        "emulators": len(stats),
+        "quic_bytes": max(0, delivered - tcp),
+        "libp2p_bytes": tcp,
+        "libp2p_connections": sum(s.get("tcp", {}).get("connections", 0) for s in stats),
+    }

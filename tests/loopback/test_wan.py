@@ -242,3 +242,113 @@ def test_command_line_relay_reports_address_and_stats() -> None:
         assert stats[direction]["offered_packets"] == 20
         assert stats[direction]["delivered_packets"] == 20
     assert stats["cpu_user_s"] >= 0.0
+
+
+async def _tcp_echo_through(
+    profile: WanProfile, payload: bytes, *, datagrams: int = 0
+) -> tuple[bytes, float, float, dict[str, Any]]:
+    """Echo ``payload`` over TCP through the emulator's relay (optionally while sending
+    ``datagrams`` UDP datagrams of 1200 bytes through its UDP side); returns what came
+    back, the first reply's delay, the whole exchange's time and the stats."""
+    loop = asyncio.get_running_loop()
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    tcp_server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    udp_sink, _ = await loop.create_datagram_endpoint(
+        asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0)
+    )
+    tcp_target = tcp_server.sockets[0].getsockname()[:2]
+    udp_target = udp_sink.get_extra_info("sockname")[:2]
+    async with WanEmulator(profile, udp_target, seed=3, tcp_target=tcp_target) as wan:
+        assert wan.tcp_address is not None
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(*wan.tcp_address), timeout=5
+        )
+        udp, _ = await loop.create_datagram_endpoint(
+            asyncio.DatagramProtocol, remote_addr=wan.address
+        )
+        for _ in range(datagrams):
+            udp.sendto(b"\1" * 1200)
+        deadline = time.monotonic() + 10
+        while wan.stats()["uplink"]["offered_packets"] < datagrams:  # all queued first
+            assert time.monotonic() < deadline, "the datagrams never reached the relay"
+            await asyncio.sleep(0.001)
+        start = time.monotonic()
+        writer.write(payload[:1])
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readexactly(1), timeout=10)
+        first_s = time.monotonic() - start
+        writer.write(payload[1:])
+        writer.write_eof()
+        rest = await asyncio.wait_for(reader.read(), timeout=60)
+        total_s = time.monotonic() - start
+        writer.close()
+        udp.close()
+        stats = wan.stats()
+    tcp_server.close()
+    udp_sink.close()
+    return first + rest, first_s, total_s, stats
+
+
+def test_tcp_streams_cross_the_links_intact_delayed_and_rate_limited() -> None:
+    # loss, jitter and reordering in the profile: a stream takes none of them (TCP would
+    # retransmit), only the delay and the rate, and arrives byte for byte
+    link = LinkProfile(
+        rate_bps=20e6,
+        delay_s=0.025,
+        jitter_s=0.01,
+        reorder=True,
+        loss=BernoulliLoss(rate=0.2),
+        queue_bytes=62_500,
+    )
+    profile = WanProfile(name="test", uplink=link, downlink=link)
+    payload = os.urandom(2_000_000)
+    echoed, first_s, total_s, stats = uvloop.run(_tcp_echo_through(profile, payload))
+
+    assert echoed == payload
+    assert first_s >= 2 * 0.025 - 0.0011 - 0.02  # both delays, less the jitter's draw
+    # 2 MB each way at 20 Mb/s: 0.8 s when the directions overlap perfectly, plus the RTT
+    assert total_s >= 0.8
+    assert total_s < 0.8 * 4  # the stream kept the link busy (generous for a loaded CI)
+    up, down = stats["uplink"], stats["downlink"]
+    assert up["lost_packets"] == down["lost_packets"] == 0
+    assert up["overflow_packets"] == down["overflow_packets"] == 0
+    assert up["delivered_bytes"] == down["delivered_bytes"] == len(payload)
+    # the queue held at most its bound plus one chunk: the relay waited instead of dropping
+    assert up["queue_hwm_bytes"] <= 62_500 + 16 * 1024
+    assert stats["tcp"]["bytes_up"] == stats["tcp"]["bytes_down"] == len(payload)
+    assert stats["tcp"]["connections"] == 1
+
+
+def test_tcp_streams_share_the_link_with_datagrams() -> None:
+    # datagrams queued ahead of a stream on the uplink delay it: one link, not two
+    link = LinkProfile(rate_bps=10e6, delay_s=0.005, queue_bytes=1_000_000)
+    profile = WanProfile(name="test", uplink=link, downlink=link)
+    # 600 datagrams of 1200 bytes: 0.58 s of the uplink at 10 Mb/s ahead of the stream
+    _, first_s, _, stats = uvloop.run(_tcp_echo_through(profile, b"x" * 1000, datagrams=600))
+    assert stats["uplink"]["delivered_packets"] >= 600
+    assert first_s >= 0.3
+
+
+def test_tcp_relay_closes_a_connection_whose_target_is_down() -> None:
+    # a target that is down: the client's connection is closed, counted, nothing raises
+    async def run() -> dict[str, Any]:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            dead = probe.getsockname()[:2]
+        profile = WanProfile.parse("lan")
+        async with WanEmulator(profile, ("127.0.0.1", 9), tcp_target=dead) as wan:
+            assert wan.tcp_address is not None
+            reader, writer = await asyncio.open_connection(*wan.tcp_address)
+            assert await asyncio.wait_for(reader.read(), timeout=15) == b""
+            writer.close()
+            return wan.stats()
+
+    stats = uvloop.run(run())
+    assert stats["tcp"]["connect_errors"] == 1
+    assert stats["tcp"]["connections"] == 0

@@ -241,3 +241,26 @@ def test_custom_profiles_parse_and_validate() -> None:
         LinkProfile.model_validate({"delay_s": 0.01, "surprise": 1})
     with pytest.raises(ValidationError):  # frozen
         setattr(PROFILES["wan"].uplink, "delay_s", 1.0)  # noqa: B010
+
+
+def test_stream_chunks_are_never_lost_dropped_or_reordered() -> None:
+    # a lossy, jittery, reordering link with a small queue: datagrams suffer all of it,
+    # stream chunks none, and the link tells their sender how long to wait for room
+    profile = LinkProfile(
+        rate_bps=8e6,  # 1 byte per microsecond
+        delay_s=0.010,
+        jitter_s=0.005,
+        reorder=True,
+        loss=BernoulliLoss(rate=0.5),
+        queue_bytes=10_000,
+    )
+    link: LinkEmulator[int] = LinkEmulator(profile, random.Random(1))
+    verdicts = [link.submit(i, 1000, 0.0, stream=True) for i in range(50)]
+    assert verdicts == [Verdict.QUEUED] * 50  # past the queue bound: the caller waits instead
+    assert link.counters.lost_packets == link.counters.overflow_packets == 0
+    # 50 kB queued against a 10 kB bound at 1 kB/ms: room again 40 ms from now
+    assert link.room(0.0) == pytest.approx(0.040)
+    assert link.room(0.041) == 0.0
+    assert [p for _, p in _drain(link)] == list(range(50))  # in order despite the jitter
+    unlimited: LinkEmulator[int] = LinkEmulator(LinkProfile(delay_s=0.01), random.Random(0))
+    assert unlimited.room(0.0) == 0.0
