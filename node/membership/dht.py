@@ -81,8 +81,6 @@ T = TypeVar("T")
 _SERIALIZER = DHTProtocol.serializer
 # judged records remembered by the validator (a few hundred bytes each)
 _VERDICT_CACHE_ENTRIES = 4096
-END_POLL_S = 0.25  # how often a replica reads the stage's end marks (exact epochs)
-END_POLL_TIMEOUT_S = 5.0
 
 
 def route_hivemind_logs() -> None:
@@ -630,84 +628,31 @@ def tidy_optimizer_class() -> type:
     ``exact_epochs`` an epoch ends when the samples the replicas reported reach
     ``target_batch_size`` (or a replica is at a later epoch), not when hivemind's estimate of
     them does: that estimate extrapolates every replica's samples per second since its last
-    report, and ended the tiny run's epochs after about 46 of 64 samples (averaging.py).
-    ``end_at`` (None: ``target_batch_size``) is the reported total at which such an epoch
-    ends: averaging.py lowers it by the overshoot it measures, so that a step holds the
-    target on average. Ends may then differ from replica to replica, so a replica whose
-    count reaches its end also publishes a mark (``{prefix}_ended``, signed like the
-    progress records), and the others follow a mark of their epoch: without it, a replica
-    blocked in a synchronous all-reduce would wait for a partner still short of a higher
-    end, whose trainers' micro-batches sit at the blocked replica (a stall seen in the swarm
-    benchmark)."""
+    report, and ended the tiny run's epochs after about 46 of 64 samples (averaging.py)."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ClosingProgressTracker(ProgressTracker):
         hold_epoch: Callable[[], bool] | None = None
         exact_epochs = False
-        end_at: float | None = None
-        ended: frozenset[int] = frozenset()  # epochs other replicas marked as ended
-        _marked = -1  # the last epoch this replica marked
 
         @property
         def ready_to_update_epoch(self) -> bool:
             if self.hold_epoch is not None and self.hold_epoch():
                 return False
-            if not self.exact_epochs:
-                return bool(super().ready_to_update_epoch)
-            epoch = self.local_progress.epoch
-            if self.global_epoch > epoch:
-                return True
-            total = self.global_progress.samples_accumulated
-            if total >= (self.target_batch_size if self.end_at is None else self.end_at):
-                if self._marked != epoch:
-                    self._marked = epoch
-                    self._mark_ended(epoch)
-                return True
-            # another replica's count reached its end: follow it (its end may be lower than
-            # ours), once the reported samples make at least half a step
-            return total >= self.target_batch_size / 2 and epoch in self.ended
-
-        def _mark_ended(self, epoch: int) -> None:
-            """Publish "epoch ``epoch`` ended here": with synchronous steps this replica now
-            waits in the all-reduce and reports nothing new until it ends, so the others
-            learn of the end from this mark, not from its progress record."""
-            from hivemind.utils.timed_storage import get_dht_time
-
-            self.dht.store(
-                key=f"{self.prefix}_ended",
-                subkey=self._local_public_key,
-                value=int(epoch),
-                expiration_time=get_dht_time() + self.metadata_expiration,
-                return_future=True,
-            )
-
-        async def _end_fetcher(self) -> None:
-            """Read the other replicas' end marks every ``END_POLL_S`` (exact epochs only)."""
-            from ..stage.progress_guard import end_marks
-
-            while not self.shutdown_triggered.is_set():
-                await asyncio.sleep(END_POLL_S)
-                if not self.exact_epochs:
-                    continue
-                try:
-                    found = await asyncio.wait_for(
-                        self.dht.get(f"{self.prefix}_ended", latest=True, return_future=True),
-                        END_POLL_TIMEOUT_S,
-                    )
-                except Exception:  # noqa: BLE001 - a DHT that is shutting down or slow
-                    continue
-                value = getattr(found, "value", None)
-                self.ended = frozenset(end_marks(value, self._local_public_key).values())
+            if self.exact_epochs:
+                return bool(
+                    self.global_epoch > self.local_progress.epoch
+                    or self.global_progress.samples_accumulated >= self.target_batch_size
+                )
+            return bool(super().ready_to_update_epoch)
 
         def run(self) -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(
-                    asyncio.gather(
-                        self._progress_reporter(), self._progress_fetcher(), self._end_fetcher()
-                    )
+                    asyncio.gather(self._progress_reporter(), self._progress_fetcher())
                 )
                 self.shutdown_complete.set()
             finally:

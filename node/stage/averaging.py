@@ -60,11 +60,9 @@ held 51.5 samples of 64 on average, and the swarm took 25 steps where the refere
 (``averaging.exact_epochs``, membership/dht.py); the estimate still decides when
 matchmaking starts. A step then holds the target plus what the replicas accumulate
 between the first one's trigger and the last one's (73.5 samples on average in the same
-run: 17 steps where the reference took 18), so the end moves down by the overshoot each
-replica measures from the others' final reports (:class:`StepSizeLoop`). Each replica
-records the samples it brought to each step (``step_samples`` in the status); the demo
-and the swarm benchmark sum them over a stage's replicas and print the mean step size
-beside the target.
+run: 17 steps where the reference took 18). Each replica records the samples it brought to
+each step (``step_samples`` in the status); the demo and the swarm benchmark sum them over a
+stage's replicas and print the mean step size beside the target.
 
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
@@ -133,53 +131,6 @@ _BYTES_PER_VALUE: dict[str, float] = {
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
-# how fast the measured overshoot of a step past its end moves the next epochs' end
-OVERSHOOT_EMA = 0.3
-
-
-class StepSizeLoop:
-    """Where exact epochs end, so that a step holds ``target`` samples on average (pure).
-
-    A step holds the reported total it ended at plus what the replicas accumulate between
-    the first one's trigger and the last one's (about a micro-batch: docs/averaging.md).
-    The other replicas' final counts of an epoch are known once their last reports of it
-    were read (progress_guard.py keeps the largest count each showed); by this replica's
-    next step they have been, so each step is settled one step later: its size is this
-    replica's samples plus the others', its overshoot that size less the end it used. The
-    end is ``target`` less the moving average of the overshoot (at most half the target),
-    the inverse of a plant whose output is its input plus a disturbance."""
-
-    def __init__(self, target: int, ema: float = OVERSHOOT_EMA) -> None:
-        self.target = float(target)
-        self.ema = ema
-        self.overshoot: float | None = None
-        # (epoch, samples of this replica, the end it used) of steps not settled yet
-        self._unsettled: deque[tuple[int, int, float]] = deque(maxlen=STEP_SAMPLES_KEPT)
-        self.totals: deque[tuple[int, int]] = deque(maxlen=STEP_SAMPLES_KEPT)
-
-    def record(
-        self, epoch: int, samples: int, end_used: float | None, others: Callable[[int], int]
-    ) -> float | None:
-        """This replica's ``samples`` in epoch ``epoch``'s step, which ended at
-        ``end_used`` (None: the target); ``others(e)``: the other replicas' samples seen
-        for epoch ``e``. Returns the end for the next epochs (None until measured)."""
-        self._unsettled.append((epoch, samples, self.target if end_used is None else end_used))
-        while len(self._unsettled) > 1:
-            settled, own, end = self._unsettled.popleft()
-            seen = others(settled)
-            if seen <= 0:
-                continue  # no other replica seen in that epoch: nothing to learn
-            total = own + seen
-            self.totals.append((settled, total))
-            over = total - end
-            self.overshoot = (
-                over
-                if self.overshoot is None
-                else (1 - self.ema) * self.overshoot + self.ema * over
-            )
-        if self.overshoot is None:
-            return None
-        return self.target - min(max(self.overshoot, 0.0), self.target / 2)
 
 
 class AveragingError(NodeError):
@@ -415,7 +366,6 @@ class CollaborativeOptimizer:
         self.epochs_held = 0
         # (epoch, samples this replica brought to its step), the last few epochs
         self.step_samples: deque[tuple[int, int]] = deque(maxlen=STEP_SAMPLES_KEPT)
-        self.step_size = StepSizeLoop(spec.batch.target_batch_size)
         for p in module.parameters():
             p.grad = None
         self._shut = False
@@ -439,18 +389,7 @@ class CollaborativeOptimizer:
             # replica had to resync): either way they must not count again
             self._opt.zero_grad(set_to_none=False)
         if self.local_epoch == epoch + 1 and self._resyncs() == resyncs:
-            self._record_step(epoch, before + batch_size)
-
-    def _record_step(self, epoch: int, samples: int) -> None:
-        """This replica brought ``samples`` to epoch ``epoch``'s step (the status shows it);
-        with exact epochs, the measured step sizes move the next epochs' end."""
-        self.step_samples.append((epoch, samples))
-        tracker = self._opt.tracker
-        end_at = self.step_size.record(
-            epoch, samples, tracker.end_at, self.progress_screen.others_samples
-        )
-        if self.config.exact_epochs:
-            tracker.end_at = end_at
+            self.step_samples.append((epoch, before + batch_size))
 
     def _resyncs(self) -> int:
         return sum(self.catch_up.counts.values()) if self.catch_up is not None else 0
@@ -484,7 +423,7 @@ class CollaborativeOptimizer:
         opt._update_global_epoch(None)
         self.idle_steps += 1
         if self.local_epoch == epoch + 1:
-            self._record_step(epoch, before)
+            self.step_samples.append((epoch, before))
         return self.local_epoch != epoch
 
     def _prepare_round(self) -> None:
@@ -614,10 +553,6 @@ class CollaborativeOptimizer:
             # the samples this replica brought to each of its last steps; summed over a
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},
-            # the stage's samples in each step as this replica measured them, and the
-            # reported total at which its epochs end now (exact_epochs: target - overshoot)
-            "step_totals": {str(e): n for e, n in self.step_size.totals},
-            "epoch_end_at": self._opt.tracker.end_at,
             "progress_records_refused": self.progress_screen.refused,
             # fell behind and caught up: through our transport, hivemind's, failed, deferred
             "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,

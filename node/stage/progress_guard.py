@@ -59,37 +59,13 @@ class ProgressBounds:
     max_clock_skew_s: float = 300.0
 
 
-EPOCHS_SEEN = 4  # epochs whose other replicas' counts are kept (seen_samples)
-PEERS_SEEN = 256  # publishers kept per epoch
-
-
 @dataclass
 class ProgressScreen:
-    """Refusals so far (per reason) and the publishers already logged; and the largest
-    sample count each other replica's accepted records showed for each recent epoch (what
-    it brought to that epoch's step, once its last report was read)."""
+    """Refusals so far (per reason) and the publishers already logged."""
 
     refused: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     logged: set[tuple[bytes, str]] = field(default_factory=set)
-    seen: dict[int, dict[bytes, int]] = field(default_factory=dict)
-
-    def note(self, epoch: int, publisher: bytes, samples: int) -> None:
-        """An accepted record of another replica: remember its count (bounded in epochs
-        and publishers)."""
-        counts = self.seen.get(epoch)
-        if counts is None:
-            if self.seen and epoch < min(self.seen):
-                return  # older than every epoch kept
-            counts = self.seen[epoch] = {}
-            while len(self.seen) > EPOCHS_SEEN:
-                del self.seen[min(self.seen)]
-        if publisher in counts or len(counts) < PEERS_SEEN:
-            counts[publisher] = max(samples, counts.get(publisher, 0), 0)
-
-    def others_samples(self, epoch: int) -> int:
-        """The samples the other replicas were last seen holding for ``epoch``."""
-        return sum(self.seen.get(epoch, {}).values())
 
     def refuse(self, publisher: bytes, reason: str, detail: str) -> None:
         self.refused += 1
@@ -150,8 +126,6 @@ def screen(
         problem = _problem(value, epoch, limit, now, bounds)
         if problem is None:
             kept[subkey] = item
-            if epoch is not None and _field(value, "client_mode") is not True:
-                tally.note(int(epoch), publisher, int(_field(value, "samples_accumulated")))
         else:
             tally.refuse(publisher, problem[0], problem[1])
     return kept
@@ -202,25 +176,3 @@ def guard_tracker(tracker: Any, bounds: ProgressBounds) -> ProgressScreen:
     with tracker.lock_global_progress:
         tracker.global_progress = parse(metadata)
     return tally
-
-
-def end_marks(metadata: Any, own_subkey: bytes) -> dict[bytes, int]:
-    """The ``{prefix}_ended`` records (``membership/dht.py``'s tracker: "this replica's count
-    of the stage's samples reached the end of epoch N") as publisher -> N, without our own
-    and without anything that is not an integer epoch in ``[0, MAX_EPOCH]``; at most
-    ``PEERS_SEEN`` of them. A forger gains little from a mark: a replica follows one only
-    once the reported samples reach half the target (and a forged progress record of 4x the
-    target, which the screen accepts, ends an epoch at once anyway)."""
-    marks: dict[bytes, int] = {}
-    if not isinstance(metadata, dict):
-        return marks
-    for subkey, item in metadata.items():
-        if len(marks) >= PEERS_SEEN:
-            break
-        value = getattr(item, "value", None)
-        if not isinstance(subkey, bytes) or subkey == own_subkey:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCH:
-            continue
-        marks[subkey] = value
-    return marks

@@ -323,6 +323,13 @@ def wan_link_totals(stats: Sequence[dict[str, Any]]) -> dict[str, int]:
     )
     return {
         "emulators": len(stats),
+        # datagrams the links' queues dropped (overflow) and their random loss
+        "overflow_packets": sum(
+            s.get(d, {}).get("overflow_packets", 0) for s in stats for d in ("uplink", "downlink")
+        ),
+        "lost_packets": sum(
+            s.get(d, {}).get("lost_packets", 0) for s in stats for d in ("uplink", "downlink")
+        ),
         "quic_bytes": max(0, delivered - tcp),
         "libp2p_bytes": tcp,
         "libp2p_connections": sum(s.get("tcp", {}).get("connections", 0) for s in stats),

@@ -260,6 +260,8 @@ def test_screen_ignores_an_absurd_epoch_and_keeps_honest_leads() -> None:
     ("record", "reason"),
     [
         (_record(b"x", 7, samples=10**12), "samples"),
+        (_record(b"x", 7, samples=math.nan), "samples"),
+        (_record(b"x", 7, samples=-8), "samples"),
         (_record(b"x", 7, rate=1e30), "rate"),
         (_record(b"x", 7, rate=math.inf), "rate"),
         (_record(b"x", 7, at=1e18), "time"),
