@@ -293,8 +293,11 @@ async def stop_daemons(
                 await asyncio.to_thread(daemon.emulator.wait, 10)
             except subprocess.TimeoutExpired:
                 daemon.emulator.kill()
+                await asyncio.to_thread(daemon.emulator.wait, 10)
             else:
                 stats += _emulator_stats(daemon.emulator)
+        if daemon.emulator is not None and daemon.emulator.stdout is not None:
+            daemon.emulator.stdout.close()
     return stats
 
 
@@ -302,7 +305,9 @@ def _emulator_stats(emulator: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
     """The stats line an emulator printed as it stopped (none when it printed none)."""
     if emulator.stdout is None:
         return []
-    for line in reversed(emulator.stdout.read().decode(errors="replace").splitlines()):
+    with emulator.stdout:
+        text = emulator.stdout.read().decode(errors="replace")
+    for line in reversed(text.splitlines()):
         try:
             record = json.loads(line)
         except ValueError:

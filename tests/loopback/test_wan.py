@@ -352,3 +352,56 @@ def test_tcp_relay_closes_a_connection_whose_target_is_down() -> None:
     stats = uvloop.run(run())
     assert stats["tcp"]["connect_errors"] == 1
     assert stats["tcp"]["connections"] == 0
+
+
+def test_the_demos_emulator_process_relays_tcp_and_reports_what_crossed() -> None:
+    # the demo's own helpers: an emulator process in front of a UDP and a TCP port, its
+    # stats line read back as it stops, the totals the demo prints for --wan
+    from wanswarm.node.tools.demo_daemons import _emulator_stats, _start_emulator, wan_link_totals
+
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp_target,
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp_target,
+    ):
+        udp_target.bind(("127.0.0.1", 0))
+        tcp_target.bind(("127.0.0.1", 0))
+        tcp_target.listen(1)
+        tcp_target.settimeout(10.0)
+        emulator, host, _, tcp_port = _start_emulator(
+            "lan", 0, udp_target.getsockname()[1], tcp_target.getsockname()[1]
+        )
+        try:
+            with socket.create_connection((host, int(tcp_port)), timeout=10.0) as client:
+                served, _ = tcp_target.accept()
+                with served:
+                    served.settimeout(10.0)
+                    client.sendall(b"x" * 100_000)
+                    got = b""
+                    while len(got) < 100_000:
+                        got += served.recv(65536)
+                    served.sendall(b"y" * 5_000)
+                    back = b""
+                    while len(back) < 5_000:
+                        back += client.recv(65536)
+            assert got == b"x" * 100_000 and back == b"y" * 5_000
+            emulator.send_signal(signal.SIGTERM)
+            emulator.wait(timeout=10)
+            stats = _emulator_stats(emulator)
+        finally:
+            if emulator.poll() is None:
+                emulator.kill()
+                emulator.wait()
+            if emulator.stdout is not None:
+                emulator.stdout.close()
+    totals = wan_link_totals(stats)
+    assert totals["emulators"] == 1 and totals["libp2p_connections"] == 1
+    assert totals["libp2p_bytes"] == 105_000
+    assert totals["quic_bytes"] == 0 and totals["overflow_packets"] == 0
+    assert wan_link_totals([]) == {
+        "emulators": 0,
+        "overflow_packets": 0,
+        "lost_packets": 0,
+        "quic_bytes": 0,
+        "libp2p_bytes": 0,
+        "libp2p_connections": 0,
+    }
