@@ -348,3 +348,78 @@ def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread(
     assert all(torch.equal(a, b) for a, b in zip(ahead.parameters(), behind.parameters(),
                                                  strict=True))
     assert not again  # the donor is not ahead of us any more: nothing installed
+
+
+def test_a_donor_whose_device_thread_is_held_answers_busy_instead_of_stalling() -> None:
+    """A replica behind asks its partner for the state while the partner's device thread is
+    held (a synchronous all-reduce waiting for that very replica): the manifest request is
+    answered ``busy`` within ``snapshot_wait_s``, not left to time out; the export queued
+    meanwhile serves the next request once the thread is free, and no second one queues."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wanswarm.node.config.runspec import RunSpec
+    from wanswarm.node.stage.optimizer import LocalOptimizer
+    from wanswarm.node.stage.state import StageStateSharing
+    from wanswarm.node.training.model import build_stage
+
+    spec = RunSpec.model_validate({
+        "name": "held", "model": {"d_model": 64, "n_heads": 2, "n_layers": 2, "seq_len": 16},
+        "stages": {"blocks_per_stage": [1, 1]},
+        "batch": {"micro_batch_size": 2, "target_batch_size": 4},
+    })
+    opt = LocalOptimizer(build_stage(spec, 1), spec)
+    exports = 0
+    original = opt.export_state
+
+    def counted() -> Any:
+        nonlocal exports
+        exports += 1
+        return original()
+
+    opt.export_state = counted  # type: ignore[method-assign]
+    device = ThreadPoolExecutor(1, thread_name_prefix="held-device")
+    release = threading.Event()
+
+    async def main() -> tuple[float, str, float]:
+        async with _swarm(1) as (donors, client):
+            sharing = StageStateSharing(
+                donors[0], 1, opt, device, _config(snapshot_wait_s=0.5),
+                donors=None, serving=lambda: True,
+            )
+            loop = asyncio.get_running_loop()
+            held = loop.run_in_executor(device, release.wait, 30.0)  # the all-reduce
+            try:
+                started = time.monotonic()
+                with pytest.raises(RemoteError) as refused:
+                    await client.request(
+                        address(donors[0]), "state.s1.manifest",
+                        {"chunk_bytes": _config().chunk_bytes}, timeout=20.0,
+                    )
+                busy_after = time.monotonic() - started
+                with pytest.raises(RemoteError):  # still held: busy again, no second export
+                    await client.request(
+                        address(donors[0]), "state.s1.manifest",
+                        {"chunk_bytes": _config().chunk_bytes}, timeout=20.0,
+                    )
+                release.set()
+                await held
+                started = time.monotonic()
+                reply = await client.request(
+                    address(donors[0]), "state.s1.manifest",
+                    {"chunk_bytes": _config().chunk_bytes}, timeout=20.0,
+                )
+                served_after = time.monotonic() - started
+                assert reply.tensors
+            finally:
+                release.set()
+                sharing.close()
+            return busy_after, refused.value.code, served_after
+
+    try:
+        busy_after, code, served_after = run(main(), timeout=60)
+    finally:
+        device.shutdown()
+    assert code == "busy" and busy_after < 5.0
+    assert served_after < 5.0
+    assert exports == 1  # the queued export served the request after the thread was freed
