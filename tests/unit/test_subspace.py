@@ -285,8 +285,11 @@ def test_compression_benchmark_quick(
     line = json.loads(out[-1])
     rows = {r["codec"]: r for r in line["results"]}
     int4 = "int4:b32:f16"
-    assert list(rows) == ["none", "int8", "int4", "k4", "k8+int8", "k8+int4", f"k4+{int4}",
-                          f"k8+{int4}", f"k2/6+{int4}"]
+    # k1: the widest subspace 16x smaller than bf16 at d_model 32 (k15 at the default 256)
+    assert list(rows) == ["none", "int8", "int4", "k1", "k4", "k8+int8", "k8+int4",
+                          f"k4+{int4}", f"k8+{int4}", f"k2/6+{int4}"]
+    assert bench.sixteenth_width(256) == 15 and bench.sixteenth_width(32) == 1
+    assert rows["k1"]["compression_vs_bf16"] >= 16 > rows["k4"]["compression_vs_bf16"]
     for r in rows.values():
         assert {"codec", "bytes_per_token_per_boundary", "compression_vs_bf16", "val_loss",
                 "gap_vs_uncompressed"} <= set(r)
