@@ -41,11 +41,9 @@ from .state_donor import (
 )
 from .state_plan import (
     Snapshot,
-    StateErrorCode,
     StateTransferConfig,
     StateTransferError,
     UntrustedStateError,
-    refuse_state,
     stage_kind_prefix,
     state_layout,
 )
@@ -86,41 +84,14 @@ class StageStateSharing:
         self.catch_ups = 0  # states installed by resync() after the open
         self.download_progress: dict[str, Any] | None = None  # while a download runs
         self._layout: Any = None  # the stage's own state layout, once known
-        self._export: asyncio.Future[Any] | None = None  # a snapshot queued on the device
-        self._export_started = 0.0
 
     async def _snapshot(self) -> Snapshot:
-        """A copy of the state, taken on the device thread. That thread may be held for a
-        long time (a synchronous averaging round waits there for the stage's replicas,
-        possibly for the very replica that asks us for our state to catch up): after
-        ``snapshot_wait_s`` the request is answered ``busy`` and the export, still queued,
-        is kept for the next request, so waiting downloaders never queue more than one."""
         if not self._serving():
             raise RuntimeError("this server is not online yet")
         loop = asyncio.get_running_loop()
-        if (
-            self._export is not None
-            and self._export.done()
-            and loop.time() - self._export_started > self._config.snapshot_reuse_s
-        ):
-            self._export = None  # left by a request that gave up long ago: too old now
-        if self._export is None:
-            self._export = loop.run_in_executor(self._executor, self._optimizer.export_state)
-            self._export_started = loop.time()
-        export = self._export
-        try:
-            epoch, tensors, meta = await asyncio.wait_for(
-                asyncio.shield(export), self._config.snapshot_wait_s
-            )
-        except TimeoutError:
-            raise refuse_state(
-                StateErrorCode.BUSY,
-                f"stage {self.stage}'s device thread is busy (an averaging round or a long "
-                f"step) and took no snapshot within {self._config.snapshot_wait_s:g} s",
-            ) from None
-        finally:
-            if export.done() and self._export is export:
-                self._export = None  # consumed (or failed): the next request takes a new one
+        epoch, tensors, meta = await loop.run_in_executor(
+            self._executor, self._optimizer.export_state
+        )
         return Snapshot(epoch, tensors, meta)
 
     async def load(self) -> bool:

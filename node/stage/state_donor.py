@@ -235,8 +235,6 @@ class StateDonor:
                 return newest  # every slot is being downloaded: do not evict one
         try:
             snap = await self._snapshot()
-        except RemoteError:
-            raise  # the snapshot source's own refusal (busy: its device thread is held)
         except Exception as exc:
             logger.warning("cannot snapshot %s for a downloader: %r", self.kind_prefix, exc)
             raise refuse_state(

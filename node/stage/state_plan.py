@@ -139,12 +139,6 @@ class StateTransferConfig(BaseModel):
         description="A donor hands its newest snapshot to a new downloader while it is younger "
         "than this instead of taking another (snapshots copy the whole state).",
     )
-    snapshot_wait_s: float = Field(
-        default=5.0, gt=0.0, le=600.0,
-        description="A donor whose device thread does not take a snapshot within this long "
-        "(a synchronous averaging round or a long step holds it) answers 'busy' instead of "
-        "holding the downloader until its request times out.",
-    )
     snapshot_idle_ttl_s: float = Field(
         default=120.0, gt=0.0, le=86400.0,
         description="A retained snapshot no request touched for this long is dropped.",
