@@ -91,7 +91,7 @@ from wanswarm.node.config.runspec import (
 )
 from wanswarm.node.errors import NodeError
 from wanswarm.node.tools.demo import DemoOptions, run_swarm
-from wanswarm.node.tools.demo_daemons import DemoError
+from wanswarm.node.tools.demo_daemons import DemoError, describe_wan_links
 from wanswarm.node.tools.reference_training import CurvePoint, train_reference
 from wanswarm.transport.codecs import parse_codec
 from wanswarm.transport.errors import CodecError
@@ -398,9 +398,7 @@ def format_report(report: dict[str, Any]) -> str:
         if links:
             lines.append(
                 f"{r['profile']}/{r['codec']}: across the emulated links (whole run) "
-                f"{links['quic_bytes'] / 1e6:.1f} MB of QUIC datagrams and "
-                f"{links['libp2p_bytes'] / 1e6:.1f} MB of libp2p streams (DHT, hivemind's "
-                "averaging, state downloads), sharing each daemon's link"
+                f"{describe_wan_links(links)}, sharing each daemon's link"
             )
     lines += [
         "",

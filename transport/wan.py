@@ -247,6 +247,19 @@ class _Pump(Generic[T]):
             self._observer()
 
 
+def _or_stream(deliver: Callable[[T], None]) -> Callable[[T | StreamChunk], None]:
+    """A link's delivery: ``deliver`` for datagrams; a TCP stream's chunk delivers itself
+    (wan_tcp.py)."""
+
+    def route(item: T | StreamChunk) -> None:
+        if isinstance(item, StreamChunk):
+            item.deliver()
+        else:
+            deliver(item)
+
+    return route
+
+
 def _udp_socket(bind: Address, connect: Address | None = None) -> socket.socket:
     """A non-blocking UDP socket that stamps each datagram with its kernel arrival time."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -343,13 +356,13 @@ class WanEmulator:
         self._up = _Pump(
             loop,
             LinkEmulator(self.profile.uplink, random.Random(rngs.getrandbits(64))),
-            self._to_target,
+            _or_stream(self._to_target),
             self._observer,
         )
         self._down = _Pump(
             loop,
             LinkEmulator(self.profile.downlink, random.Random(rngs.getrandbits(64))),
-            self._to_client,
+            _or_stream(self._to_client),
             self._observer,
         )
         sock = self._listen = _udp_socket(self._listen_addr)
@@ -477,18 +490,12 @@ class WanEmulator:
         self._loop.add_reader(sock.fileno(), self._read, sock, client)
         return client
 
-    def _to_target(self, item: tuple[_Client, bytes] | StreamChunk) -> None:
-        if isinstance(item, StreamChunk):
-            item.deliver()
-            return
+    def _to_target(self, item: tuple[_Client, bytes]) -> None:
         client, data = item
         if client.sock.fileno() >= 0:  # not swept meanwhile
             self._send(client.sock, data, None)
 
-    def _to_client(self, item: tuple[Address, bytes] | StreamChunk) -> None:
-        if isinstance(item, StreamChunk):
-            item.deliver()
-            return
+    def _to_client(self, item: tuple[Address, bytes]) -> None:
         if self._listen is not None:
             self._send(self._listen, item[1], item[0])
 

@@ -62,6 +62,7 @@ from .demo_daemons import (
     DemoDaemon,
     DemoError,
     check_alive,
+    describe_wan_links,
     spawn_daemon,
     stop_daemons,
     wan_link_totals,
@@ -583,12 +584,7 @@ class Demo:
         try:
             links = await self.shutdown()
             if links is not None:
-                self.say(
-                    f"through the WAN emulators (the whole run): "
-                    f"{links['quic_bytes'] / 1e6:.1f} MB of QUIC datagrams, "
-                    f"{links['libp2p_bytes'] / 1e6:.1f} MB of libp2p streams (DHT, averaging, "
-                    f"state) on {links['libp2p_connections']} connections"
-                )
+                self.say(f"through the WAN emulators (the whole run): {describe_wan_links(links)}")
                 if result is not None:
                     result["wan_links"] = links
             if result is not None:

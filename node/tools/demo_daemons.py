@@ -95,8 +95,9 @@ class DemoDaemon:
         return self.status
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+def _free_port(kind: socket.SocketKind) -> int:
+    """A port of 127.0.0.1 free now for ``kind`` (SOCK_DGRAM: UDP, SOCK_STREAM: TCP)."""
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
@@ -138,12 +139,6 @@ def daemon_settings(
     if data_seed is not None:
         sets.append(f"trainer.data_seed={data_seed + index}")
     return sets
-
-
-def _free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start_emulator(
@@ -203,7 +198,8 @@ def spawn_daemon(
     quic_port = dht_port = 0
     sets = daemon_settings(index, n_stages, spec_path, data_seed)
     if wan is not None:
-        quic_port, dht_port = _free_udp_port(), _free_tcp_port()
+        quic_port = _free_port(socket.SOCK_DGRAM)
+        dht_port = _free_port(socket.SOCK_STREAM)
         emulator, host, port, tcp_port = _start_emulator(wan, index, quic_port, dht_port)
         sets += [
             f"node.announce_host={host}",
@@ -305,8 +301,7 @@ def _emulator_stats(emulator: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
     """The stats line an emulator printed as it stopped (none when it printed none)."""
     if emulator.stdout is None:
         return []
-    with emulator.stdout:
-        text = emulator.stdout.read().decode(errors="replace")
+    text = emulator.stdout.read().decode(errors="replace")  # the caller closes the pipe
     for line in reversed(text.splitlines()):
         try:
             record = json.loads(line)
@@ -320,22 +315,29 @@ def _emulator_stats(emulator: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
 def wan_link_totals(stats: Sequence[dict[str, Any]]) -> dict[str, int]:
     """What crossed the emulated links, summed over the emulators: datagrams (QUIC) and
     stream bytes (libp2p: DHT, averaging, state downloads), both directions."""
-    delivered = sum(
-        s.get(d, {}).get("delivered_bytes", 0) for s in stats for d in ("uplink", "downlink")
-    )
-    tcp = sum(
-        s.get("tcp", {}).get("bytes_up", 0) + s.get("tcp", {}).get("bytes_down", 0) for s in stats
-    )
+
+    def links(counter: str) -> int:  # both directions of every emulator's link
+        return sum(s.get(d, {}).get(counter, 0) for s in stats for d in ("uplink", "downlink"))
+
+    def relays(counter: str) -> int:  # every emulator's TCP relay
+        return sum(s.get("tcp", {}).get(counter, 0) for s in stats)
+
+    tcp = relays("bytes_up") + relays("bytes_down")
     return {
         "emulators": len(stats),
         # datagrams the links' queues dropped (overflow) and their random loss
-        "overflow_packets": sum(
-            s.get(d, {}).get("overflow_packets", 0) for s in stats for d in ("uplink", "downlink")
-        ),
-        "lost_packets": sum(
-            s.get(d, {}).get("lost_packets", 0) for s in stats for d in ("uplink", "downlink")
-        ),
-        "quic_bytes": max(0, delivered - tcp),
+        "overflow_packets": links("overflow_packets"),
+        "lost_packets": links("lost_packets"),
+        "quic_bytes": max(0, links("delivered_bytes") - tcp),
         "libp2p_bytes": tcp,
-        "libp2p_connections": sum(s.get("tcp", {}).get("connections", 0) for s in stats),
+        "libp2p_connections": relays("connections"),
     }
+
+
+def describe_wan_links(links: dict[str, int]) -> str:
+    """:func:`wan_link_totals` in words, as the demo and the swarm benchmark print it."""
+    return (
+        f"{links['quic_bytes'] / 1e6:.1f} MB of QUIC datagrams and "
+        f"{links['libp2p_bytes'] / 1e6:.1f} MB of libp2p streams (DHT, hivemind's averaging, "
+        f"state downloads) on {links['libp2p_connections']} connections"
+    )
