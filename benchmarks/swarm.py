@@ -235,6 +235,8 @@ def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) 
         # the samples in a step, the mean over the stages' last steps (demo_figures.step_size)
         "samples_per_step": _mean_step(figures.get("stages", [])),
         "target_batch_size": spec.batch.target_batch_size,
+        # each stage's averaging: mode, rounds per replica, rounds missed, bytes of its rounds
+        "averaging": [r.get("averaging") for r in figures.get("stages", [])],
         # what crossed the WAN emulators over the whole run, QUIC datagrams and libp2p
         # streams (DHT, averaging, state): the averaging traffic shares the emulated links
         "wan_links": figures.get("wan_links"),

@@ -14,9 +14,10 @@ Modes (docs/averaging.md):
   since the last outer step) and take one outer Nesterov step (``outer_lr``,
   ``outer_momentum``); the pseudo-gradient may be compressed (``compression``) with error
   feedback;
-- ``gossip``: like ``diloco`` but a round averages with ``gossip_neighbours`` peers on a
-  topology that changes every round (Decent-DP's alternating exponential ring) instead of
-  with every replica.
+- ``gossip``: ``inner_steps`` local AdamW steps, then each replica averages its parameters
+  with ``gossip_neighbours`` other replicas, a different group every round, instead of with
+  every replica (Decent-DP; the daemon forms random groups, benchmarks/averaging.py the
+  alternating exponential ring); uncompressed.
 
 This module is pure (pydantic only); ``runspec.RunSpec.averaging`` holds the section and
 leaves it out of the run id while it holds its defaults, so existing runs keep their id.
@@ -42,8 +43,8 @@ class AveragingSpec(BaseModel):
         description=(
             "'allreduce': average gradients at every optimizer step (hivemind's Optimizer); "
             "'diloco': inner_steps local AdamW steps, then an outer Nesterov step on the "
-            "averaged pseudo-gradient; 'gossip': the same outer step averaged with "
-            "gossip_neighbours peers on a topology that changes every round."
+            "averaged pseudo-gradient; 'gossip': inner_steps local steps, then a parameter "
+            "average with gossip_neighbours peers, a different group every round."
         ),
     )
     inner_steps: int = Field(
@@ -110,6 +111,12 @@ class AveragingSpec(BaseModel):
                 f"averaging.compression = {self.compression!r} compresses pseudo-gradients, which "
                 "only 'diloco' and 'gossip' send; set averaging.mode or use the node's "
                 "averaging.grad_compression for the per-step all-reduce"
+            )
+        if self.mode == "gossip" and self.compression != "none":
+            raise ValueError(
+                f"averaging.compression = {self.compression!r} compresses pseudo-gradients, which "
+                "'gossip' does not send (it averages float32 parameters); use mode = 'diloco' "
+                "for a compressed exchange"
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(

@@ -703,7 +703,8 @@ def make_stage_optimizer(
     others: Callable[[], int] | None = None,
 ) -> Any:
     """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
-    hivemind's collaborative Optimizer (``allreduce``) or :class:`DilocoOptimizer`."""
+    hivemind's collaborative Optimizer (``allreduce``), :class:`DilocoOptimizer` or
+    gossip_optimizer's ``GossipOptimizer``."""
     mode = spec.averaging.mode
     if mode == "allreduce":
         from .averaging import CollaborativeOptimizer
@@ -711,7 +712,8 @@ def make_stage_optimizer(
         return CollaborativeOptimizer(module, spec, stage, dht, config)
     if mode == "diloco":
         return make_diloco_optimizer(module, spec, stage, dht, config, others)
-    raise AveragingError(
-        f"averaging.mode = {mode!r} runs in benchmarks/averaging.py only so far; the daemon "
-        "serves 'allreduce' and 'diloco' (docs/averaging.md)"
-    )
+    if mode == "gossip":
+        from .gossip_optimizer import make_gossip_optimizer
+
+        return make_gossip_optimizer(module, spec, stage, dht, config, others)
+    raise AveragingError(f"averaging.mode = {mode!r} is not one the daemon serves")

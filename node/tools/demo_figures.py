@@ -120,9 +120,31 @@ def stage_rows(statuses: Sequence[Status], n_stages: int) -> list[dict[str, Any]
                     (c.get("stage_server", {}).get("epoch", 0) for c in comp), default=0
                 ),
                 **step_size([c.get("stage_server", {}) for c in comp]),
+                "averaging": averaging_summary([c.get("stage_server", {}) for c in comp]),
             }
         )
     return rows
+
+
+def averaging_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """A stage's averaging over its replicas (``averaging_status`` of each): the mode, each
+    replica's rounds taken (``last_round``: the epoch for the per-step all-reduce, the outer
+    or gossip round otherwise), and for DiLoCo and gossip the rounds missed, the rounds due
+    while a replica knew no partner (gossip), the rounds under way and the bytes the rounds
+    sent, summed. None when no replica reported one."""
+    found = [(s.get("averaging") or {}) for s in servers if s]
+    found = [a for a in found if a.get("mode")]
+    if not found:
+        return None
+    return {
+        "mode": found[0]["mode"],
+        "rounds": [a.get("last_round") for a in found],
+        "last_round_s": [a.get("round_s") for a in found],
+        "rounds_missed": sum(int(a.get("rounds_missed") or 0) for a in found),
+        "rounds_alone": sum(int(a.get("rounds_alone") or 0) for a in found),
+        "in_progress": sum(bool(a.get("round_in_progress")) for a in found),
+        "bytes_sent": sum(int(a.get("bytes_sent_total") or 0) for a in found),
+    }
 
 
 def step_size(servers: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -257,6 +257,25 @@ def test_step_size_sums_the_replicas_over_the_epochs_they_all_list() -> None:
     )
     assert rows[0]["samples_per_step"] == 32.0 and rows[0]["steps_measured"] == 3
     assert demo_figures.stage_table(rows)[1].split()[-1] == "32.0"
+    assert rows[0]["averaging"] == {
+        "mode": "allreduce", "rounds": [None], "last_round_s": [None], "rounds_missed": 0,
+        "rounds_alone": 0, "in_progress": 0, "bytes_sent": 0,
+    }
+
+
+def test_the_averaging_summary_sums_rounds_missed_and_bytes_over_replicas() -> None:
+    def server(**fields: Any) -> dict[str, Any]:
+        return {"averaging": {"mode": "gossip", **fields}}
+
+    summary = demo_figures.averaging_summary([
+        server(last_round=3, rounds_missed=1, bytes_sent_total=1000, rounds_alone=2, round_s=1.5),
+        server(last_round=4, rounds_missed=0, bytes_sent_total=2500, round_in_progress=True),
+        {},  # a replica without a status yet
+    ])
+    assert summary == {"mode": "gossip", "rounds": [3, 4], "last_round_s": [1.5, None],
+                       "rounds_missed": 1,
+                       "rounds_alone": 2, "in_progress": 1, "bytes_sent": 3500}
+    assert demo_figures.averaging_summary([{}, {"averaging": {}}]) is None
 
 
 def test_a_report_ends_the_progress_line_redrawn_in_place(tmp_path: Path) -> None:
