@@ -62,11 +62,17 @@ class ExactAllReduceRunner(AllReduceRunner):
         self, part_index: int, averaged: torch.Tensor
     ) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
         """Part ``part_index``'s mean compressed once (our compression, the part's info), and
-        its decompression: the same bits for every member, ourselves included."""
+        its decompression: the same bits for every member, ourselves included.
+
+        The compression runs on its own, shielded from its callers: our own path and the stream
+        that serves the other member both wait for it, and either may be cancelled (this
+        runner failing, or the member closing its stream) while the other still needs it. A
+        cancellation that reached the shared result would end the other caller too: our own
+        outputs would never complete, or the member's stream would close one part short (a
+        clean end of stream, which that member takes as a failed reducer and finishes the
+        round with its own values for the missing parts)."""
         future = self._means.get(part_index)
         if future is None:
-            future = asyncio.get_running_loop().create_future()
-            self._means[part_index] = future
             compression = self.tensor_part_container.compression
             info = self._own_infos[part_index]
 
@@ -74,12 +80,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 sent = compression.compress(averaged, info)
                 return sent, deserialize_torch_tensor(sent)
 
-            try:
-                future.set_result(await asyncio.get_running_loop().run_in_executor(None, run))
-            except BaseException as exc:
-                future.set_exception(exc)
-                raise
-        return await future
+            future = asyncio.get_running_loop().run_in_executor(None, run)
+            self._means[part_index] = future
+        return await asyncio.shield(future)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:

@@ -7,10 +7,13 @@ after a round, with fp16 and 8-bit compression) is tests/loopback/test_averaging
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import threading
 
 import hivemind
 import pytest
+import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.partition import TensorPartContainer
@@ -56,3 +59,41 @@ def test_the_averager_runs_all_reduce_where_we_override_it() -> None:
 
 def test_hivemind_optimizer_takes_a_gradient_averager_factory() -> None:
     assert "grad_averager_factory" in inspect.signature(hivemind.Optimizer).parameters
+
+
+def test_a_cancelled_caller_leaves_the_shared_mean_to_the_other() -> None:
+    """Our own path and the stream serving a member wait for the same compressed mean: the
+    first one cancelled (the runner failing, the member's stream closing) must not end the
+    other, or that member's stream closes one part short."""
+
+    class _P2P:
+        peer_id = "self"
+
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        runner = ExactAllReduceRunner(
+            p2p=_P2P(),
+            servicer_type=ExactAllReduceRunner, prefix=None, group_id=b"g",
+            tensors=[torch.arange(4.0)], ordered_peer_ids=["self"], peer_fractions=(1.0,),
+        )
+        compress = runner.tensor_part_container.compression.compress
+
+        def slow_compress(*args: object, **kwargs: object) -> object:
+            gate.wait(5)  # held until the first caller is cancelled
+            return compress(*args, **kwargs)
+
+        runner.tensor_part_container.compression.compress = slow_compress
+        mean = torch.full((4,), 1.5)
+        first = asyncio.create_task(runner._mean_of(0, mean))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(runner._mean_of(0, mean))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        _, received = await asyncio.wait_for(second, 5)
+        assert torch.equal(received, mean)
+        assert first.cancelled()
+
+    asyncio.run(scenario())
