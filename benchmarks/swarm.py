@@ -57,6 +57,16 @@ without the evaluations; the swarm's daemons (one thread each) share the machine
 Targets (from the issue), marked met or missed: wan tokens/s >= 70% of lan for each codec;
 final validation loss at most 2% above the reference for int8 and 3% for int4.
 
+``--averaging`` runs every configuration once per stage averaging mode (the run spec's
+``[averaging]`` section: ``allreduce``, ``gossip:H[:NEIGHBOURS]``, ``diloco:H[:COMPRESSION]``;
+``spec``, the default, keeps the base spec's). With an all-reduce row and a gossip row of the
+same profile and codec, the report sets the measured speed-up of gossip (its tokens/s over
+the all-reduce's) beside the one Decent-DP's runtime model predicts (node/stage/gossip.py)
+from what the same two runs measured: gamma, the all-reduce run's device-thread seconds
+inside the optimizer (where a synchronous step waits for its all-reduce) over its seconds
+running requests; omega, the libp2p bytes per token across the emulated links, gossip's over
+the all-reduce's; sigma^2 is not measured (0). The validation losses come with it.
+
 Output: progress lines on stderr while each configuration runs, then on stdout a table and
 the target checks and, as the last line, one JSON object ``{"reference": {"tokens_per_s",
 "val_loss", ...}, "results": [{"profile", "codec", "tokens_per_s", "wire_bytes_per_token",
@@ -65,6 +75,7 @@ the target checks and, as the last line, one JSON object ``{"reference": {"token
     python benchmarks/swarm.py --quick
     python benchmarks/swarm.py --tokens 300000 --profiles lan,wan --codecs none,int8,int4
     python benchmarks/swarm.py --codecs int8 --profiles wan --json-only
+    python benchmarks/swarm.py --codecs int8 --profiles wan --averaging allreduce,gossip:4
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from wanswarm.node.config.averaging_spec import AveragingSpec
 from wanswarm.node.config.layers import parse_assignment
 from wanswarm.node.config.runspec import (
     RunSpec,
@@ -90,6 +102,7 @@ from wanswarm.node.config.runspec import (
     parse_run_spec,
 )
 from wanswarm.node.errors import NodeError
+from wanswarm.node.stage import gossip
 from wanswarm.node.tools.demo import DemoOptions, run_swarm
 from wanswarm.node.tools.demo_daemons import DemoError, describe_wan_links
 from wanswarm.node.tools.reference_training import CurvePoint, train_reference
@@ -158,24 +171,58 @@ def to_toml(data: dict[str, Any], _prefix: str = "") -> str:
     return text
 
 
-def spec_variant(spec: RunSpec, codec: str) -> tuple[RunSpec, str]:
-    """The spec with both wire codecs set to ``codec``, and its TOML text (which parses back to
+def parse_averaging(text: str, base: AveragingSpec | None = None) -> AveragingSpec | None:
+    """An ``--averaging`` item as the ``[averaging]`` section it asks for (None for ``spec``:
+    the base spec's own): ``allreduce``, ``gossip:H[:NEIGHBOURS]``, ``diloco:H[:COMPRESSION]``;
+    the base spec's other averaging fields (timeouts, outer lr) are kept. BenchmarkError
+    says what is wrong."""
+    if text == "spec":
+        return None
+    mode, *rest = text.split(":")
+    fields: dict[str, Any] = {"mode": mode}
+    try:
+        if mode == "allreduce" and not rest:
+            fields["compression"] = "none"
+        elif mode in ("gossip", "diloco") and 1 <= len(rest) <= 2:
+            fields["inner_steps"] = int(rest[0])
+            if len(rest) == 2:
+                fields["gossip_neighbours" if mode == "gossip" else "compression"] = (
+                    int(rest[1]) if mode == "gossip" else rest[1]
+                )
+        else:
+            raise ValueError("use spec, allreduce, gossip:H[:NEIGHBOURS] or diloco:H[:COMPRESSION]")
+        raw = (base or AveragingSpec()).model_dump() | fields
+        return AveragingSpec.model_validate(raw)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise BenchmarkError(f"--averaging {text!r}: {exc}") from None
+
+
+def spec_variant(spec: RunSpec, codec: str, averaging: str = "spec") -> tuple[RunSpec, str]:
+    """The spec with both wire codecs set to ``codec`` (and its ``[averaging]`` section as
+    ``averaging`` asks, see :func:`parse_averaging`), and its TOML text (which parses back to
     it)."""
     # None has no TOML form; every None in a run spec is its field's default ("not set")
     raw = spec.model_dump(mode="json", exclude_none=True)
     raw["codecs"] = {"forward_activations": codec, "backward_gradients": codec}
+    section = parse_averaging(averaging, spec.averaging)
+    if section is not None:
+        raw["averaging"] = section.model_dump(mode="json")
+    what = f"codecs {codec}" + ("" if section is None else f", averaging {averaging}")
     text = (
-        f"# {spec.name} with codecs {codec} (benchmarks/swarm.py); "
+        f"# {spec.name} with {what} (benchmarks/swarm.py); "
         f"everything else as run {spec.run_id}\n"
         + to_toml(raw)
     )
-    variant = parse_run_spec(text, f"<{spec.name} with codec {codec}>")
+    variant = parse_run_spec(text, f"<{spec.name} with {what}>")
     return variant, text
 
 
-def write_spec_variant(spec: RunSpec, codec: str, directory: Path) -> tuple[RunSpec, Path]:
-    variant, text = spec_variant(spec, codec)
-    path = directory / f"{spec.name}-{codec.replace(':', '_')}-{variant.run_id}.toml"
+def write_spec_variant(
+    spec: RunSpec, codec: str, directory: Path, averaging: str = "spec"
+) -> tuple[RunSpec, Path]:
+    variant, text = spec_variant(spec, codec, averaging)
+    name = f"{codec}-{averaging}".replace(":", "_")
+    path = directory / f"{spec.name}-{name}-{variant.run_id}.toml"
     path.write_text(text, encoding="utf-8")
     return variant, path
 
@@ -237,6 +284,12 @@ def summarize(profile: str, codec: str, figures: dict[str, Any], spec: RunSpec) 
         "target_batch_size": spec.batch.target_batch_size,
         # each stage's averaging: mode, rounds per replica, rounds missed, bytes of its rounds
         "averaging": [r.get("averaging") for r in figures.get("stages", [])],
+        # device-thread seconds over every stage server: running requests, and inside the
+        # optimizer (a synchronous step's wait for its all-reduce is there)
+        "compute_s": round(sum(r.get("compute_s", 0.0) for r in figures.get("stages", [])), 1),
+        "optimizer_s": round(
+            sum(r.get("optimizer_s", 0.0) for r in figures.get("stages", [])), 1
+        ),
         # what crossed the WAN emulators over the whole run, QUIC datagrams and libp2p
         # streams (DHT, averaging, state): the averaging traffic shares the emulated links
         "wan_links": figures.get("wan_links"),
@@ -253,10 +306,11 @@ def _mean_step(stages: Sequence[dict[str, Any]]) -> float | None:
     return round(sum(sizes) / len(sizes), 1) if sizes else None
 
 
-def failed_row(profile: str, codec: str, error: str) -> dict[str, Any]:
+def failed_row(profile: str, codec: str, error: str, averaging: str = "spec") -> dict[str, Any]:
     return {
         "profile": profile,
         "codec": codec,
+        "averaging_mode": averaging,
         "tokens_per_s": None,
         "wire_bytes_per_token": None,
         "val_loss": None,
@@ -296,17 +350,18 @@ def match_reference(results: list[dict[str, Any]], curve: Sequence[tuple[int, fl
 def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets, each with its measured value and met (None: not measurable)."""
     targets = []
-    by = {(r["profile"], r["codec"]): r for r in results}
-    for codec in dict.fromkeys(r["codec"] for r in results):
-        lan, wan = by.get(("lan", codec)), by.get(("wan", codec))
+    by = {(r["profile"], r["codec"], r.get("averaging_mode", "spec")): r for r in results}
+    for codec, avg in dict.fromkeys((r["codec"], r.get("averaging_mode", "spec")) for r in results):
+        lan, wan = by.get(("lan", codec, avg)), by.get(("wan", codec, avg))
         if lan is None or wan is None:
             continue
         ratio = None
         if lan["tokens_per_s"] and wan["tokens_per_s"] is not None:
             ratio = round(wan["tokens_per_s"] / lan["tokens_per_s"], 3)
+        what = codec if avg == "spec" else f"{codec}, {avg}"
         targets.append(
             {
-                "target": f"wan tokens/s >= {THROUGHPUT_TARGET:.0%} of lan ({codec})",
+                "target": f"wan tokens/s >= {THROUGHPUT_TARGET:.0%} of lan ({what})",
                 "value": ratio,
                 "threshold": THROUGHPUT_TARGET,
                 "met": None if ratio is None else ratio >= THROUGHPUT_TARGET,
@@ -319,13 +374,69 @@ def check_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         excess = r.get("val_loss_vs_reference")
         targets.append(
             {
-                "target": f"val loss <= reference + {tolerance:.0%} ({r['profile']}/{r['codec']})",
+                "target": f"val loss <= reference + {tolerance:.0%} ({_name(r)})",
                 "value": excess,
                 "threshold": tolerance,
                 "met": None if excess is None else excess <= tolerance,
             }
         )
     return targets
+
+
+def _name(row: dict[str, Any]) -> str:
+    """A configuration's name: profile/codec, and /averaging when not the spec's own."""
+    avg = row.get("averaging_mode", "spec")
+    return f"{row['profile']}/{row['codec']}" + ("" if avg == "spec" else f"/{avg}")
+
+
+def row_mode(row: dict[str, Any]) -> str:
+    """The averaging mode a result row ran (its --averaging item, else what its stages
+    reported, else the spec default's)."""
+    avg = row.get("averaging_mode", "spec")
+    if avg != "spec":
+        return str(avg.split(":")[0])
+    stages = [a for a in row.get("averaging") or [] if a]
+    return str(stages[0]["mode"]) if stages else "allreduce"
+
+
+def decentralized_speedups(results: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
+    """Each gossip row beside the all-reduce row of the same profile and codec: the measured
+    speed-up (tokens/s) and Decent-DP's predicted one (node/stage/gossip.py) for the
+    quantities measured in the same two runs: gamma, the all-reduce run's device-thread
+    seconds inside the optimizer (where a synchronous step waits for its all-reduce) over
+    its seconds running requests; omega, the gossip run's libp2p bytes per token over the
+    all-reduce run's (what crossed the emulated links: averaging, DHT, state); sigma^2 is not
+    measured (0: the model's straggler term left out). The loss gap comes with it: gossip's
+    speed is bought with replicas that differ between rounds."""
+    out = []
+    done = [r for r in results if r.get("tokens_per_s")]
+    for g in (r for r in done if row_mode(r) == "gossip"):
+        ar = next((r for r in done if row_mode(r) == "allreduce"
+                   and (r["profile"], r["codec"]) == (g["profile"], g["codec"])), None)
+        if ar is None:
+            continue
+        gamma = ar["optimizer_s"] / ar["compute_s"] if ar.get("compute_s") else None
+        links_g, links_a = g.get("wan_links") or {}, ar.get("wan_links") or {}
+        omega = None
+        if links_g.get("libp2p_bytes") and links_a.get("libp2p_bytes"):
+            per_token_g = links_g["libp2p_bytes"] / g["tokens"]
+            omega = per_token_g / (links_a["libp2p_bytes"] / ar["tokens"])
+        avg = g.get("averaging_mode", "spec")
+        parts = avg.split(":")
+        k = int(parts[2]) if avg != "spec" and len(parts) > 2 else 1
+        predicted = (
+            None if gamma is None or omega is None
+            else gossip.predicted_speedup(gamma, omega, 0.0, max(replicas, 2), k)
+        )
+        out.append({
+            "profile": g["profile"], "codec": g["codec"],
+            "gossip": _name(g), "allreduce": _name(ar),
+            "measured_speedup": round(g["tokens_per_s"] / ar["tokens_per_s"], 3),
+            "predicted_speedup": _round(predicted, 3),
+            "gamma": _round(gamma, 3), "omega": _round(omega, 3), "sigma2": None,
+            "val_loss_gossip": g.get("val_loss"), "val_loss_allreduce": ar.get("val_loss"),
+        })
+    return out
 
 
 def _codec_name(codec: str) -> str:
@@ -368,7 +479,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'-':>10} {'-':>7} {'-':>10} {_num(ref.get('val_loss'), '.4f'):>8} {'-':>8} {'-':>7}"
     )
     for r in report["results"]:
-        name = f"{r['profile']}/{r['codec']}"
+        name = _name(r)
         if r.get("error"):
             lines.append(f"{name:<14} failed: {r['error'].splitlines()[0]}")
             continue
@@ -399,9 +510,17 @@ def format_report(report: dict[str, Any]) -> str:
         links = r.get("wan_links")
         if links:
             lines.append(
-                f"{r['profile']}/{r['codec']}: across the emulated links (whole run) "
+                f"{_name(r)}: across the emulated links (whole run) "
                 f"{describe_wan_links(links)}, sharing each daemon's link"
             )
+    for d in report.get("decentralized", []):
+        lines.append(
+            f"{d['gossip']} vs {d['allreduce']}: measured speed-up "
+            f"{_num(d['measured_speedup'], '.2f')}x, Decent-DP's model "
+            f"{_num(d['predicted_speedup'], '.2f')}x (gamma {_num(d['gamma'], '.2f')}, "
+            f"omega {_num(d['omega'], '.2f')}, sigma^2 not measured); val loss "
+            f"{_num(d['val_loss_gossip'], '.4f')} vs {_num(d['val_loss_allreduce'], '.4f')}"
+        )
     lines += [
         "",
         "targets",
@@ -446,6 +565,7 @@ class Options:
     keep: bool
     quick: bool = False
     reference_device: str = "cpu"
+    averaging: tuple[str, ...] = ("spec",)
 
 
 def _names(text: str, what: str) -> tuple[str, ...]:
@@ -565,6 +685,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-only", action="store_true", help="print only the JSON line on stdout"
     )
     parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
+    parser.add_argument(
+        "--averaging",
+        default="spec",
+        help="stage averaging modes to run each configuration in, comma-separated: spec (the "
+        "base spec's [averaging], default), allreduce, gossip:H[:NEIGHBOURS], "
+        "diloco:H[:COMPRESSION]; with allreduce and gossip the report adds the measured "
+        "gossip speed-up beside Decent-DP's predicted one",
+    )
     return parser
 
 
@@ -600,6 +728,9 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             parse_codec(codec)
         except CodecError as exc:
             raise BenchmarkError(f"--codecs: {exc}") from None
+    averaging = _names(args.averaging, "averaging")
+    for item in averaging:
+        parse_averaging(item)
     delayed = False  # the demo's daemons step synchronously (node/tools/demo.py)
     for item in args.set:
         try:
@@ -630,6 +761,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         args.keep,
         args.quick,
         args.reference_device,
+        averaging,
     )
 
 
@@ -642,42 +774,48 @@ def run_configurations(
     directory: Path,
     swarm: Callable[[DemoOptions, TextIO], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every (profile, codec) on a swarm of its own (``run_swarm`` unless ``swarm`` is given)."""
+    """Every (profile, codec, averaging) on a swarm of its own (``run_swarm`` unless ``swarm``
+    is given)."""
     swarm = run_swarm if swarm is None else swarm
     results: list[dict[str, Any]] = []
-    variants = {codec: write_spec_variant(spec, codec, directory) for codec in opts.codecs}
-    for profile in opts.profiles:
-        for codec in opts.codecs:
-            variant, path = variants[codec]
-            label = f"[{profile}/{codec}]"
-            options = DemoOptions(
-                replicas=opts.replicas,
-                duration_s=opts.max_train_s,
-                tokens=opts.tokens,
-                wan=profile,
-                keep=opts.keep,
-                eval_windows=opts.eval_windows,
-                extra=opts.sets,
-                run_spec=path,
-                data_seed=opts.data_seed,
-                progress_period_s=opts.progress_s,
-                label=label,
-            )
-            began = time.monotonic()
-            try:
-                figures = swarm(options, sys.stderr)
-            except DemoError as exc:
-                _progress(f"{label} failed: {exc}")
-                results.append(failed_row(profile, codec, str(exc)))
-                continue
-            row = summarize(profile, codec, figures, variant)
-            results.append(row)
-            _progress(
-                f"{label} done in {time.monotonic() - began:.0f}s: {row['tokens_per_s']} tok/s, "
-                f"val loss {row['val_loss']}, {row['wire_bytes_per_token']} B/token/boundary"
-            )
-            if row["interrupted"]:
-                raise KeyboardInterrupt
+    variants = {
+        (codec, avg): write_spec_variant(spec, codec, directory, avg)
+        for codec in opts.codecs
+        for avg in opts.averaging
+    }
+    configurations = [(p, c, a) for p in opts.profiles for c in opts.codecs for a in opts.averaging]
+    for profile, codec, avg in configurations:
+        variant, path = variants[(codec, avg)]
+        label = "[" + _name({"profile": profile, "codec": codec, "averaging_mode": avg}) + "]"
+        options = DemoOptions(
+            replicas=opts.replicas,
+            duration_s=opts.max_train_s,
+            tokens=opts.tokens,
+            wan=profile,
+            keep=opts.keep,
+            eval_windows=opts.eval_windows,
+            extra=opts.sets,
+            run_spec=path,
+            data_seed=opts.data_seed,
+            progress_period_s=opts.progress_s,
+            label=label,
+        )
+        began = time.monotonic()
+        try:
+            figures = swarm(options, sys.stderr)
+        except DemoError as exc:
+            _progress(f"{label} failed: {exc}")
+            results.append(failed_row(profile, codec, str(exc), avg))
+            continue
+        row = summarize(profile, codec, figures, variant)
+        row["averaging_mode"] = avg
+        results.append(row)
+        _progress(
+            f"{label} done in {time.monotonic() - began:.0f}s: {row['tokens_per_s']} tok/s, "
+            f"val loss {row['val_loss']}, {row['wire_bytes_per_token']} B/token/boundary"
+        )
+        if row["interrupted"]:
+            raise KeyboardInterrupt
     return results
 
 
@@ -744,6 +882,7 @@ def build_report(
         "reference": reference,
         "results": results,
         "targets": check_targets(results),
+        "decentralized": decentralized_speedups(results, opts.replicas),
         "meta": {
             "run": spec.name,
             "run_id": spec.run_id,
@@ -757,6 +896,7 @@ def build_report(
             "reference_device": opts.reference_device,
             "data_seed": opts.data_seed,
             "sets": list(opts.sets),
+            "averaging": list(opts.averaging),
             "quick": opts.quick,
         },
     }

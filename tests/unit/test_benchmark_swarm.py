@@ -443,3 +443,54 @@ def test_demo_cli_takes_a_run_spec() -> None:
     args = build_parser().parse_args(["demo", "--run-spec", "runs/x.toml", "--replicas", "1"])
     assert args.run_spec == Path("runs/x.toml")
     assert build_parser().parse_args(["demo"]).run_spec is None
+
+
+# ---- averaging modes and the measured gossip speed-up -----------------------------------------
+
+
+def test_averaging_items_set_the_spec_section_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    base = default_run_spec()
+    assert bench.parse_averaging("spec") is None
+    gossip = bench.parse_averaging("gossip:4:2", base.averaging)
+    assert (gossip.mode, gossip.inner_steps, gossip.gossip_neighbours) == ("gossip", 4, 2)
+    diloco = bench.parse_averaging("diloco:8:sign")
+    assert (diloco.mode, diloco.inner_steps, diloco.compression) == ("diloco", 8, "sign")
+    variant, path = bench.write_spec_variant(base, "int8", tmp_path, "gossip:4")
+    assert load_run_spec(path) == variant and variant.averaging.mode == "gossip"
+    assert {f.split(".")[0] for f in differing_fields(base, variant)} == {"averaging"}
+    assert bench.spec_variant(base, "int8", "spec")[0].averaging == base.averaging
+    for bad, message in [("gossip", "gossip:H"), ("gossip:0", "inner_steps"),
+                         ("gossip:4:3", "gossip_neighbours"), ("diloco:4:zip", "compression"),
+                         ("allreduce:2", "use spec"), ("sgd", "use spec")]:
+        with pytest.raises(bench.BenchmarkError, match=message):
+            bench.parse_averaging(bad)
+    with pytest.raises(bench.BenchmarkError, match="--averaging 'gossip:x'"):
+        bench.parse_options(["--averaging", "allreduce,gossip:x"])
+
+
+def test_each_averaging_mode_is_a_configuration_and_gossip_is_set_beside_allreduce(
+    tmp_path: Path
+) -> None:
+    opts = bench.parse_options(["--quick", "--profiles", "wan", "--codecs", "int8",
+                                "--averaging", "allreduce,gossip:4", "--replicas", "2"])
+    fake = FakeSwarm()
+    results = bench.run_configurations(opts, default_run_spec(), tmp_path, fake)
+    assert [r["averaging_mode"] for r in results] == ["allreduce", "gossip:4"]
+    assert [c.label for c in fake.calls] == ["[wan/int8/allreduce]", "[wan/int8/gossip:4]"]
+    modes = [load_run_spec(c.run_spec).averaging.mode for c in fake.calls]  # type: ignore[arg-type]
+    assert modes == ["allreduce", "gossip"]
+    # the measured and predicted speed-ups from the two rows' own figures
+    ar, gs = results
+    ar.update(tokens_per_s=1000.0, compute_s=80.0, optimizer_s=40.0, tokens=100_000,
+              wan_links={"libp2p_bytes": 100_000_000, "quic_bytes": 1, "libp2p_connections": 1})
+    gs.update(tokens_per_s=1600.0, compute_s=80.0, optimizer_s=1.0, tokens=100_000,
+              wan_links={"libp2p_bytes": 20_000_000, "quic_bytes": 1, "libp2p_connections": 1})
+    (d,) = bench.decentralized_speedups(results, 2)
+    assert d["measured_speedup"] == 1.6 and d["gamma"] == 0.5 and d["omega"] == 0.2
+    assert d["predicted_speedup"] == 1.5  # (1 + 0.5) / max(1, 0.2 * 0.5), sigma^2 left out
+    assert (d["gossip"], d["allreduce"]) == ("wan/int8/gossip:4", "wan/int8/allreduce")
+    assert bench.row_mode(ar) == "allreduce" and bench.row_mode({"averaging": None}) == "allreduce"
+    report = build(default_run_spec(), results)
+    assert report["decentralized"] and "measured speed-up 1.60x" in bench.format_report(report)
+    failed = bench.failed_row("wan", "int8", "boom", "gossip:4")
+    assert bench.decentralized_speedups([ar, failed], 2) == []
