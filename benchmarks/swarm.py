@@ -460,6 +460,7 @@ def _num(value: Any, fmt: str) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The human table: every configuration beside the reference, then the target checks."""
     meta, ref = report["meta"], report["reference"]
+    w = max([14, *(len(_name(r)) for r in report["results"])])  # the config column
     lines = [
         f"swarm benchmark: run {meta['run']} "
         f"({meta['stages']} stages x {meta['replicas']} replicas, "
@@ -468,25 +469,25 @@ def format_report(report: dict[str, Any]) -> str:
         f"{meta['reference_threads']} thread(s), "
         f"update lag {meta['update_lag']}",
         "",
-        f"{'config':<14} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
+        f"{'config':<{w}} {'tokens':>8} {'tok/s':>7} {'x ref':>6} {'wire B/tok':>10} {'ideal':>7} "
         f"{'QUIC B/tok':>10} {'val loss':>8} {'ref val':>8} {'vs ref':>7} {'steps':>6} "
         f"{'ref':>5} {'smp/step':>8}",
     ]
     ref_tps = ref.get("tokens_per_s")
     lines.append(
-        f"{'reference':<14} {_num(ref.get('tokens'), 'd'):>8} {_num(ref_tps, '.0f'):>7} "
+        f"{'reference':<{w}} {_num(ref.get('tokens'), 'd'):>8} {_num(ref_tps, '.0f'):>7} "
         f"{'1.00':>6} "
         f"{'-':>10} {'-':>7} {'-':>10} {_num(ref.get('val_loss'), '.4f'):>8} {'-':>8} {'-':>7}"
     )
     for r in report["results"]:
         name = _name(r)
         if r.get("error"):
-            lines.append(f"{name:<14} failed: {r['error'].splitlines()[0]}")
+            lines.append(f"{name:<{w}} failed: {r['error'].splitlines()[0]}")
             continue
         speed = r["tokens_per_s"] / ref_tps if ref_tps and r["tokens_per_s"] is not None else None
         vs = r.get("val_loss_vs_reference")
         lines.append(
-            f"{name:<14} {r['tokens']:>8d} {_num(r['tokens_per_s'], '.0f'):>7} "
+            f"{name:<{w}} {r['tokens']:>8d} {_num(r['tokens_per_s'], '.0f'):>7} "
             f"{_num(speed, '.2f'):>6} "
             f"{_num(r['wire_bytes_per_token'], '.1f'):>10} "
             f"{_num(r.get('ideal_bytes_per_token'), '.1f'):>7} "

@@ -130,3 +130,58 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
         for path in spec_dir.glob("*"):
             path.unlink()
         spec_dir.rmdir()
+
+
+def _gossip_spec(directory: Path) -> Path:
+    """The tiny run averaging by gossip: 2 micro-batches per inner step, a round every 2."""
+    text = TINY.read_text()
+    text = re.sub(r"(?m)^target_batch_size = \d+", "target_batch_size = 16", text)
+    text += (
+        "\n[averaging]\nmode = \"gossip\"\ninner_steps = 2\n"
+        f"round_timeout_s = {ROUND_TIMEOUT_S}\n"
+    )
+    path = directory / "gossip.toml"
+    path.write_text(text)
+    return path
+
+
+def test_gossip_replicas_average_with_each_other_in_real_daemons() -> None:
+    """Two stage-1 daemons in ``gossip`` mode take a round together (hivemind's averager
+    groups them): both report it successful, with two participants, at the same round."""
+    spec_dir = short_tmpdir("wsw-spec-")
+    spec = _gossip_spec(spec_dir)
+    common = (*FAST, *ARGS, "--set", f"node.run_spec={spec}")
+    swarm = LocalSwarm(0, extra_args=common, env=ENV)
+    try:
+        no_trainer = ("--set", "node.trainer=false")
+        first = swarm.add("s0", (), extra_args=(*no_trainer, "--set", "node.stage=0"))
+        addrs = first.status().dht_addrs
+        stage1 = (*no_trainer, "--set", "node.stage=1")
+        mid_a = swarm.add("s1a", addrs, wait=False, extra_args=stage1)
+        mid_b = swarm.add("s1b", addrs, wait=False, extra_args=stage1)
+        last = swarm.add("s2", addrs, wait=False, extra_args=(*no_trainer, "--set", "node.stage=2"))
+        trainer = swarm.add("t", addrs, wait=False, extra_args=("--set", "node.server=false"))
+        for node in (mid_a, mid_b, last, trainer):
+            node.wait_online(timeout=120)
+
+        seen: dict[str, dict[int, int]] = {"a": {}, "b": {}}  # round -> participants
+
+        def together() -> bool:
+            for key, node in (("a", mid_a), ("b", mid_b)):
+                avg = _averaging(node)
+                assert avg.get("mode", "gossip") == "gossip", avg
+                if avg.get("last_round_ok"):
+                    seen[key][int(avg["last_round"])] = int(avg["participants"])
+            return any(seen["a"][r] == seen["b"][r] == 2 for r in set(seen["a"]) & set(seen["b"]))
+
+        wait_for(together, 240, "both stage-1 replicas to report a gossip round taken together",
+                 interval=0.3, explain=swarm.explain)
+        avg = _averaging(mid_a)
+        assert avg["bytes_sent_total"] > 0 and avg["rounds_refused"] == 0, avg
+        print(f"\ngossip rounds seen {seen}; replica a {avg}")
+        assert mid_a.running() and mid_b.running() and trainer.running()
+    finally:
+        swarm.close()
+        for path in spec_dir.glob("*"):
+            path.unlink()
+        spec_dir.rmdir()
