@@ -20,7 +20,10 @@ spec. When no donor is known, or every donor failed to deliver, it falls back to
 own ``load_state_from_peers`` (one donor at a time), which also covers peers that are in
 the averaging group but not yet in our peer table. When donors answered but none could be
 trusted it does not: hivemind would pick the donor claiming the highest epoch, the very
-thing refused. The checkpoint decision (checkpointer.py) comes after either.
+thing refused. The exception is a gossip optimizer (``replicas_differ``): its replicas hold
+different parameters between rounds, so donors that disagree are expected, and it asks one
+of the stage's gossip averagers, trusting one partner as each gossip round does
+(gossip_optimizer.py). The checkpoint decision (checkpointer.py) comes after either.
 """
 
 from __future__ import annotations
