@@ -281,7 +281,8 @@ class GossipOptimizer:
     def step(self, batch_size: int) -> None:
         self._poll_round()
         before = self._inner.local_epoch
-        self._inner.step(batch_size)
+        with self._lock:  # a newcomer's download (hivemind's thread) never sees half a step
+            self._inner.step(batch_size)
         if self._inner.local_epoch == before:
             return
         self._since_round += 1
