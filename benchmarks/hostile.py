@@ -249,9 +249,14 @@ async def run_swarm(
     huge: float,
     seed: int,
     log: Callable[[str], None],
+    honest_claim: float | None = None,
 ) -> RunResult:
     """Train ``micro_batches`` through a swarm of ``replicas[s]`` servers per stage; the
-    first server of ``liar_stage`` lies when given."""
+    first server of ``liar_stage`` lies when given. The honest servers announce the
+    throughput their one-iteration benchmark measured, or ``honest_claim`` (a test that
+    must not depend on how loaded the machine was while they measured: the router gives an
+    unmeasured peer at most 4x the lower median of the others' figures, and one honest
+    server that measured itself 10x faster than the other under load takes the liar's hops)."""
     torch.manual_seed(seed)
     endpoints: list[Endpoint] = []
     servers: list[StageServer] = []
@@ -285,7 +290,10 @@ async def run_swarm(
         out: dict[int, list[ServerInfo]] = {}
         for server, ep in zip(servers, server_eps, strict=True):
             host, port = ep.address
-            claim = ABSURD_CLAIM if ep.peer_id == liar_id else server.throughput
+            claim = (
+                ABSURD_CLAIM if ep.peer_id == liar_id
+                else server.throughput if honest_claim is None else honest_claim
+            )
             out.setdefault(server.stage, []).append(
                 ServerInfo(ep.peer_id, host, port, claim, server.queue_len, "online", None)
             )

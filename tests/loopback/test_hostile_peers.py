@@ -58,7 +58,7 @@ def test_a_lying_server_is_caught_convicted_and_its_hops_redone(
         result = run(
             hostile.run_swarm(
                 spec, replicas=(1, 3, 1), micro_batches=10, spot_fraction=1.0, liar_stage=1,
-                wrong=1.0, huge=0.0, seed=3, log=_quiet,
+                wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=1000.0,
             ),
             timeout=240,
         )
