@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import math
 import multiprocessing.sharedctypes
 import os
 import signal
@@ -608,6 +609,29 @@ def _describe_join_failure(exc: BaseException) -> str:
 
 
 
+def others_samples(metadata: Any, own_peer_id: bytes) -> dict[int, float]:
+    """The samples the other (non-client) replicas' progress records report, summed by epoch;
+    ``metadata`` is the tracker's DHT value (subkey -> ``ValueWithExpiration`` of a
+    ``LocalTrainingProgress`` dict), already screened (stage/progress_guard.py). Anything
+    that is not such a record is skipped."""
+    out: dict[int, float] = {}
+    if not isinstance(metadata, dict):
+        return out
+    for item in metadata.values():
+        value = getattr(item, "value", None)
+        if not isinstance(value, dict) or value.get("client_mode") is True:
+            continue
+        if value.get("peer_id") == own_peer_id:
+            continue
+        epoch, samples = value.get("epoch"), value.get("samples_accumulated")
+        if (isinstance(epoch, bool) or not isinstance(epoch, int)
+                or isinstance(samples, bool) or not isinstance(samples, (int, float))
+                or not math.isfinite(samples) or samples < 0):
+            continue
+        out[epoch] = out.get(epoch, 0.0) + float(samples)
+    return out
+
+
 @cache
 def tidy_optimizer_class() -> type:
     """``hivemind.Optimizer`` whose progress tracker closes the event loop it runs on.
@@ -625,25 +649,38 @@ def tidy_optimizer_class() -> type:
     says the epoch is not ready to end, so that hivemind's ``step`` accumulates instead of
     beginning the next epoch's step (averaging.py holds while the previous epoch's delayed
     round still runs: hivemind would wait for it on the caller's thread). With
-    ``exact_epochs`` an epoch ends when the samples the replicas reported reach
-    ``target_batch_size`` (or a replica is at a later epoch), not when hivemind's estimate of
-    them does: that estimate extrapolates every replica's samples per second since its last
-    report, and ended the tiny run's epochs after about 46 of 64 samples (averaging.py)."""
+    ``exact_epochs`` an epoch ends when the samples the other replicas reported plus this
+    replica's own, as they are now, reach ``target_batch_size`` (or a replica is at a later
+    epoch), not when hivemind's estimate of them does: that estimate extrapolates every
+    replica's samples per second since its last report, and ended the tiny run's epochs after
+    about 46 of 64 samples (averaging.py)."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ClosingProgressTracker(ProgressTracker):
         hold_epoch: Callable[[], bool] | None = None
         exact_epochs = False
+        # samples the other replicas reported, by epoch, as of the last fetch
+        others_samples: dict[int, float] = {}  # noqa: RUF012 (replaced, never mutated)
+
+        def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+            self.others_samples = others_samples(metadata, bytes(self.local_progress.peer_id))
+            return super()._parse_swarm_progress_data(metadata)
 
         @property
         def ready_to_update_epoch(self) -> bool:
             if self.hold_epoch is not None and self.hold_epoch():
                 return False
             if self.exact_epochs:
+                local = self.local_progress
+                # our own samples as they are now, not as our last published record had them
+                # (hivemind's sum takes that record at each fetch and adds our samples since
+                # the fetch: what we accumulated between publishing and fetching is missed)
+                fresh = self.others_samples.get(local.epoch, 0.0) + local.samples_accumulated
+                reported = self.global_progress.samples_accumulated
                 return bool(
-                    self.global_epoch > self.local_progress.epoch
-                    or self.global_progress.samples_accumulated >= self.target_batch_size
+                    self.global_epoch > local.epoch
+                    or max(fresh, reported) >= self.target_batch_size
                 )
             return bool(super().ready_to_update_epoch)
 
@@ -670,6 +707,8 @@ def tidy_optimizer_class() -> type:
                     loop.close()
 
     class TidyOptimizer(Optimizer):
+        tracker_class = ClosingProgressTracker
+
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
             return ClosingProgressTracker(
                 dht=self.dht,

@@ -375,10 +375,13 @@ class CollaborativeOptimizer:
         self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
         self.rounds_formed_early = 0
         self.failed_rounds_dropped = 0
+        self.epochs_ended_before_a_batch = 0  # _end_epoch_before_this_batch
 
     def step(self, batch_size: int) -> None:
         if not self.config.delayed_updates:
             self._prepare_round()
+            if self.config.exact_epochs and self._due_without_us():
+                self._end_epoch_before_this_batch()
         elif self._hold_epoch() and _due(self._opt.tracker):
             self.epochs_held += 1  # the tracker holds it (module docstring)
         epoch, before, resyncs = self.local_epoch, self.samples_accumulated, self._resyncs()
@@ -397,8 +400,16 @@ class CollaborativeOptimizer:
     def step_if_due(self) -> bool:
         if self.config.delayed_updates:
             return False  # the step runs in the background: nobody blocks waiting for this replica
-        opt = self._opt
         self._prepare_round()
+        if not self._due_without_us():
+            return False
+        self.idle_steps += 1
+        return self._step_without_a_batch()
+
+    def _due_without_us(self) -> bool:
+        """The stage's epoch is due as the replicas' samples stand, without another
+        micro-batch of ours (and we are not behind it)."""
+        opt = self._opt
         progress = opt.tracker.global_progress
         # samples_accumulated: what the replicas reported for this epoch (no extrapolation);
         # hivemind's ETA alone can pass with nothing accumulated anywhere
@@ -408,8 +419,32 @@ class CollaborativeOptimizer:
             or not opt.tracker.ready_to_update_epoch
         ):
             return False
-        if self.local_epoch < opt.tracker.global_epoch:
-            return False  # behind the stage: the next micro-batch's step resyncs first
+        # behind the stage: the next micro-batch's step resyncs first
+        return self.local_epoch >= opt.tracker.global_epoch
+
+    @torch.no_grad()
+    def _end_epoch_before_this_batch(self) -> None:
+        """A micro-batch whose gradient is in ``.grad`` arrived after the epoch was already
+        full (the others' samples and ours reached the target while it was computed): the
+        epoch's step runs first, without it, and it then goes to the next epoch. Otherwise
+        hivemind would add it to the full epoch, and the step would hold up to one more
+        micro-batch per replica than the spec says. Its gradient is set aside meanwhile:
+        hivemind swaps the averaged gradients into ``.grad`` during the step."""
+        params = list(self._module.parameters())
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            self._step_without_a_batch()
+        finally:
+            for p, grad in zip(params, kept, strict=True):
+                p.grad = grad
+        self.epochs_ended_before_a_batch += 1
+
+    def _step_without_a_batch(self) -> bool:
+        """The epoch's step, as hivemind's ``step`` takes it once due, without accumulating a
+        micro-batch; True if this replica stepped."""
+        opt = self._opt
         epoch = self.local_epoch
         averager = opt.grad_averager
         if averager.local_samples_accumulated == 0:
@@ -421,7 +456,6 @@ class CollaborativeOptimizer:
         # mean gradient divides by the number of accumulations, which that would inflate
         before = self.samples_accumulated
         opt._update_global_epoch(None)
-        self.idle_steps += 1
         if self.local_epoch == epoch + 1:
             self.step_samples.append((epoch, before))
         return self.local_epoch != epoch
@@ -550,6 +584,8 @@ class CollaborativeOptimizer:
             "rounds_formed_early": self.rounds_formed_early,
             "failed_rounds_dropped": self.failed_rounds_dropped,
             "epochs_held": self.epochs_held,
+            # epochs already full when a micro-batch of ours arrived: stepped without it
+            "epochs_ended_before_a_batch": self.epochs_ended_before_a_batch,
             # the samples this replica brought to each of its last steps; summed over a
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},
