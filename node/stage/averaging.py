@@ -131,6 +131,13 @@ _BYTES_PER_VALUE: dict[str, float] = {
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
+# Longest wait between two reads of the stage's progress (hivemind: 10 s, shorter as its
+# estimate of the epoch's end nears). A replica learns that another ended the epoch only at a
+# read; the round formed early for that epoch starts its all-reduce at each member's own
+# trigger, and a member whose parts have not started within next_chunk_timeout of another's
+# is left out: the round ends with half its parts on each side (seen in the swarm benchmark's
+# logs, "Reducer: received 50.0% of input tensors") and the replicas step apart.
+MAX_PROGRESS_REFRESH_S = 1.0
 
 
 class AveragingError(NodeError):
@@ -337,7 +344,10 @@ class CollaborativeOptimizer:
                 # progress records are signed; hivemind's default key is process-wide, so two
                 # replicas in one process (tests, a node serving while another leaves) would
                 # overwrite each other's progress: give each optimizer its own key
-                tracker_opts={"private_key": RSAPrivateKey()},
+                tracker_opts={
+                    "private_key": RSAPrivateKey(),
+                    "max_refresh_period": MAX_PROGRESS_REFRESH_S,
+                },
                 # hivemind warns that a matchmaking request_timeout (its default: 3 s) not
                 # shorter than min_matchmaking_time can deadlock matchmaking in rare cases
                 averager_opts={"request_timeout": config.matchmaking_time / 2},
