@@ -32,6 +32,7 @@ from wanswarm.node.config.runspec import (
 )
 from wanswarm.node.membership.dht import tidy_optimizer_class
 from wanswarm.node.stage.averaging import (
+    MAX_PROGRESS_REFRESH_S,
     AveragingConfig,
     AveragingError,
     CollaborativeOptimizer,
@@ -301,6 +302,10 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
 
         # the epoch ends on the samples reported, not on hivemind's estimate of them
         tracker = opt._opt.tracker
+        # and another replica's end is read within a second (MAX_PROGRESS_REFRESH_S)
+        # (well inside the default next_chunk_timeout: matchmaking_time)
+        assert tracker.max_refresh_period == MAX_PROGRESS_REFRESH_S
+        assert MAX_PROGRESS_REFRESH_S < AveragingConfig().matchmaking_time
         with tracker.lock_global_progress:
             tracker.global_progress.eta_next_epoch = get_dht_time() - 1.0
         assert tracker.global_progress.samples_accumulated == 0
