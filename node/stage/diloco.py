@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +63,7 @@ from torch import nn
 
 from ..config.runspec import RunSpec
 from ..logs import get_logger
+from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
 from .optimizer import LocalOptimizer
@@ -141,37 +140,7 @@ class OuterCarrier(Protocol):
         """Leave; the carrier is unusable afterwards."""
 
 
-def _hivemind_carrier_class() -> type:
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.compression import CompressionInfo
-
-    class _OuterAverager(DecentralizedAverager):
-        """A DecentralizedAverager whose shared state is the stage's outer state."""
-
-        def __init__(self, *args: Any, state: Callable[[], tuple[Any, list[torch.Tensor]]],
-                     **kwargs: Any) -> None:
-            self._outer_state = state
-            super().__init__(*args, **kwargs)
-
-        async def add_p2p_handlers(self, *args: Any, **kwargs: Any) -> Any:
-            # Runs in the averager's process, just after hivemind registered its command
-            # pipe with uvloop's add_reader, which makes the pipe non-blocking. A command
-            # longer than the pipe's buffer (a step whose gathered payload is hundreds of
-            # KiB) then reads half, raises EAGAIN, and the next read unpickles garbage: the
-            # averager's thread dies (seen in real daemons). A blocking pipe reads whole
-            # messages; readiness still comes from the reader.
-            os.set_blocking(self._inner_pipe.fileno(), True)
-            return await super().add_p2p_handlers(*args, **kwargs)
-
-        def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
-            meta, tensors = self._outer_state()
-            return meta, tensors, [CompressionInfo.from_tensor(t, key=i)
-                                   for i, t in enumerate(tensors)]
-
-    return _OuterAverager
-
-
-class HivemindCarrier:
+class HivemindCarrier(AveragerCarrier):
     """Outer rounds over hivemind's DecentralizedAverager (module docstring)."""
 
     def __init__(
@@ -179,34 +148,10 @@ class HivemindCarrier:
         state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
         round_timeout: float,
     ) -> None:
-        from hivemind.compression import NoCompression
-
-        sigint = signal.getsignal(signal.SIGINT)
-        try:
-            self._averager = host.hivemind_averager(
-                _hivemind_carrier_class(),
-                averaged_tensors=[torch.zeros(1)],  # the payloads travel in the gather
-                prefix=prefix,
-                start=True,
-                state=state,
-                min_group_size=2,
-                target_group_size=MAX_GROUP,
-                min_matchmaking_time=config.matchmaking_time,
-                request_timeout=config.matchmaking_time / 2,
-                allreduce_timeout=round_timeout,
-                next_chunk_timeout=config.next_chunk_timeout,
-                compression=NoCompression(),
-                state_compression=NoCompression(),
-                shutdown_timeout=config.shutdown_timeout,
-            )
-        except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
-            raise AveragingError(f"cannot start the outer averager {prefix}: {exc}") from exc
-        finally:
-            if sigint is not None:
-                signal.signal(signal.SIGINT, sigint)
-
-    def set_priority(self, value: float) -> None:
-        self._averager.state_sharing_priority = value
+        super().__init__(
+            host, prefix, [torch.zeros(1)],  # the payloads travel in the gather
+            state, config, group_size=MAX_GROUP, round_timeout=round_timeout, what="outer",
+        )
 
     def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         return _by_peer(lambda: self._averager.step(gather=data, weight=1.0, timeout=timeout))
@@ -219,22 +164,6 @@ class HivemindCarrier:
             log.info("outer round failed: %r", exc)
             return _Finished(None)
         return _HivemindPending(control)
-
-    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        try:
-            found = self._averager.load_state_from_peers(timeout=timeout)
-        except Exception as exc:  # a donor's failure is hivemind's to report; we try later
-            log.info("downloading the outer state failed: %r", exc)
-            return None
-        if not found or not isinstance(found[0], dict):
-            return None
-        return found[0], list(found[1])
-
-    def shutdown(self) -> None:
-        try:
-            self._averager.shutdown()
-        except (RuntimeError, OSError, TimeoutError, ValueError) as exc:
-            log.warning("outer averager shutdown failed: %s", exc)
 
 
 class _HivemindPending:

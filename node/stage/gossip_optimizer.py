@@ -45,7 +45,6 @@ the device thread; state requests arrive on hivemind's thread and read under a l
 from __future__ import annotations
 
 import math
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +56,7 @@ from torch import nn
 
 from ..config.runspec import RunSpec
 from ..logs import get_logger
+from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
 from .optimizer import LocalOptimizer
@@ -102,35 +102,7 @@ class _Failed:
         return None
 
 
-def _hivemind_carrier_class() -> type:
-    import os
-
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.compression import CompressionInfo
-
-    class _GossipAverager(DecentralizedAverager):
-        """A DecentralizedAverager whose shared state is this replica's parameters."""
-
-        def __init__(self, *args: Any, state: Callable[[], tuple[Any, list[torch.Tensor]]],
-                     **kwargs: Any) -> None:
-            self._gossip_state = state
-            super().__init__(*args, **kwargs)
-
-        async def add_p2p_handlers(self, *args: Any, **kwargs: Any) -> Any:
-            # as DiLoCo's averager (diloco.py): hivemind's command pipe made non-blocking by
-            # uvloop reads long commands in halves; a blocking pipe reads whole messages
-            os.set_blocking(self._inner_pipe.fileno(), True)
-            return await super().add_p2p_handlers(*args, **kwargs)
-
-        def get_current_state(self) -> tuple[Any, list[torch.Tensor], list[Any]]:
-            meta, tensors = self._gossip_state()
-            return meta, tensors, [CompressionInfo.from_tensor(t, key=i)
-                                   for i, t in enumerate(tensors)]
-
-    return _GossipAverager
-
-
-class HivemindGossipCarrier:
+class HivemindGossipCarrier(AveragerCarrier):
     """Gossip rounds over hivemind's DecentralizedAverager (module docstring)."""
 
     def __init__(
@@ -138,34 +110,10 @@ class HivemindGossipCarrier:
         state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
         group_size: int, round_timeout: float,
     ) -> None:
-        from hivemind.compression import NoCompression
-
-        sigint = signal.getsignal(signal.SIGINT)
-        try:
-            self._averager = host.hivemind_averager(
-                _hivemind_carrier_class(),
-                averaged_tensors=[torch.zeros(s, dtype=torch.float32) for s in shapes],
-                prefix=prefix,
-                start=True,
-                state=state,
-                min_group_size=2,
-                target_group_size=group_size,
-                min_matchmaking_time=config.matchmaking_time,
-                request_timeout=config.matchmaking_time / 2,
-                allreduce_timeout=round_timeout,
-                next_chunk_timeout=config.next_chunk_timeout,
-                compression=NoCompression(),
-                state_compression=NoCompression(),
-                shutdown_timeout=config.shutdown_timeout,
-            )
-        except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
-            raise AveragingError(f"cannot start the gossip averager {prefix}: {exc}") from exc
-        finally:
-            if sigint is not None:
-                signal.signal(signal.SIGINT, sigint)
-
-    def set_priority(self, value: float) -> None:
-        self._averager.state_sharing_priority = value
+        super().__init__(
+            host, prefix, [torch.zeros(s, dtype=torch.float32) for s in shapes], state, config,
+            group_size=group_size, round_timeout=round_timeout, what="gossip",
+        )
 
     def start_average(self, tensors: list[torch.Tensor], meta: dict[str, Any],
                       timeout: float) -> PendingAverage:
@@ -178,22 +126,6 @@ class HivemindGossipCarrier:
             log.info("gossip round failed: %r", exc)
             return _Failed()
         return _HivemindAverage(self._averager, control)
-
-    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        try:
-            found = self._averager.load_state_from_peers(timeout=timeout)
-        except Exception as exc:  # a donor's failure is hivemind's to report; we try later
-            log.info("downloading a gossip replica's state failed: %r", exc)
-            return None
-        if not found or not isinstance(found[0], dict):
-            return None
-        return found[0], list(found[1])
-
-    def shutdown(self) -> None:
-        try:
-            self._averager.shutdown()
-        except (RuntimeError, OSError, TimeoutError, ValueError) as exc:
-            log.warning("gossip averager shutdown failed: %s", exc)
 
 
 class _HivemindAverage:
