@@ -31,10 +31,9 @@ pick a smaller codec), and hivemind relays them through the group's leader.
 Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
 joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
 stage's averagers for a newer outer state (one round ahead at most, see below) and adopts
-it if there is one, else tries again after one more inner step (``RETRIES_AFTER_ONE_STEP``
-times in a row, then after H: replicas count their own inner steps, so their rounds come
-due at different times; the retry is where they meet); the others do not wait for it. A replica that
-knows no other replica of its stage takes its rounds alone, without matchmaking.
+it if there is one, else tries again after one more inner step (inner_rounds.py); the
+others do not wait for it. A replica that knows no other replica of its stage takes its
+rounds alone, without matchmaking.
 A replica whose group reports a later round adopts that round's state after
 the all-reduce instead of stepping. A newly joined replica starts from the latest outer
 state through state transfer: :meth:`export_state` is the shared outer state (anchor as the
@@ -66,7 +65,7 @@ from ..logs import get_logger
 from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
-from .optimizer import LocalOptimizer
+from .inner_rounds import InnerStepsOptimizer
 from .outer import (
     ANCHOR_PREFIX,
     MOMENTUM_PREFIX,
@@ -85,9 +84,6 @@ log = get_logger(__name__)
 # a replica that missed rounds adopts a newer outer state only this many rounds ahead of its
 # own: the averagers' state download trusts one donor, so a forged round number is bounded
 MAX_ROUNDS_BEHIND = 1
-# rounds that found no group are retried after one inner step this many times in a row,
-# then after H again (a replica whose partners are gone stops stalling every inner step)
-RETRIES_AFTER_ONE_STEP = 3
 # gathered payloads ride in hivemind's matchmaking messages (libp2p: 4 MiB a message)
 MAX_PAYLOAD_BYTES = 768 * 1024
 MAX_GROUP = 4
@@ -215,7 +211,7 @@ def anchor_digest(state: OuterState) -> str:
     return h.hexdigest()[:16]
 
 
-class DilocoOptimizer:
+class DilocoOptimizer(InnerStepsOptimizer):
     """The :class:`~.optimizer.StageOptimizer` of ``[averaging] mode = "diloco"``."""
 
     def __init__(
@@ -232,24 +228,15 @@ class DilocoOptimizer:
         the stage's other replicas the node knows of: with none, a round is taken alone,
         without matchmaking (which would hold the device thread for the round's timeout
         and find nobody)."""
-        self._others = others
-        self.spec, self.averaging = spec, spec.averaging
+        super().__init__(module, spec, others)
         self.run_id = averaging_run_id(spec, stage) + "_outer"
-        self._module = module
-        self._inner = LocalOptimizer(module, spec)
-        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
-        self._lock = threading.Lock()
         self.outer = OuterState.start(self._params())
         self.codec = PseudoGradientCodec(
             self.averaging.compression, self.averaging.block_size, self.averaging.topk_density
         )
         self.feedback = ErrorFeedback(self.codec)
-        self._since_round = 0  # inner steps since the last round (or failed attempt)
         self._samples = 0.0  # samples trained on since the last completed round
         self._group = 1
-        self.last_round: dict[str, Any] = {}
-        self.rounds_missed = 0
-        self._missed_in_a_row = 0
         self.rounds_adopted = 0
         self.payload_bytes_sent = 0
         self._shapes = [tuple(self.outer.anchor[n].shape) for n in self._names]
@@ -264,27 +251,14 @@ class DilocoOptimizer:
             )
         self._carrier = carrier(self._shared_state)
         self._round: _Round | None = None  # the round whose gather is under way
-        self._shut = False
 
     # ---- the StageOptimizer contract -----------------------------------------------------
 
-    def step(self, batch_size: int) -> None:
-        self._poll_round()
-        before = self._inner.local_epoch
-        self._inner.step(batch_size)
+    def _accumulated(self, batch_size: int) -> None:
         self._samples += batch_size
-        if self._inner.local_epoch == before:
-            return
-        self._since_round += 1
-        if self._since_round >= self.averaging.inner_steps and self._round is None:
-            self._since_round = 0
-            self._outer_round()
 
-    def step_if_due(self) -> bool:
-        # rounds come due after this replica's own inner steps, never idle; a round whose
-        # gather ended while no micro-batch came is finished here
-        self._poll_round()
-        return False
+    def _start_round(self) -> None:
+        self._outer_round()
 
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         pass  # a replica behind adopts the newer outer state at its next round (_adopt)
@@ -292,14 +266,6 @@ class DilocoOptimizer:
     def load_state_from_peers(self) -> bool:
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
         return found is not None and self._adopt(*found, any_round=True)
-
-    @property
-    def local_epoch(self) -> int:
-        return self._inner.local_epoch
-
-    @property
-    def samples_accumulated(self) -> int:
-        return self._inner.samples_accumulated
 
     @property
     def num_peers(self) -> int:
@@ -314,17 +280,6 @@ class DilocoOptimizer:
         """False after a round this replica missed without catching up (until the next)."""
         last = self.last_round
         return bool(last.get("ok", True) or last.get("adopted_newer_state", False))
-
-    def flush(self) -> None:
-        return None
-
-    def background_busy(self) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        if not self._shut:
-            self._shut = True
-            self._carrier.shutdown()
 
     def averaging_status(self) -> dict[str, Any]:
         """What ``wanswarm status`` shows of this stage's averaging (flat fields)."""
@@ -347,10 +302,6 @@ class DilocoOptimizer:
         }
 
     # ---- rounds ---------------------------------------------------------------------------
-
-    def _params(self) -> dict[str, torch.Tensor]:
-        named = dict(self._module.named_parameters())
-        return {n: named[n] for n in self._names}
 
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The outer state the averager hands to a replica that asks (hivemind's thread)."""
@@ -381,8 +332,7 @@ class DilocoOptimizer:
         weight = max(self._samples, 1e-3)
         data = {"round": self.outer.round, "anchor": digest, "weight": weight,
                 "payload": payload}
-        alone = self._others is not None and self._others() == 0
-        if alone:
+        if self._alone():
             pending: PendingGather = _Finished({"": data})
         else:
             start = getattr(self._carrier, "start_gather", None)
@@ -409,13 +359,7 @@ class DilocoOptimizer:
             return
         if gathered is None:
             self.feedback.residuals = current.saved  # nothing was sent: the debt stays
-            self.rounds_missed += 1
-            self._missed_in_a_row += 1
-            if self._missed_in_a_row < RETRIES_AFTER_ONE_STEP:
-                # try again after one more inner step rather than H: replicas whose rounds
-                # come due at different times (each counts its own inner steps) meet at the
-                # retry
-                self._since_round = max(self._since_round, self.averaging.inner_steps - 1)
+            self._missed()  # retried after one more inner step (inner_rounds.py)
             adopted = self.load_state_from_peers()
             self._record(current.started, 1, 0, ok=False, adopted=adopted)
             return

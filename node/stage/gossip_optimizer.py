@@ -59,14 +59,11 @@ from ..logs import get_logger
 from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
-from .optimizer import LocalOptimizer
+from .inner_rounds import InnerStepsOptimizer
 from .state_tensors import check_fits, checked_epoch
 
 log = get_logger(__name__)
 
-# rounds that found no group are retried after one inner step this many times in a row,
-# then after H again (as DiLoCo's)
-RETRIES_AFTER_ONE_STEP = 3
 MAX_ROUND = 10**9
 
 
@@ -160,7 +157,7 @@ class _Round:
     epoch: int  # the inner epoch then
 
 
-class GossipOptimizer:
+class GossipOptimizer(InnerStepsOptimizer):
     """The :class:`~.optimizer.StageOptimizer` of ``[averaging] mode = "gossip"``."""
 
     # replicas hold different parameters between rounds: no quorum of donors agrees on a
@@ -184,47 +181,21 @@ class GossipOptimizer:
                 "averaging.compression must be 'none' with mode = 'gossip' (gossip averages "
                 "float32 parameters)"
             )
-        self._others = others
-        self.spec, self.averaging = spec, spec.averaging
+        super().__init__(module, spec, others)
         self.run_id = averaging_run_id(spec, stage) + "_gossip"
-        self._module = module
-        self._inner = LocalOptimizer(module, spec)
-        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
-        self._lock = threading.Lock()
         params = self._params()
         self._shapes = [tuple(params[n].shape) for n in self._names]
         self.numel = sum(params[n].numel() for n in self._names)
         self.group_size = 1 + self.averaging.gossip_neighbours
         self.round = 0  # rounds taken (the largest round of any group we were in, plus one)
-        self._since_round = 0
-        self._missed_in_a_row = 0
-        self.rounds_missed = 0
         self.rounds_refused = 0
         self.rounds_adopted = 0
         self.rounds_alone = 0  # rounds due while this replica knew no other replica
         self.bytes_sent_total = 0
-        self.last_round: dict[str, Any] = {}
         self._current: _Round | None = None
-        self._shut = False
         self._carrier = carrier(self._shared_state)
 
     # ---- the StageOptimizer contract -----------------------------------------------------
-
-    def step(self, batch_size: int) -> None:
-        self._poll_round()
-        before = self._inner.local_epoch
-        with self._lock:  # a newcomer's download (hivemind's thread) never sees half a step
-            self._inner.step(batch_size)
-        if self._inner.local_epoch == before:
-            return
-        self._since_round += 1
-        if self._since_round >= self.averaging.inner_steps and self._current is None:
-            self._since_round = 0
-            self._start_round()
-
-    def step_if_due(self) -> bool:
-        self._poll_round()  # rounds come due after inner steps; one that ended is finished
-        return False
 
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         pass  # nobody is "behind" in gossip: every round mixes toward the stage's mean
@@ -236,14 +207,6 @@ class GossipOptimizer:
         return found is not None and self._adopt(*found)
 
     @property
-    def local_epoch(self) -> int:
-        return self._inner.local_epoch
-
-    @property
-    def samples_accumulated(self) -> int:
-        return self._inner.samples_accumulated
-
-    @property
     def num_peers(self) -> int:
         return int(self.last_round.get("participants", 1) or 1)
 
@@ -253,17 +216,6 @@ class GossipOptimizer:
 
     def is_synchronized(self) -> bool:
         return True  # no shared epoch to be behind of
-
-    def flush(self) -> None:
-        return None
-
-    def background_busy(self) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        if not self._shut:
-            self._shut = True
-            self._carrier.shutdown()
 
     def averaging_status(self) -> dict[str, Any]:
         last = self.last_round
@@ -287,10 +239,6 @@ class GossipOptimizer:
 
     # ---- rounds ---------------------------------------------------------------------------
 
-    def _params(self) -> dict[str, torch.Tensor]:
-        named = dict(self._module.named_parameters())
-        return {n: named[n] for n in self._names}
-
     def _shared_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """This replica's parameters for a newcomer that asks (hivemind's thread)."""
         with self._lock:
@@ -302,7 +250,7 @@ class GossipOptimizer:
     @torch.no_grad()
     def _start_round(self) -> None:
         started = time.monotonic()
-        if self._others is not None and self._others() == 0:
+        if self._alone():
             self.rounds_alone += 1  # nobody to average with: nothing to wait for
             self._record(started, 1, 0, ok=False)
             return
@@ -322,7 +270,7 @@ class GossipOptimizer:
         self._current = None
         outcome = current.pending.result()
         if outcome is None:
-            self._missed(current.started)
+            self._round_missed(current.started)
             return
         mean, members = outcome
         group = len(members)
@@ -333,7 +281,7 @@ class GossipOptimizer:
             self.rounds_refused += 1
             log.warning("%s: refusing a gossip round's mean (%d members): %s",
                         self.run_id, group, problem)
-            self._missed(current.started, participants=group, sent=sent)
+            self._round_missed(current.started, participants=group, sent=sent)
             return
         rounds = [m.get("round") for m in members.values() if isinstance(m, dict)]
         newest = max((r for r in rounds if type(r) is int and 0 <= r <= MAX_ROUND),
@@ -368,11 +316,8 @@ class GossipOptimizer:
                     f"{math.sqrt(own):.3g}")
         return ""
 
-    def _missed(self, started: float, participants: int = 1, sent: int = 0) -> None:
-        self.rounds_missed += 1
-        self._missed_in_a_row += 1
-        if self._missed_in_a_row < RETRIES_AFTER_ONE_STEP:
-            self._since_round = max(self._since_round, self.averaging.inner_steps - 1)
+    def _round_missed(self, started: float, participants: int = 1, sent: int = 0) -> None:
+        self._missed()  # retried after one more inner step (inner_rounds.py)
         self._record(started, participants, sent, ok=False)
 
     def _record(self, started: float, group: int, sent: int, *, ok: bool) -> None:
