@@ -13,9 +13,11 @@ pure trainer routes micro-batches through them; the run averages in ``diloco`` m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,12 @@ def _averaging(node: Any) -> dict[str, Any]:
     return report.components.get("stage_server", {}).get("averaging", {}) or {}
 
 
-def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() -> None:
+@contextlib.contextmanager
+def _stage1_twice(make_spec: Callable[[Path], Path]) -> Iterator[tuple[LocalSwarm, Any, Any, Any]]:
+    """The tiny run on ``make_spec``'s spec: stage 1 served by two daemons, stages 0 and 2
+    once, and a pure trainer; yields the swarm, the two stage-1 daemons and the trainer."""
     spec_dir = short_tmpdir("wsw-spec-")
-    spec = _diloco_spec(spec_dir)
+    spec = make_spec(spec_dir)
     common = (*FAST, *ARGS, "--set", f"node.run_spec={spec}")
     swarm = LocalSwarm(0, extra_args=common, env=ENV)
     try:
@@ -74,6 +79,16 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
         trainer = swarm.add("t", addrs, wait=False, extra_args=("--set", "node.server=false"))
         for node in (mid_a, mid_b, last, trainer):
             node.wait_online(timeout=120)
+        yield swarm, mid_a, mid_b, trainer
+    finally:
+        swarm.close()
+        for path in spec_dir.glob("*"):
+            path.unlink()
+        spec_dir.rmdir()
+
+
+def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() -> None:
+    with _stage1_twice(_diloco_spec) as (swarm, mid_a, mid_b, trainer):
 
         # every (round, digest, participants) each replica reported after a successful round
         seen: dict[str, dict[int, tuple[str, int]]] = {"a": {}, "b": {}}
@@ -125,11 +140,6 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
         print(f"\nrounds seen {seen}; survivor after the kill {avg}; "
               f"{time.monotonic() - killed_at:.1f}s from the kill to training again")
         assert mid_a.running() and trainer.running()
-    finally:
-        swarm.close()
-        for path in spec_dir.glob("*"):
-            path.unlink()
-        spec_dir.rmdir()
 
 
 def _gossip_spec(directory: Path) -> Path:
@@ -148,22 +158,7 @@ def _gossip_spec(directory: Path) -> Path:
 def test_gossip_replicas_average_with_each_other_in_real_daemons() -> None:
     """Two stage-1 daemons in ``gossip`` mode take a round together (hivemind's averager
     groups them): both report it successful, with two participants, at the same round."""
-    spec_dir = short_tmpdir("wsw-spec-")
-    spec = _gossip_spec(spec_dir)
-    common = (*FAST, *ARGS, "--set", f"node.run_spec={spec}")
-    swarm = LocalSwarm(0, extra_args=common, env=ENV)
-    try:
-        no_trainer = ("--set", "node.trainer=false")
-        first = swarm.add("s0", (), extra_args=(*no_trainer, "--set", "node.stage=0"))
-        addrs = first.status().dht_addrs
-        stage1 = (*no_trainer, "--set", "node.stage=1")
-        mid_a = swarm.add("s1a", addrs, wait=False, extra_args=stage1)
-        mid_b = swarm.add("s1b", addrs, wait=False, extra_args=stage1)
-        last = swarm.add("s2", addrs, wait=False, extra_args=(*no_trainer, "--set", "node.stage=2"))
-        trainer = swarm.add("t", addrs, wait=False, extra_args=("--set", "node.server=false"))
-        for node in (mid_a, mid_b, last, trainer):
-            node.wait_online(timeout=120)
-
+    with _stage1_twice(_gossip_spec) as (swarm, mid_a, mid_b, trainer):
         seen: dict[str, dict[int, int]] = {"a": {}, "b": {}}  # round -> participants
 
         def together() -> bool:
@@ -180,8 +175,3 @@ def test_gossip_replicas_average_with_each_other_in_real_daemons() -> None:
         assert avg["bytes_sent_total"] > 0 and avg["rounds_refused"] == 0, avg
         print(f"\ngossip rounds seen {seen}; replica a {avg}")
         assert mid_a.running() and mid_b.running() and trainer.running()
-    finally:
-        swarm.close()
-        for path in spec_dir.glob("*"):
-            path.unlink()
-        spec_dir.rmdir()
