@@ -48,7 +48,6 @@ half-updated state; the checkpointer's writer thread does the disk work).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -90,6 +89,7 @@ from .memory import AppliedLog, GraphCache, InputCache
 from .optimizer import StageOptimizer
 from .precision import ComputePrecision, resolve_precision
 from .server_config import StageServerConfig
+from .state_tensors import tensors_digest
 
 log = get_logger(__name__)
 
@@ -549,12 +549,7 @@ class StageJobs:
 
         Replicas of a stage at the same epoch hold equal digests when averaging leaves them
         bit-identical."""
-        h = hashlib.sha256()
-        for name, tensor in self.module.state_dict().items():
-            h.update(name.encode())
-            # the tensor's bytes through the buffer protocol: no copy on the CPU
-            h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy())
-        return h.hexdigest()[:16]
+        return tensors_digest(self.module.state_dict().items())
 
 
 def _as_float32(t: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,10 @@ recomputed from the spec's schedule at the installed epoch (optimizer.py,
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +40,17 @@ log = get_logger(__name__)
 
 MODEL_PREFIX = "model."
 OPT_PREFIX = "opt.state."
+
+
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 (16 hex) of ``(name, tensor)`` pairs in the order given: names and raw bytes,
+    so equal digests mean bit-identical tensors (replicas of a stage after a round)."""
+    h = hashlib.sha256()
+    for name, tensor in named:
+        h.update(name.encode())
+        # the tensor's bytes through the buffer protocol: no copy on the CPU
+        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()[:16]
 
 
 def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
