@@ -49,7 +49,6 @@ hivemind's thread and read the outer state under a lock.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
@@ -77,7 +76,7 @@ from .outer import (
     weighted_mean,
 )
 from .pseudo_gradient import ErrorFeedback, PseudoGradientCodec, PseudoGradientError
-from .state_tensors import MODEL_PREFIX, check_fits, checked_epoch, snapshot
+from .state_tensors import MODEL_PREFIX, check_fits, checked_epoch, snapshot, tensors_digest
 
 log = get_logger(__name__)
 
@@ -204,11 +203,7 @@ class _Round:
 
 def anchor_digest(state: OuterState) -> str:
     """SHA-256 (16 hex) of the anchor, in name order: equal on replicas after the same rounds."""
-    h = hashlib.sha256()
-    for name in sorted(state.anchor):
-        h.update(name.encode())
-        h.update(state.anchor[name].numpy().tobytes())
-    return h.hexdigest()[:16]
+    return tensors_digest(sorted(state.anchor.items()))
 
 
 class DilocoOptimizer(InnerStepsOptimizer):
@@ -283,22 +278,15 @@ class DilocoOptimizer(InnerStepsOptimizer):
 
     def averaging_status(self) -> dict[str, Any]:
         """What ``wanswarm status`` shows of this stage's averaging (flat fields)."""
-        last = self.last_round
         return {
             "mode": "diloco",
-            "inner_steps": self.averaging.inner_steps,
+            **self._round_status(),
             "compression": self.averaging.compression,
             "last_round": self.outer.round,
-            "last_round_ok": last.get("ok"),
-            "participants": last.get("participants", 0),
-            "bytes_sent": last.get("bytes_sent", 0),
-            "round_s": last.get("seconds"),
-            "anchor_digest": last.get("anchor_digest"),
+            "anchor_digest": self.last_round.get("anchor_digest"),
             "payload_bytes": self.payload_nbytes,
             "bytes_sent_total": self.payload_bytes_sent,
-            "rounds_missed": self.rounds_missed,
             "rounds_adopted": self.rounds_adopted,
-            "round_in_progress": self._round is not None,
         }
 
     # ---- rounds ---------------------------------------------------------------------------

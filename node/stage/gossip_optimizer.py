@@ -60,7 +60,7 @@ from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
 from .inner_rounds import InnerStepsOptimizer
-from .state_tensors import check_fits, checked_epoch
+from .state_tensors import check_fits, checked_epoch, tensors_digest
 
 log = get_logger(__name__)
 
@@ -218,23 +218,16 @@ class GossipOptimizer(InnerStepsOptimizer):
         return True  # no shared epoch to be behind of
 
     def averaging_status(self) -> dict[str, Any]:
-        last = self.last_round
         return {
             "mode": "gossip",
-            "inner_steps": self.averaging.inner_steps,
+            **self._round_status(),
             "neighbours": self.averaging.gossip_neighbours,
             "last_round": self.round,
-            "last_round_ok": last.get("ok"),
-            "participants": last.get("participants", 0),
-            "bytes_sent": last.get("bytes_sent", 0),
-            "round_s": last.get("seconds"),
-            "parameter_digest": last.get("parameter_digest"),
+            "parameter_digest": self.last_round.get("parameter_digest"),
             "bytes_sent_total": self.bytes_sent_total,
-            "rounds_missed": self.rounds_missed,
             "rounds_refused": self.rounds_refused,
             "rounds_adopted": self.rounds_adopted,
             "rounds_alone": self.rounds_alone,
-            "round_in_progress": self._current is not None,
         }
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -333,14 +326,7 @@ class GossipOptimizer(InnerStepsOptimizer):
     def parameter_digest(self) -> str:
         """SHA-256 (16 hex) of the parameters in name order (equal on the members of a
         group right after their round when neither trained meanwhile)."""
-        import hashlib
-
-        h = hashlib.sha256()
-        params = self._params()
-        for name in self._names:
-            h.update(name.encode())
-            h.update(params[name].detach().to("cpu", torch.float32).numpy().tobytes())
-        return h.hexdigest()[:16]
+        return tensors_digest(self._params().items())
 
     @torch.no_grad()
     def _adopt(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> bool:

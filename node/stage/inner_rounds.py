@@ -109,6 +109,19 @@ class InnerStepsOptimizer:
 
     # ---- helpers ------------------------------------------------------------------------
 
+    def _round_status(self) -> dict[str, Any]:
+        """The status fields every mode with rounds reports (``averaging_status``)."""
+        last = self.last_round
+        return {
+            "inner_steps": self.averaging.inner_steps,
+            "last_round_ok": last.get("ok"),
+            "participants": last.get("participants", 0),
+            "bytes_sent": last.get("bytes_sent", 0),
+            "round_s": last.get("seconds"),
+            "rounds_missed": self.rounds_missed,
+            "round_in_progress": self.round_in_progress,
+        }
+
     def _params(self) -> dict[str, torch.Tensor]:
         named = dict(self._module.named_parameters())
         return {n: named[n] for n in self._names}

@@ -116,19 +116,16 @@ class StageStateSharing:
                     expected=expected, progress=self._progress(len(donors), started),
                 )
                 await loop.run_in_executor(self._executor, self._install, snap)
-            except UntrustedStateError as exc:
-                if not getattr(self._optimizer, "replicas_differ", False):
+            except (UntrustedStateError, CheckpointError) as exc:
+                # gossip: replicas hold different parameters between rounds, no quorum can
+                # agree; one partner's parameters are what a gossip round trusts anyway
+                if not (isinstance(exc, UntrustedStateError)
+                        and getattr(self._optimizer, "replicas_differ", False)):
                     log.warning("stage %d: not installing the state offered by %d donor(s): %s",
                                 self.stage, len(donors), exc)
                     return False
-                # gossip: replicas hold different parameters between rounds, no quorum can
-                # agree; one partner's parameters are what a gossip round trusts anyway
                 log.info("stage %d: the %d donors' gossip states differ (%s); asking one of "
                          "the stage's gossip averagers", self.stage, len(donors), exc)
-            except CheckpointError as exc:
-                log.warning("stage %d: not installing the state offered by %d donor(s): %s",
-                            self.stage, len(donors), exc)
-                return False
             except (StateTransferError, AveragingError) as exc:
                 log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
                             "asking hivemind's averagers instead", self.stage, len(donors), exc)

@@ -17,7 +17,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +40,21 @@ ARGS: tuple[str, ...] = (
 )
 
 
-def _diloco_spec(directory: Path) -> Path:
-    """The tiny run averaging with DiLoCo: 2 micro-batches per inner step, a round every 2."""
+# each mode's [averaging] section: a round every 2 inner steps of 2 micro-batches each
+DILOCO = (
+    'mode = "diloco"\ninner_steps = 2\nouter_lr = 1.0\nouter_momentum = 0.5\n'
+    'compression = "int8"\n'
+)
+GOSSIP = 'mode = "gossip"\ninner_steps = 2\n'
+
+
+def _averaging_spec(directory: Path, averaging: str) -> Path:
+    """The tiny run with 16 samples (2 micro-batches) per inner step and ``averaging`` as its
+    ``[averaging]`` section, rounds timing out after ``ROUND_TIMEOUT_S``."""
     text = TINY.read_text()
     text = re.sub(r"(?m)^target_batch_size = \d+", "target_batch_size = 16", text)
-    text += (
-        "\n[averaging]\nmode = \"diloco\"\ninner_steps = 2\nouter_lr = 1.0\n"
-        f"outer_momentum = 0.5\ncompression = \"int8\"\nround_timeout_s = {ROUND_TIMEOUT_S}\n"
-    )
-    path = directory / "diloco.toml"
+    text += f"\n[averaging]\n{averaging}round_timeout_s = {ROUND_TIMEOUT_S}\n"
+    path = directory / "spec.toml"
     path.write_text(text)
     return path
 
@@ -61,11 +67,12 @@ def _averaging(node: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _stage1_twice(make_spec: Callable[[Path], Path]) -> Iterator[tuple[LocalSwarm, Any, Any, Any]]:
-    """The tiny run on ``make_spec``'s spec: stage 1 served by two daemons, stages 0 and 2
-    once, and a pure trainer; yields the swarm, the two stage-1 daemons and the trainer."""
+def _stage1_twice(averaging: str) -> Iterator[tuple[LocalSwarm, Any, Any, Any]]:
+    """The tiny run averaging as ``averaging`` says (:func:`_averaging_spec`): stage 1 served
+    by two daemons, stages 0 and 2 once, and a pure trainer; yields the swarm, the two
+    stage-1 daemons and the trainer."""
     spec_dir = short_tmpdir("wsw-spec-")
-    spec = make_spec(spec_dir)
+    spec = _averaging_spec(spec_dir, averaging)
     common = (*FAST, *ARGS, "--set", f"node.run_spec={spec}")
     swarm = LocalSwarm(0, extra_args=common, env=ENV)
     try:
@@ -88,7 +95,7 @@ def _stage1_twice(make_spec: Callable[[Path], Path]) -> Iterator[tuple[LocalSwar
 
 
 def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() -> None:
-    with _stage1_twice(_diloco_spec) as (swarm, mid_a, mid_b, trainer):
+    with _stage1_twice(DILOCO) as (swarm, mid_a, mid_b, trainer):
 
         # every (round, digest, participants) each replica reported after a successful round
         seen: dict[str, dict[int, tuple[str, int]]] = {"a": {}, "b": {}}
@@ -142,23 +149,10 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
         assert mid_a.running() and trainer.running()
 
 
-def _gossip_spec(directory: Path) -> Path:
-    """The tiny run averaging by gossip: 2 micro-batches per inner step, a round every 2."""
-    text = TINY.read_text()
-    text = re.sub(r"(?m)^target_batch_size = \d+", "target_batch_size = 16", text)
-    text += (
-        "\n[averaging]\nmode = \"gossip\"\ninner_steps = 2\n"
-        f"round_timeout_s = {ROUND_TIMEOUT_S}\n"
-    )
-    path = directory / "gossip.toml"
-    path.write_text(text)
-    return path
-
-
 def test_gossip_replicas_average_with_each_other_in_real_daemons() -> None:
     """Two stage-1 daemons in ``gossip`` mode take a round together (hivemind's averager
     groups them): both report it successful, with two participants, at the same round."""
-    with _stage1_twice(_gossip_spec) as (swarm, mid_a, mid_b, trainer):
+    with _stage1_twice(GOSSIP) as (swarm, mid_a, mid_b, trainer):
         seen: dict[str, dict[int, int]] = {"a": {}, "b": {}}  # round -> participants
 
         def together() -> bool:
