@@ -92,8 +92,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from pydantic import ValidationError
 from wanswarm.node.config.averaging_spec import AveragingSpec
-from wanswarm.node.config.layers import parse_assignment
+from wanswarm.node.config.layers import describe_validation_error, parse_assignment
 from wanswarm.node.config.runspec import (
     RunSpec,
     RunSpecError,
@@ -184,16 +185,21 @@ def parse_averaging(text: str, base: AveragingSpec | None = None) -> AveragingSp
         if mode == "allreduce" and not rest:
             fields["compression"] = "none"
         elif mode in ("gossip", "diloco") and 1 <= len(rest) <= 2:
-            fields["inner_steps"] = int(rest[0])
+            fields["inner_steps"] = rest[0]  # validated (and made a number) by the spec
             if len(rest) == 2:
+                # gossip_neighbours is a literal 1 or 2, which takes no string
                 fields["gossip_neighbours" if mode == "gossip" else "compression"] = (
-                    int(rest[1]) if mode == "gossip" else rest[1]
+                    int(rest[1]) if mode == "gossip" and rest[1].isdigit() else rest[1]
                 )
         else:
             raise ValueError("use spec, allreduce, gossip:H[:NEIGHBOURS] or diloco:H[:COMPRESSION]")
         raw = (base or AveragingSpec()).model_dump() | fields
         return AveragingSpec.model_validate(raw)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+    except ValidationError as exc:
+        raise BenchmarkError(
+            f"--averaging {text!r}: {describe_validation_error(exc, root=AveragingSpec)}"
+        ) from None
+    except ValueError as exc:  # not one of the forms
         raise BenchmarkError(f"--averaging {text!r}: {exc}") from None
 
 
