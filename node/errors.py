@@ -17,6 +17,7 @@ statuses: ``ConfigError`` is 2 (a usage error), everything else 1. The tree::
     ├── ProbeError                   a ping got no answer in time
     ├── AveragingError               the stage's collaborative optimizer failed (averaging.py)
     ├── PseudoGradientError          an unusable DiLoCo pseudo-gradient (pseudo_gradient.py)
+    ├── PushError                    a malformed progress push from a replica (progress_push.py)
     ├── CheckpointError              a stage checkpoint that does not fit the stage (checkpoint.py)
     ├── StageMemoryError             the stage does not fit the device's memory (memory.py)
     ├── StateTransferError           no donor could serve the stage's state (state_plan.py)

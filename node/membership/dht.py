@@ -609,26 +609,41 @@ def _describe_join_failure(exc: BaseException) -> str:
 
 
 
-def others_samples(metadata: Any, own_peer_id: bytes) -> dict[int, float]:
-    """The samples the other (non-client) replicas' progress records report, summed by epoch;
+def others_records(metadata: Any, own_peer_id: bytes) -> dict[bytes, tuple[int, float]]:
+    """The other (non-client) replicas' progress records: peer id -> (epoch, samples);
     ``metadata`` is the tracker's DHT value (subkey -> ``ValueWithExpiration`` of a
     ``LocalTrainingProgress`` dict), already screened (stage/progress_guard.py). Anything
-    that is not such a record is skipped."""
-    out: dict[int, float] = {}
+    that is not such a record is skipped; of two records of one peer id, the one further on
+    counts."""
+    out: dict[bytes, tuple[int, float]] = {}
     if not isinstance(metadata, dict):
         return out
     for item in metadata.values():
         value = getattr(item, "value", None)
         if not isinstance(value, dict) or value.get("client_mode") is True:
             continue
-        if value.get("peer_id") == own_peer_id:
+        peer = value.get("peer_id")
+        if not isinstance(peer, bytes) or peer == own_peer_id:
             continue
         epoch, samples = value.get("epoch"), value.get("samples_accumulated")
         if (isinstance(epoch, bool) or not isinstance(epoch, int)
                 or isinstance(samples, bool) or not isinstance(samples, (int, float))
                 or not math.isfinite(samples) or samples < 0):
             continue
-        out[epoch] = out.get(epoch, 0.0) + float(samples)
+        record = (epoch, float(samples))
+        out[peer] = max(record, out.get(peer, record))
+    return out
+
+
+def others_samples(metadata: Any, own_peer_id: bytes) -> dict[int, float]:
+    """The samples of :func:`others_records`, summed by epoch."""
+    return sum_by_epoch(others_records(metadata, own_peer_id))
+
+
+def sum_by_epoch(records: dict[bytes, tuple[int, float]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for epoch, samples in records.values():
+        out[epoch] = out.get(epoch, 0.0) + samples
     return out
 
 
@@ -653,19 +668,50 @@ def tidy_optimizer_class() -> type:
     replica's own, as they are now, reach ``target_batch_size`` (or a replica is at a later
     epoch), not when hivemind's estimate of them does: that estimate extrapolates every
     replica's samples per second since its last report, and ended the tiny run's epochs after
-    about 46 of 64 samples (averaging.py)."""
+    about 46 of 64 samples (averaging.py). With ``enable_push`` the other replicas' counts
+    also arrive pushed over libp2p as they change, not only through the DHT
+    (stage/progress_push.py, stage/progress_channel.py)."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
+
+    from ..stage.progress_channel import ProgressChannel
+    from ..stage.progress_push import PushBook
 
     class ClosingProgressTracker(ProgressTracker):
         hold_epoch: Callable[[], bool] | None = None
         exact_epochs = False
-        # samples the other replicas reported, by epoch, as of the last fetch
-        others_samples: dict[int, float] = {}  # noqa: RUF012 (replaced, never mutated)
+        # the other replicas' records, peer id -> (epoch, samples), as of the last fetch
+        replica_records: dict[bytes, tuple[int, float]] = {}  # noqa: RUF012 (replaced)
+        push_book: PushBook | None = None  # enable_push
+        channel: ProgressChannel | None = None  # run
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
-            self.others_samples = others_samples(metadata, bytes(self.local_progress.peer_id))
+            self.replica_records = others_records(
+                metadata, bytes(self.local_progress.peer_id)
+            )
             return super()._parse_swarm_progress_data(metadata)
+
+        @property
+        def others_samples(self) -> dict[int, float]:
+            """The other replicas' samples by epoch: their DHT records, or their pushes
+            where those are further on."""
+            book = self.push_book
+            if book is None:
+                return sum_by_epoch(self.replica_records)
+            return book.merged(self.replica_records, time.monotonic())
+
+        def enable_push(self, book: PushBook) -> None:
+            """Push this replica's count to the other replicas, and take theirs into
+            ``book`` (the channel starts on the tracker's loop)."""
+            self.push_book = book
+
+        def report_local_progress(
+            self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
+        ) -> None:
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+            channel = self.channel
+            if channel is not None:
+                channel.notify()
 
         @property
         def ready_to_update_epoch(self) -> bool:
@@ -673,13 +719,17 @@ def tidy_optimizer_class() -> type:
                 return False
             if self.exact_epochs:
                 local = self.local_progress
+                others = self.others_samples
                 # our own samples as they are now, not as our last published record had them
                 # (hivemind's sum takes that record at each fetch and adds our samples since
                 # the fetch: what we accumulated between publishing and fetching is missed)
-                fresh = self.others_samples.get(local.epoch, 0.0) + local.samples_accumulated
+                fresh = others.get(local.epoch, 0.0) + local.samples_accumulated
                 reported = self.global_progress.samples_accumulated
                 return bool(
                     self.global_epoch > local.epoch
+                    # a replica already past our epoch (its push can say so before the DHT
+                    # does): the epoch is over, and its samples no longer count in it
+                    or any(epoch > local.epoch for epoch in others)
                     or max(fresh, reported) >= self.target_batch_size
                 )
             return bool(super().ready_to_update_epoch)
@@ -687,9 +737,12 @@ def tidy_optimizer_class() -> type:
         def run(self) -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
+            self.channel = ProgressChannel(self)
             try:
                 loop.run_until_complete(
-                    asyncio.gather(self._progress_reporter(), self._progress_fetcher())
+                    asyncio.gather(
+                        self._progress_reporter(), self._progress_fetcher(), self.channel.run()
+                    )
                 )
                 self.shutdown_complete.set()
             finally:

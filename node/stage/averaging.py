@@ -60,7 +60,9 @@ held 51.5 samples of 64 on average, and the swarm took 25 steps where the refere
 (``averaging.exact_epochs``, membership/dht.py); the estimate still decides when
 matchmaking starts. A step then holds the target plus what the replicas accumulate
 between the first one's trigger and the last one's (73.5 samples on average in the same
-run: 17 steps where the reference took 18). Each replica records the samples it brought to
+run: 17 steps where the reference took 18), less since the replicas push their counts to
+each other as they change (``averaging.push_progress``, progress_push.py: 64.3 samples, 18
+steps). Each replica records the samples it brought to
 each step (``step_samples`` in the status); the demo and the swarm benchmark sum them over a
 stage's replicas and print the mean step size beside the target.
 
@@ -106,6 +108,7 @@ from .constraint import SubspaceConstraint
 from .exact_allreduce import ExactGradientAverager
 from .optimizer import make_adamw, make_schedule, set_schedule_epoch
 from .progress_guard import ProgressBounds, guard_tracker
+from .progress_push import PushBook
 from .resync import CatchUp, catch_up_through
 from .state_tensors import (
     MODEL_PREFIX,
@@ -229,6 +232,15 @@ class AveragingConfig(BaseModel):
         description=(
             "End an epoch when the samples the replicas reported reach target_batch_size; "
             "false: when hivemind's extrapolated estimate does (earlier, smaller steps)."
+        ),
+    )
+    push_progress: bool = Field(
+        default=True,
+        description=(
+            "With exact_epochs: the replicas of a stage push their sample counts to each "
+            "other over libp2p as they change (stage/progress_push.py), so that an epoch ends "
+            "at the target rather than up to a micro-batch per replica later (the DHT alone "
+            "carries the counts 0.5-1 s late)."
         ),
     )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
@@ -373,6 +385,10 @@ class CollaborativeOptimizer:
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
         # epochs end at the samples the spec says, not at hivemind's estimate (module docstring)
         self._opt.tracker.exact_epochs = config.exact_epochs
+        if config.exact_epochs and config.push_progress:
+            self._opt.tracker.enable_push(
+                PushBook(target_batch_size=spec.batch.target_batch_size)
+            )
         self.epochs_held = 0
         # (epoch, samples this replica brought to its step), the last few epochs
         self.step_samples: deque[tuple[int, int]] = deque(maxlen=STEP_SAMPLES_KEPT)
@@ -600,9 +616,18 @@ class CollaborativeOptimizer:
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},
             "progress_records_refused": self.progress_screen.refused,
+            # the replicas' counts pushed over libp2p (progress_push.py): sent, failed,
+            # received, refused by reason
+            "progress_pushes": self._push_status(),
             # fell behind and caught up: through our transport, hivemind's, failed, deferred
             "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,
         }
+
+    def _push_status(self) -> dict[str, Any] | None:
+        channel = getattr(self._opt.tracker, "channel", None)
+        if self._opt.tracker.push_book is None or channel is None:
+            return None
+        return dict(channel.status())
 
     def import_state(
         self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]

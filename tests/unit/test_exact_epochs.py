@@ -64,3 +64,10 @@ def test_an_epoch_ends_on_the_others_records_plus_our_samples_as_they_are() -> N
     assert not _ready(6, 8, 5, 0, {5: 64.0})
     # hivemind's sum still counts when it is the larger (never later than before)
     assert _ready(5, 0, 5, 64, {})
+
+
+def test_a_replica_already_past_our_epoch_ends_it() -> None:
+    # its push says epoch 6 before the DHT does (global epoch still 5): its samples left
+    # epoch 5's count, and the epoch is over all the same
+    assert _ready(5, 24, 5, 24, {6: 0.0})
+    assert not _ready(5, 24, 5, 24, {5: 16.0, 4: 8.0})

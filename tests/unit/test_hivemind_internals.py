@@ -88,3 +88,31 @@ def test_tracker_run_and_factory_used_by_the_dht_adapter() -> None:
     for arg in ("dht=self.dht", "prefix=self.run_id", "client_mode=self.client_mode",
                 "status_loglevel=self.status_loglevel", "start=True"):
         assert arg in source, f"{where}: Optimizer._make_progress_tracker no longer passes {arg}"
+
+
+def test_what_the_progress_channel_uses_of_hivemind() -> None:
+    """node/stage/progress_channel.py replicates the DHT's p2pd client, registers a binary
+    stream handler and opens streams through the daemon's control protocol itself."""
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings import control, p2pclient, utils
+    from hivemind.proto import p2pd_pb2
+
+    where = "node/stage/progress_channel.py"
+    assert callable(getattr(DHT, "_get_p2p_daemon_listen_maddr", None)), where
+    assert callable(getattr(DHT, "run_coroutine", None)), where
+    for name in ("replicate", "add_binary_stream_handler", "remove_binary_stream_handler"):
+        assert callable(getattr(P2P, name, None)), f"{where}: P2P.{name} is gone"
+    assert "self._client" in inspect.getsource(P2P), f"{where}: P2P._client is gone"
+    assert "control: ControlClient" in inspect.getsource(p2pclient.Client), where
+    assert "self.daemon_connector" in inspect.getsource(control.ControlClient), where
+    for name in ("raise_if_failed", "read_pbmsg_safe", "write_pbmsg"):
+        assert callable(getattr(utils, name, None)), f"{where}: {name} is gone"
+    request = p2pd_pb2.Request(
+        type=p2pd_pb2.Request.STREAM_OPEN,
+        streamOpen=p2pd_pb2.StreamOpenRequest(peer=b"x", proto=["p"]),
+    )
+    assert request.streamOpen.proto == ["p"]
+    # how hivemind's own stream open reads the reply (ours is the same, plus the close)
+    source = inspect.getsource(control.ControlClient.stream_open)
+    assert "raise_if_failed(resp)" in source and "STREAM_OPEN" in source, where
