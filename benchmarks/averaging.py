@@ -222,16 +222,9 @@ def train(mode: Mode, spec: RunSpec, args: argparse.Namespace, corpus: Any) -> d
 
 
 def split_fragments(module: torch.nn.Module, n: int) -> list[list[str]]:
-    """The stage's parameter names in ``n`` fragments of about equal size (largest tensor to
-    the lightest fragment first; ties by name, so every replica splits the same way)."""
-    sizes = sorted(((p.numel(), name) for name, p in module.named_parameters()), reverse=True)
-    frags: list[list[str]] = [[] for _ in range(n)]
-    load = [0] * n
-    for numel, name in sizes:
-        i = min(range(n), key=lambda k: (load[k], k))
-        frags[i].append(name)
-        load[i] += numel
-    return [sorted(f) for f in frags if f]
+    """The stage's parameter names in ``n`` fragments of about equal size, as the daemon
+    splits them (``outer.split_fragments``)."""
+    return outer.split_fragments({name: p.numel() for name, p in module.named_parameters()}, n)
 
 
 def outer_round(
@@ -291,10 +284,7 @@ def _fragment(
     params = _params(rep.module)
     if names is None:
         return rep.outer, params
-    state = outer.OuterState(
-        anchor={n: rep.outer.anchor[n] for n in names},
-        momentum={n: rep.outer.momentum[n] for n in names},
-    )
+    state = outer.fragment_view(rep.outer, names)
     return state, {n: params[n] for n in names}
 
 

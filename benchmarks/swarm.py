@@ -58,14 +58,15 @@ Targets (from the issue), marked met or missed: wan tokens/s >= 70% of lan for e
 final validation loss at most 2% above the reference for int8 and 3% for int4.
 
 ``--averaging`` runs every configuration once per stage averaging mode (the run spec's
-``[averaging]`` section: ``allreduce``, ``gossip:H[:NEIGHBOURS]``, ``diloco:H[:COMPRESSION]``;
-``spec``, the default, keeps the base spec's). With an all-reduce row and a gossip row of the
-same profile and codec, the report sets the measured speed-up of gossip (its tokens/s over
-the all-reduce's) beside the one Decent-DP's runtime model predicts (node/stage/gossip.py)
-from what the same two runs measured: gamma, the all-reduce run's device-thread seconds
-inside the optimizer (where a synchronous step waits for its all-reduce) over its seconds
-running requests; omega, the libp2p bytes per token across the emulated links, gossip's over
-the all-reduce's; sigma^2 is not measured (0). The validation losses come with it.
+``[averaging]`` section: ``allreduce``, ``gossip:H[:NEIGHBOURS]``,
+``diloco:H[:COMPRESSION[:FRAGMENTS]]``; ``spec``, the default, keeps the base spec's). With
+an all-reduce row and a gossip row of the same profile and codec, the report sets the
+measured speed-up of gossip (its tokens/s over the all-reduce's) beside the one Decent-DP's
+runtime model predicts (node/stage/gossip.py) from what the same two runs measured: gamma,
+the all-reduce run's device-thread seconds inside the optimizer (where a synchronous step
+waits for its all-reduce) over its seconds running requests; omega, the libp2p bytes per
+token across the emulated links, gossip's over the all-reduce's; sigma^2 is not measured
+(0). The validation losses come with it.
 
 Output: progress lines on stderr while each configuration runs, then on stdout a table and
 the target checks and, as the last line, one JSON object ``{"reference": {"tokens_per_s",
@@ -174,25 +175,29 @@ def to_toml(data: dict[str, Any], _prefix: str = "") -> str:
 
 def parse_averaging(text: str, base: AveragingSpec | None = None) -> AveragingSpec | None:
     """An ``--averaging`` item as the ``[averaging]`` section it asks for (None for ``spec``:
-    the base spec's own): ``allreduce``, ``gossip:H[:NEIGHBOURS]``, ``diloco:H[:COMPRESSION]``;
-    the base spec's other averaging fields (timeouts, outer lr) are kept. BenchmarkError
+    the base spec's own): ``allreduce``, ``gossip:H[:NEIGHBOURS]``,
+    ``diloco:H[:COMPRESSION[:FRAGMENTS]]`` (fragments: Streaming DiLoCo); the base spec's
+    other averaging fields (timeouts, outer lr) are kept. BenchmarkError
     says what is wrong."""
     if text == "spec":
         return None
     mode, *rest = text.split(":")
-    fields: dict[str, Any] = {"mode": mode}
+    fields: dict[str, Any] = {"mode": mode, "fragments": 1}
+    forms = "use spec, allreduce, gossip:H[:NEIGHBOURS] or diloco:H[:COMPRESSION[:FRAGMENTS]]"
     try:
         if mode == "allreduce" and not rest:
             fields["compression"] = "none"
-        elif mode in ("gossip", "diloco") and 1 <= len(rest) <= 2:
+        elif 1 <= len(rest) <= {"gossip": 2, "diloco": 3}.get(mode, -1):
             fields["inner_steps"] = rest[0]  # validated (and made a number) by the spec
-            if len(rest) == 2:
+            if len(rest) >= 2:
                 # gossip_neighbours is a literal 1 or 2, which takes no string
                 fields["gossip_neighbours" if mode == "gossip" else "compression"] = (
                     int(rest[1]) if mode == "gossip" and rest[1].isdigit() else rest[1]
                 )
+            if len(rest) == 3:
+                fields["fragments"] = rest[2]  # Streaming DiLoCo
         else:
-            raise ValueError("use spec, allreduce, gossip:H[:NEIGHBOURS] or diloco:H[:COMPRESSION]")
+            raise ValueError(forms)
         raw = (base or AveragingSpec()).model_dump() | fields
         return AveragingSpec.model_validate(raw)
     except ValidationError as exc:
@@ -697,8 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="spec",
         help="stage averaging modes to run each configuration in, comma-separated: spec (the "
         "base spec's [averaging], default), allreduce, gossip:H[:NEIGHBOURS], "
-        "diloco:H[:COMPRESSION]; with allreduce and gossip the report adds the measured "
-        "gossip speed-up beside Decent-DP's predicted one",
+        "diloco:H[:COMPRESSION[:FRAGMENTS]] (FRAGMENTS: Streaming DiLoCo); with allreduce and "
+        "gossip the report adds the measured gossip speed-up beside Decent-DP's predicted one",
     )
     return parser
 

@@ -13,7 +13,9 @@ Modes (docs/averaging.md):
   micro-batches, then the replicas average the pseudo-gradient (the parameters' change
   since the last outer step) and take one outer Nesterov step (``outer_lr``,
   ``outer_momentum``); the pseudo-gradient may be compressed (``compression``) with error
-  feedback;
+  feedback; with ``fragments`` > 1 the stage's parameters are split into that many fragments
+  and each outer round carries one of them, in turn, every ``inner_steps / fragments`` inner
+  steps (Streaming DiLoCo): each fragment still takes its round every H steps;
 - ``gossip``: ``inner_steps`` local AdamW steps, then each replica averages its parameters
   with ``gossip_neighbours`` other replicas, a different group every round, instead of with
   every replica (Decent-DP; the daemon forms random groups, benchmarks/averaging.py the
@@ -94,6 +96,17 @@ class AveragingSpec(BaseModel):
         default=1,
         description="Peers a gossip round averages with (Decent-DP: one or two).",
     )
+    fragments: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Streaming DiLoCo (diloco only): the stage's parameters in this many fragments of "
+            "about equal size; an outer round carries one fragment, in turn, every "
+            "inner_steps / fragments inner steps (a multiple of it), so each fragment is "
+            "averaged every inner_steps steps and a round sends 1/fragments of the stage."
+        ),
+    )
     round_timeout_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -117,6 +130,17 @@ class AveragingSpec(BaseModel):
                 f"averaging.compression = {self.compression!r} compresses pseudo-gradients, which "
                 "'gossip' does not send (it averages float32 parameters); use mode = 'diloco' "
                 "for a compressed exchange"
+            )
+        if self.fragments > 1 and self.mode != "diloco":
+            raise ValueError(
+                f"averaging.fragments = {self.fragments} streams DiLoCo's outer rounds; "
+                f"mode {self.mode!r} has none: set averaging.fragments = 1 or mode = 'diloco'"
+            )
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"averaging.inner_steps ({self.inner_steps}) must be a multiple of "
+                f"averaging.fragments ({self.fragments}): a round comes every "
+                "inner_steps / fragments inner steps"
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(

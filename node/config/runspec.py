@@ -673,10 +673,12 @@ _ADDED_FIELDS: dict[str, tuple[str, ...]] = {
         "format", "text_field", "tokenizer", "tokenizer_sha256", "eos_token", "fingerprint",
         "shards",
     ),
+    "averaging": ("fragments",),
 }
 _ADDED_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": ModelSpec().model_dump(mode="json"),
     "data": DataSpec().model_dump(mode="json"),
+    "averaging": AveragingSpec().model_dump(mode="json"),
 }
 
 

@@ -19,6 +19,18 @@ other replicas (outer.py):
    device thread trains on meanwhile (``_outer_round`` starts it, ``_poll_round`` finishes
    it from ``step`` or the server's periodic ``step_if_due``).
 
+Streaming (``[averaging] fragments`` = F > 1, Streaming DiLoCo, arXiv:2501.18512): the
+stage's parameters are split into F fragments of about equal size (outer.split_fragments,
+the same split on every replica) and a round comes every H / F inner steps, carrying the
+fragment ``round % F`` only: its pseudo-gradient since that fragment's last round, weighted
+by the samples trained since then, and the outer step on that fragment's anchor and
+momentum. Each fragment is still averaged every H inner steps, a round sends 1 / F of the
+stage (so stages F times larger fit a round's payload), and the rounds overlap inner steps
+as above (the paper mixes the outer result with the local parameters by a factor; here the
+inner steps taken during the round are added on top of the new anchor, as without
+fragments). The round number counts every fragment's round: a state of round r is at inner
+epoch r H / F.
+
 Why the all-gather and not hivemind's all-reduce of ``averaged_tensors``: its butterfly hands
 a peer back ``x + (mean - x)`` for its own ``x``, which differs from the mean in the last
 bits from peer to peer, so replicas would drift apart by rounding; and its wire compressions
@@ -70,9 +82,11 @@ from .outer import (
     MOMENTUM_PREFIX,
     RESIDUAL_PREFIX,
     OuterState,
+    fragment_view,
     load_anchor,
     nesterov_step,
     pseudo_gradient,
+    split_fragments,
     weighted_mean,
 )
 from .pseudo_gradient import ErrorFeedback, PseudoGradientCodec, PseudoGradientError
@@ -193,11 +207,12 @@ class _Round:
     pending: PendingGather
     started: float
     round: int  # the outer round it belongs to
+    fragment: int  # the fragment it averages (0 without streaming)
     digest: str
     payload_len: int
-    samples: float  # the weight it sent: samples since the last completed round
+    samples: float  # the weight it sent: samples since the fragment's last completed round
     saved: dict[str, torch.Tensor]  # residuals before its encode, restored if it fails
-    params: dict[str, torch.Tensor]  # the parameters its pseudo-gradient was taken from
+    params: dict[str, torch.Tensor]  # the fragment's parameters its pseudo-gradient came from
     epoch: int  # the inner epoch then
 
 
@@ -230,19 +245,31 @@ class DilocoOptimizer(InnerStepsOptimizer):
             self.averaging.compression, self.averaging.block_size, self.averaging.topk_density
         )
         self.feedback = ErrorFeedback(self.codec)
-        self._samples = 0.0  # samples trained on since the last completed round
+        sizes = {n: self.outer.anchor[n].numel() for n in self._names}
+        n_fragments = self.averaging.fragments
+        if n_fragments > len(sizes):
+            raise AveragingError(
+                f"stage {stage} has {len(sizes)} parameter tensors, fewer than "
+                f"averaging.fragments ({n_fragments}): lower averaging.fragments"
+            )
+        self._fragments = split_fragments(sizes, n_fragments)
+        self._every = self.averaging.inner_steps // n_fragments
+        # samples trained on since each fragment's last completed round
+        self._samples = [0.0] * len(self._fragments)
         self._group = 1
         self.rounds_adopted = 0
         self.payload_bytes_sent = 0
-        self._shapes = [tuple(self.outer.anchor[n].shape) for n in self._names]
-        self.payload_nbytes = sum(
-            self.codec.payload_nbytes(self.outer.anchor[n].numel()) for n in self._names
-        )
+        self._shapes = {n: tuple(self.outer.anchor[n].shape) for n in self._names}
+        self._fragment_nbytes = [
+            sum(self.codec.payload_nbytes(sizes[n]) for n in names) for names in self._fragments
+        ]
+        self.payload_nbytes = max(self._fragment_nbytes)  # the largest round's payload
         if self.payload_nbytes > MAX_PAYLOAD_BYTES:
             raise AveragingError(
                 f"stage {stage}'s {self.averaging.compression} pseudo-gradient is "
-                f"{self.payload_nbytes} bytes, over the {MAX_PAYLOAD_BYTES} an outer round "
-                "carries: set averaging.compression to a smaller codec (int8, int4, sign, topk)"
+                f"{self.payload_nbytes} bytes a round, over the {MAX_PAYLOAD_BYTES} an outer "
+                "round carries: set averaging.compression to a smaller codec (int8, int4, "
+                "sign, topk) or raise averaging.fragments (each round carries one fragment)"
             )
         self._carrier = carrier(self._shared_state)
         self._round: _Round | None = None  # the round whose gather is under way
@@ -250,7 +277,12 @@ class DilocoOptimizer(InnerStepsOptimizer):
     # ---- the StageOptimizer contract -----------------------------------------------------
 
     def _accumulated(self, batch_size: int) -> None:
-        self._samples += batch_size
+        for f in range(len(self._samples)):
+            self._samples[f] += batch_size
+
+    @property
+    def round_every(self) -> int:
+        return self._every
 
     def _start_round(self) -> None:
         self._outer_round()
@@ -282,6 +314,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
             "mode": "diloco",
             **self._round_status(),
             "compression": self.averaging.compression,
+            "fragments": len(self._fragments),
+            "next_fragment": self.outer.round % len(self._fragments),
             "last_round": self.outer.round,
             "anchor_digest": self.last_round.get("anchor_digest"),
             "payload_bytes": self.payload_nbytes,
@@ -307,17 +341,20 @@ class DilocoOptimizer(InnerStepsOptimizer):
         and with them its partners' inner steps: two replicas then take turns in rounds
         that never meet."""
         started = time.monotonic()
-        params = self._params()
+        fragment = self.outer.round % len(self._fragments)
+        names = self._fragments[fragment]
+        every = self._params()
+        params = {n: every[n] for n in names}
         saved = {n: r.clone() for n, r in self.feedback.residuals.items()}
         try:
-            delta = pseudo_gradient(self.outer.anchor, params)
-            payload = b"".join(self.feedback.encode(n, delta[n])[0] for n in self._names)
+            delta = pseudo_gradient({n: self.outer.anchor[n] for n in names}, params)
+            payload = b"".join(self.feedback.encode(n, delta[n])[0] for n in names)
         except PseudoGradientError as exc:
             self.feedback.residuals = saved
             log.warning("%s: no outer round: %s", self.run_id, exc)
             return
         digest = anchor_digest(self.outer)
-        weight = max(self._samples, 1e-3)
+        weight = max(self._samples[fragment], 1e-3)
         data = {"round": self.outer.round, "anchor": digest, "weight": weight,
                 "payload": payload}
         if self._alone():
@@ -329,7 +366,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
             else:
                 pending = _Finished(self._carrier.gather(data, self.averaging.round_timeout_s))
         self._round = _Round(
-            pending, started, self.outer.round, digest, len(payload), self._samples, saved,
+            pending, started, self.outer.round, fragment, digest, len(payload),
+            self._samples[fragment], saved,
             {n: p.detach().clone() for n, p in params.items()}, self._inner.local_epoch,
         )
         self._poll_round()
@@ -363,9 +401,11 @@ class DilocoOptimizer(InnerStepsOptimizer):
             adopted = self.load_state_from_peers()
             self._record(current.started, group, sent, ok=False, adopted=adopted)
             return
+        names = self._fragments[current.fragment]
         contributions = []
         for peer in sorted(gathered):
-            decoded = self._contribution(peer, gathered[peer], current.digest)
+            decoded = self._contribution(peer, gathered[peer], current.digest, names,
+                                         self._fragment_nbytes[current.fragment])
             if decoded is not None:
                 contributions.append(decoded)
         if not contributions:  # not even ours: cannot happen unless the carrier lost it
@@ -373,23 +413,27 @@ class DilocoOptimizer(InnerStepsOptimizer):
             self._record(current.started, group, sent, ok=False, adopted=False)
             return
         mean = weighted_mean(contributions)
-        params = self._params()
+        every = self._params()
+        params = {n: every[n] for n in names}
+        view = fragment_view(self.outer, names)  # the whole state without fragments
         with self._lock:
-            nesterov_step(self.outer, mean, self.averaging.outer_lr, self.averaging.outer_momentum)
+            nesterov_step(view, mean, self.averaging.outer_lr, self.averaging.outer_momentum)
+            self.outer.round += 1
             if self._inner.local_epoch == current.epoch:  # no inner step while it ran
-                load_anchor(params, self.outer)
+                load_anchor(params, view)
             else:
                 # the new anchor plus the inner steps this replica took while the gather
                 # ran: they enter the next pseudo-gradient, so no sample's update is lost
                 for name, p in params.items():
                     moved = p - current.params[name]
                     p.copy_(self.outer.anchor[name]).add_(moved)
-        self._samples = max(self._samples - current.samples, 0.0)
+        f = current.fragment
+        self._samples[f] = max(self._samples[f] - current.samples, 0.0)
         self._group = len(contributions)
         self._record(current.started, len(contributions), sent, ok=True, adopted=False)
 
     def _contribution(
-        self, peer: str, data: Any, digest: str
+        self, peer: str, data: Any, digest: str, names: list[str], nbytes: int
     ) -> tuple[dict[str, torch.Tensor], float] | None:
         """A group member's decoded pseudo-gradient and weight, or None (logged) when it is
         not one of this round's: another anchor, an absurd weight, a payload that does not
@@ -403,12 +447,13 @@ class DilocoOptimizer(InnerStepsOptimizer):
             return None
         if (isinstance(weight, bool) or not isinstance(weight, (int, float))
                 or not 0 < weight <= MAX_WEIGHT or not isinstance(payload, bytes)
-                or len(payload) != self.payload_nbytes):
+                or len(payload) != nbytes):
             log.warning("%s: %s sent a malformed contribution; left out", self.run_id, peer[:12])
             return None
         out, offset = {}, 0
         try:
-            for name, shape in zip(self._names, self._shapes, strict=True):
+            for name in names:
+                shape = self._shapes[name]
                 size = self.codec.payload_nbytes(math.prod(shape))
                 out[name] = self.codec.decode(payload[offset : offset + size], shape)
                 offset += size
@@ -451,7 +496,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
             momentum = dict(zip(self._names, tensors[n:], strict=True))
             check_fits(expected, anchor)
             check_fits(expected, momentum)
-            epoch = checked_epoch(round_ * self.averaging.inner_steps)
+            epoch = checked_epoch(round_ * self._every)
         except CheckpointError as exc:
             log.warning("%s: refusing an outer state from peers: %s", self.run_id, exc)
             return False
@@ -470,7 +515,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
             load_anchor(self._params(), self.outer)
         self.feedback.reset()  # residuals toward an anchor that is gone
         self._since_round = 0
-        self._samples = 0.0
+        self._samples = [0.0] * len(self._fragments)
 
     # ---- state: shared (transfer) and own (checkpoints) --------------------------------------
 
@@ -496,7 +541,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
         with self._lock:
             tensors = snapshot(self._shared_live())
             round_ = self.outer.round
-        return round_ * self.averaging.inner_steps, tensors, {"outer_round": round_}
+        return round_ * self._every, tensors, {"outer_round": round_}
 
     def export_checkpoint(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         """This replica's whole state: current parameters, inner AdamW, outer state, residuals."""
@@ -539,8 +584,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
             self.feedback.residuals = {
                 n: tensors[RESIDUAL_PREFIX + n].clone() for n in self._names
             }
-        self._since_round = min(since, self.averaging.inner_steps)
-        self._samples = 0.0
+        self._since_round = min(since, self._every)
+        self._samples = [0.0] * len(self._fragments)
 
 
 def make_diloco_optimizer(

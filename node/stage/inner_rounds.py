@@ -78,7 +78,7 @@ class InnerStepsOptimizer:
         if self._inner.local_epoch == before:
             return
         self._since_round += 1
-        if self._since_round >= self.averaging.inner_steps and not self.round_in_progress:
+        if self._since_round >= self.round_every and not self.round_in_progress:
             self._since_round = 0
             self._start_round()
 
@@ -87,6 +87,11 @@ class InnerStepsOptimizer:
         # ended while no micro-batch came is finished here
         self._poll_round()
         return False
+
+    @property
+    def round_every(self) -> int:
+        """Inner steps between two rounds (H; DiLoCo's fragments divide it)."""
+        return int(self.averaging.inner_steps)
 
     @property
     def local_epoch(self) -> int:
@@ -135,4 +140,4 @@ class InnerStepsOptimizer:
         self.rounds_missed += 1
         self._missed_in_a_row += 1
         if self._missed_in_a_row < RETRIES_AFTER_ONE_STEP:
-            self._since_round = max(self._since_round, self.averaging.inner_steps - 1)
+            self._since_round = max(self._since_round, self.round_every - 1)

@@ -16,6 +16,11 @@ its own micro-batches). An outer round then:
 
 4. sets the replica's parameters to the new anchor.
 
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512) splits the stage's parameters into
+fragments (:func:`split_fragments`) and takes each round on one of them, in turn: the round is
+the same arithmetic on the fragment's view of the state (:func:`fragment_view`, the same
+tensors), and ``round`` counts every fragment's round.
+
 Every participant computes the same mean from the same bits and applies the same step to
 the same anchor and momentum, so the replicas are bit-identical after a round. The outer
 state (anchor, momentum, round number) and the replica's own residuals are named tensors
@@ -54,6 +59,32 @@ class OuterState:
         """The outer state as named tensors (live: copying into them installs)."""
         out = {ANCHOR_PREFIX + n: t for n, t in self.anchor.items()}
         return out | {MOMENTUM_PREFIX + n: t for n, t in self.momentum.items()}
+
+
+def split_fragments(sizes: Mapping[str, int], n: int) -> list[list[str]]:
+    """The names of ``sizes`` (name -> number of values) in at most ``n`` fragments of about
+    equal size: the largest tensor goes to the lightest fragment first, ties by name, so
+    every replica splits the same way; each fragment's names sorted, empty ones dropped."""
+    if n < 1:
+        raise ValueError(f"fragments must be at least 1, got {n}")
+    order = sorted(((numel, name) for name, numel in sizes.items()), reverse=True)
+    frags: list[list[str]] = [[] for _ in range(n)]
+    load = [0] * n
+    for numel, name in order:
+        i = min(range(n), key=lambda k: (load[k], k))
+        frags[i].append(name)
+        load[i] += numel
+    return [sorted(f) for f in frags if f]
+
+
+def fragment_view(state: OuterState, names: Sequence[str]) -> OuterState:
+    """``state`` restricted to ``names``: the same tensors, so a step on the view steps the
+    state (its ``round`` is the view's own: the caller advances the state's)."""
+    return OuterState(
+        anchor={n: state.anchor[n] for n in names},
+        momentum={n: state.momentum[n] for n in names},
+        round=state.round,
+    )
 
 
 @torch.no_grad()

@@ -2,7 +2,9 @@
 
 Stage 1 of the tiny run is served twice (``node.stage`` pins), stages 0 and 2 once, and a
 pure trainer routes micro-batches through them; the run averages in ``diloco`` mode every
-2 inner steps with int8 pseudo-gradients and error feedback. What #18 asks of the swarm:
+2 inner steps with int8 pseudo-gradients and error feedback, streamed in 2 fragments (a
+round every inner step, each carrying one half of the stage in turn: the same code as one
+fragment, which rounds of ``round % 1`` are). What #18 asks of the swarm:
 
 - after an outer round, every replica of the stage holds the same outer state: both report
   the same anchor digest for the same round, reached by the two of them together;
@@ -43,7 +45,7 @@ ARGS: tuple[str, ...] = (
 # each mode's [averaging] section: a round every 2 inner steps of 2 micro-batches each
 DILOCO = (
     'mode = "diloco"\ninner_steps = 2\nouter_lr = 1.0\nouter_momentum = 0.5\n'
-    'compression = "int8"\n'
+    'compression = "int8"\nfragments = 2\n'
 )
 GOSSIP = 'mode = "gossip"\ninner_steps = 2\n'
 
@@ -104,6 +106,7 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
             for key, node in (("a", mid_a), ("b", mid_b)):
                 avg = _averaging(node)
                 assert avg.get("mode", "diloco") == "diloco", avg
+                assert avg.get("fragments", 2) == 2, avg
                 if avg.get("last_round_ok") and avg.get("anchor_digest"):
                     seen[key][int(avg["last_round"])] = (
                         str(avg["anchor_digest"]), int(avg["participants"])

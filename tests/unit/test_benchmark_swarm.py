@@ -455,13 +455,17 @@ def test_averaging_items_set_the_spec_section_and_bad_ones_are_refused(tmp_path:
     assert (gossip.mode, gossip.inner_steps, gossip.gossip_neighbours) == ("gossip", 4, 2)
     diloco = bench.parse_averaging("diloco:8:sign")
     assert (diloco.mode, diloco.inner_steps, diloco.compression) == ("diloco", 8, "sign")
+    streamed = bench.parse_averaging("diloco:8:int8:4")
+    assert (streamed.inner_steps, streamed.compression, streamed.fragments) == (8, "int8", 4)
     variant, path = bench.write_spec_variant(base, "int8", tmp_path, "gossip:4")
     assert load_run_spec(path) == variant and variant.averaging.mode == "gossip"
     assert {f.split(".")[0] for f in differing_fields(base, variant)} == {"averaging"}
     assert bench.spec_variant(base, "int8", "spec")[0].averaging == base.averaging
     for bad, message in [("gossip", "gossip:H"), ("gossip:0", "inner_steps"),
                          ("gossip:4:3", "gossip_neighbours"), ("diloco:4:zip", "compression"),
-                         ("allreduce:2", "use spec"), ("sgd", "use spec")]:
+                         ("allreduce:2", "use spec"), ("sgd", "use spec"),
+                         ("diloco:6:int8:4", "multiple of averaging.fragments"),
+                         ("gossip:4:1:2", "use spec")]:
         with pytest.raises(bench.BenchmarkError, match=message):
             bench.parse_averaging(bad)
     with pytest.raises(bench.BenchmarkError, match="--averaging 'gossip:x'"):
