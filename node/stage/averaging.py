@@ -380,6 +380,17 @@ class CollaborativeOptimizer:
             raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
         if delayed:
             self._opt.tracker.hold_epoch = self._hold_epoch
+        # steps taken with this replica's own gradients, not the stage's average (hivemind
+        # falls back to them when a round fails or finds nobody): each one sets the replicas
+        # apart until parameters are averaged again
+        self.local_gradient_steps = 0
+        fallback = self._opt._load_local_gradients_into_optimizer
+
+        def counted_fallback() -> None:
+            self.local_gradient_steps += 1
+            fallback()
+
+        self._opt._load_local_gradients_into_optimizer = counted_fallback
         # a round that outlives this is left to hivemind's own wait (which times out)
         self.hold_limit_s = 2 * config.averaging_timeout
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
@@ -612,6 +623,7 @@ class CollaborativeOptimizer:
             "epochs_held": self.epochs_held,
             # epochs already full when a micro-batch of ours arrived: stepped without it
             "epochs_ended_before_a_batch": self.epochs_ended_before_a_batch,
+            "local_gradient_steps": self.local_gradient_steps,
             # the samples this replica brought to each of its last steps; summed over a
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..stage.fingerprint import relative_distance
+
 Status = dict[str, Any]
 
 
@@ -131,11 +133,35 @@ def averaging_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
     replica's rounds taken (``last_round``: the epoch for the per-step all-reduce, the outer
     or gossip round otherwise), and for DiLoCo and gossip the rounds missed, the rounds due
     while a replica knew no partner (gossip), the rounds under way and the bytes the rounds
-    sent, summed. None when no replica reported one."""
+    sent, summed; ``replicas_agree``: whether the replicas that last stepped at the same
+    epoch hold the same parameters (their ``param_digest``; None when no two replicas are at
+    the same epoch). None when no replica reported one."""
     found = [(s.get("averaging") or {}) for s in servers if s]
     found = [a for a in found if a.get("mode")]
     if not found:
         return None
+    by_epoch: dict[Any, set[Any]] = {}
+    counts: dict[Any, int] = {}
+    for s in servers:
+        if s and s.get("param_digest"):
+            epoch = s.get("digest_epoch")
+            by_epoch.setdefault(epoch, set()).add(s["param_digest"])
+            counts[epoch] = counts.get(epoch, 0) + 1
+    shared = [e for e, n in counts.items() if n > 1]
+    agree = all(len(by_epoch[e]) == 1 for e in shared) if shared else None
+    # how far apart they are: the largest relative distance of two replicas' parameter
+    # sketches at the same epoch (fingerprint.py; about 1e-7 is rounding, 1e-3 a real split)
+    sketches: dict[Any, list[list[float]]] = {}
+    for s in servers:
+        sketch = s.get("param_sketch") if s else None
+        if isinstance(sketch, list) and sketch:
+            sketches.setdefault(s.get("digest_epoch"), []).append(sketch)
+    distances = [
+        relative_distance(group[0], other)
+        for group in sketches.values() if len(group) > 1
+        for other in group[1:] if len(other) == len(group[0])
+    ]
+    distance = float(f"{max(distances):.3g}") if distances else None
     return {
         "mode": found[0]["mode"],
         "rounds": [a.get("last_round") for a in found],
@@ -144,6 +170,10 @@ def averaging_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
         "rounds_alone": sum(int(a.get("rounds_alone") or 0) for a in found),
         "in_progress": sum(bool(a.get("round_in_progress")) for a in found),
         "bytes_sent": sum(int(a.get("bytes_sent_total") or 0) for a in found),
+        "replicas_agree": agree,
+        "replica_distance": distance,
+        # per-step all-reduce: steps a replica took on its own gradients (a failed round)
+        "local_gradient_steps": sum(int(a.get("local_gradient_steps") or 0) for a in found),
     }
 
 

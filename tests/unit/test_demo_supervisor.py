@@ -259,7 +259,8 @@ def test_step_size_sums_the_replicas_over_the_epochs_they_all_list() -> None:
     assert demo_figures.stage_table(rows)[1].split()[-1] == "32.0"
     assert rows[0]["averaging"] == {
         "mode": "allreduce", "rounds": [None], "last_round_s": [None], "rounds_missed": 0,
-        "rounds_alone": 0, "in_progress": 0, "bytes_sent": 0,
+        "rounds_alone": 0, "in_progress": 0, "bytes_sent": 0, "replicas_agree": None,
+        "replica_distance": None, "local_gradient_steps": 0,
     }
 
 
@@ -274,8 +275,22 @@ def test_the_averaging_summary_sums_rounds_missed_and_bytes_over_replicas() -> N
     ])
     assert summary == {"mode": "gossip", "rounds": [3, 4], "last_round_s": [1.5, None],
                        "rounds_missed": 1,
-                       "rounds_alone": 2, "in_progress": 1, "bytes_sent": 3500}
+                       "rounds_alone": 2, "in_progress": 1, "bytes_sent": 3500,
+                       "replicas_agree": None, "replica_distance": None,
+                       "local_gradient_steps": 0}
     assert demo_figures.averaging_summary([{}, {"averaging": {}}]) is None
+
+    def at(epoch: int, digest: str) -> dict[str, Any]:
+        return {"averaging": {"mode": "allreduce"}, "digest_epoch": epoch, "param_digest": digest}
+
+    agree = demo_figures.averaging_summary([at(5, "aa"), at(5, "aa"), at(4, "bb")])
+    assert agree is not None and agree["replicas_agree"] is True
+    differ = demo_figures.averaging_summary([at(5, "aa"), at(5, "ab")])
+    assert differ is not None and differ["replicas_agree"] is False
+    sketched = [at(5, "aa") | {"param_sketch": [3.0, 4.0]},
+                at(5, "ab") | {"param_sketch": [3.0, 4.5]}]
+    far = demo_figures.averaging_summary(sketched)
+    assert far is not None and far["replica_distance"] == 0.1  # |(0, 0.5)| / |(3, 4)|
 
 
 def test_a_report_ends_the_progress_line_redrawn_in_place(tmp_path: Path) -> None:

@@ -116,3 +116,13 @@ def test_what_the_progress_channel_uses_of_hivemind() -> None:
     # how hivemind's own stream open reads the reply (ours is the same, plus the close)
     source = inspect.getsource(control.ControlClient.stream_open)
     assert "raise_if_failed(resp)" in source and "STREAM_OPEN" in source, where
+
+
+def test_the_local_gradient_fallback_the_optimizer_counts() -> None:
+    """node/stage/averaging.py counts the steps hivemind takes on a replica's own gradients
+    by wrapping ``Optimizer._load_local_gradients_into_optimizer`` on the instance."""
+    where = "node/stage/averaging.py"
+    fallback = getattr(hivemind.Optimizer, "_load_local_gradients_into_optimizer", None)
+    assert callable(fallback), f"{where}: Optimizer._load_local_gradients_into_optimizer is gone"
+    source = inspect.getsource(hivemind.Optimizer._average_gradients_and_load_into_optimizer)
+    assert "self._load_local_gradients_into_optimizer()" in source, where
