@@ -60,9 +60,9 @@ held 51.5 samples of 64 on average, and the swarm took 25 steps where the refere
 (``averaging.exact_epochs``, membership/dht.py); the estimate still decides when
 matchmaking starts. A step then holds the target plus what the replicas accumulate
 between the first one's trigger and the last one's (73.5 samples on average in the same
-run: 17 steps where the reference took 18), less since the replicas push their counts to
+run: 17 steps where the reference took 18), less when the replicas push their counts to
 each other as they change (``averaging.push_progress``, progress_push.py: 64.3 samples, 18
-steps). Each replica records the samples it brought to
+steps; off by default, docs/averaging.md says why). Each replica records the samples it brought to
 each step (``step_samples`` in the status); the demo and the swarm benchmark sum them over a
 stage's replicas and print the mean step size beside the target.
 
@@ -235,12 +235,13 @@ class AveragingConfig(BaseModel):
         ),
     )
     push_progress: bool = Field(
-        default=True,
+        default=False,
         description=(
             "With exact_epochs: the replicas of a stage push their sample counts to each "
             "other over libp2p as they change (stage/progress_push.py), so that an epoch ends "
             "at the target rather than up to a micro-batch per replica later (the DHT alone "
-            "carries the counts 0.5-1 s late)."
+            "carries the counts 0.5-1 s late). Off by default: in the demo it came with "
+            "half-finished all-reduce rounds and stalls (docs/averaging.md)."
         ),
     )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
