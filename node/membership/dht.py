@@ -668,9 +668,9 @@ def tidy_optimizer_class() -> type:
     replica's own, as they are now, reach ``target_batch_size`` (or a replica is at a later
     epoch), not when hivemind's estimate of them does: that estimate extrapolates every
     replica's samples per second since its last report, and ended the tiny run's epochs after
-    about 46 of 64 samples (averaging.py). With ``enable_push`` the other replicas' counts
-    also arrive pushed over libp2p as they change, not only through the DHT
-    (stage/progress_push.py, stage/progress_channel.py)."""
+    about 46 of 64 samples (averaging.py). Built with a ``push_book``, the tracker also pushes
+    this replica's count to the other replicas over libp2p as it changes and takes theirs,
+    not only through the DHT (stage/progress_push.py, stage/progress_channel.py)."""
     from hivemind import Optimizer
     from hivemind.optim.progress_tracker import ProgressTracker
 
@@ -682,8 +682,13 @@ def tidy_optimizer_class() -> type:
         exact_epochs = False
         # the other replicas' records, peer id -> (epoch, samples), as of the last fetch
         replica_records: dict[bytes, tuple[int, float]] = {}  # noqa: RUF012 (replaced)
-        push_book: PushBook | None = None  # enable_push
-        channel: ProgressChannel | None = None  # run
+        push_book: PushBook | None = None  # the constructor's push_book
+        channel: ProgressChannel | None = None  # run, with a push_book
+
+        def __init__(self, *args: Any, push_book: PushBook | None = None, **kwargs: Any) -> None:
+            # set before hivemind's constructor starts the thread, whose run reads it
+            self.push_book = push_book
+            super().__init__(*args, **kwargs)
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
             self.replica_records = others_records(
@@ -699,11 +704,6 @@ def tidy_optimizer_class() -> type:
             if book is None:
                 return sum_by_epoch(self.replica_records)
             return book.merged(self.replica_records, time.monotonic())
-
-        def enable_push(self, book: PushBook) -> None:
-            """Push this replica's count to the other replicas, and take theirs into
-            ``book`` (the channel starts on the tracker's loop)."""
-            self.push_book = book
 
         def report_local_progress(
             self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
@@ -737,13 +737,12 @@ def tidy_optimizer_class() -> type:
         def run(self) -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            self.channel = ProgressChannel(self)
+            work = [self._progress_reporter(), self._progress_fetcher()]
+            if self.push_book is not None:
+                self.channel = ProgressChannel(self)
+                work.append(self.channel.run())
             try:
-                loop.run_until_complete(
-                    asyncio.gather(
-                        self._progress_reporter(), self._progress_fetcher(), self.channel.run()
-                    )
-                )
+                loop.run_until_complete(asyncio.gather(*work))
                 self.shutdown_complete.set()
             finally:
                 try:

@@ -62,9 +62,9 @@ matchmaking starts. A step then holds the target plus what the replicas accumula
 between the first one's trigger and the last one's (73.5 samples on average in the same
 run: 17 steps where the reference took 18), less when the replicas push their counts to
 each other as they change (``averaging.push_progress``, progress_push.py: 64.3 samples, 18
-steps; off by default, docs/averaging.md says why). Each replica records the samples it brought to
-each step (``step_samples`` in the status); the demo and the swarm benchmark sum them over a
-stage's replicas and print the mean step size beside the target.
+steps; off by default, docs/averaging.md says why). Each replica records the samples it
+brought to each step (``step_samples`` in the status); the demo and the swarm benchmark
+sum them over a stage's replicas and print the mean step size beside the target.
 
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
@@ -360,6 +360,11 @@ class CollaborativeOptimizer:
                 tracker_opts={
                     "private_key": RSAPrivateKey(),
                     "max_refresh_period": MAX_PROGRESS_REFRESH_S,
+                    # the replicas' counts pushed over libp2p as well (progress_push.py)
+                    "push_book": (
+                        PushBook(target_batch_size=spec.batch.target_batch_size)
+                        if config.exact_epochs and config.push_progress else None
+                    ),
                 },
                 # hivemind warns that a matchmaking request_timeout (its default: 3 s) not
                 # shorter than min_matchmaking_time can deadlock matchmaking in rare cases
@@ -397,10 +402,6 @@ class CollaborativeOptimizer:
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
         # epochs end at the samples the spec says, not at hivemind's estimate (module docstring)
         self._opt.tracker.exact_epochs = config.exact_epochs
-        if config.exact_epochs and config.push_progress:
-            self._opt.tracker.enable_push(
-                PushBook(target_batch_size=spec.batch.target_batch_size)
-            )
         self.epochs_held = 0
         # (epoch, samples this replica brought to its step), the last few epochs
         self.step_samples: deque[tuple[int, int]] = deque(maxlen=STEP_SAMPLES_KEPT)
@@ -637,10 +638,8 @@ class CollaborativeOptimizer:
         }
 
     def _push_status(self) -> dict[str, Any] | None:
-        channel = getattr(self._opt.tracker, "channel", None)
-        if self._opt.tracker.push_book is None or channel is None:
-            return None
-        return dict(channel.status())
+        channel = self._opt.tracker.channel  # set once the tracker runs with a push book
+        return None if channel is None else dict(channel.status())
 
     def import_state(
         self, epoch: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]

@@ -1,8 +1,8 @@
 """The libp2p channel that carries a stage's progress pushes (progress_push.py).
 
-One :class:`ProgressChannel` per progress tracker (membership/dht.py), pumped on the
-tracker's own event loop: once the collaborative optimizer turns pushes on
-(``tracker.enable_push``), it opens a replica of the DHT's p2pd client, registers the stream
+One :class:`ProgressChannel` per progress tracker built with a push book (membership/dht.py;
+the collaborative optimizer passes one when ``averaging.push_progress`` is on), pumped on the
+tracker's own event loop: it opens a replica of the DHT's p2pd client, registers the stream
 handler ``{prefix}_progress_push`` and, whenever this replica's count changes
 (``notify``, from any thread), sends the newest count to every other replica that has a
 progress record (at most :data:`MAX_TARGETS`, each send bounded by :data:`SEND_TIMEOUT_S`).
@@ -42,7 +42,6 @@ SEND_TIMEOUT_S = 1.0
 READ_TIMEOUT_S = 2.0
 MAX_TARGETS = 16
 MAX_OPEN_STREAMS = 32
-ENABLE_POLL_S = 0.1
 SHUTDOWN_POLL_S = 0.25
 
 
@@ -90,10 +89,6 @@ class ProgressChannel:
 
         tracker = self._tracker
         shutdown = tracker.shutdown_triggered
-        while tracker.push_book is None:
-            if shutdown.is_set():
-                return
-            await asyncio.sleep(ENABLE_POLL_S)
         loop = asyncio.get_running_loop()
         try:
             maddr = await asyncio.wait_for(

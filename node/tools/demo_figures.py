@@ -140,15 +140,12 @@ def averaging_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
     found = [a for a in found if a.get("mode")]
     if not found:
         return None
-    by_epoch: dict[Any, set[Any]] = {}
-    counts: dict[Any, int] = {}
+    digests: dict[Any, list[Any]] = {}  # digest epoch -> the replicas' digests
     for s in servers:
         if s and s.get("param_digest"):
-            epoch = s.get("digest_epoch")
-            by_epoch.setdefault(epoch, set()).add(s["param_digest"])
-            counts[epoch] = counts.get(epoch, 0) + 1
-    shared = [e for e, n in counts.items() if n > 1]
-    agree = all(len(by_epoch[e]) == 1 for e in shared) if shared else None
+            digests.setdefault(s.get("digest_epoch"), []).append(s["param_digest"])
+    shared = [d for d in digests.values() if len(d) > 1]
+    agree = all(len(set(d)) == 1 for d in shared) if shared else None
     # how far apart they are: the largest relative distance of two replicas' parameter
     # sketches at the same epoch (fingerprint.py; about 1e-7 is rounding, 1e-3 a real split)
     sketches: dict[Any, list[list[float]]] = {}

@@ -67,7 +67,7 @@ def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() ->
             trackers.append(tracker_class(
                 dht=dht, prefix=PREFIX, target_batch_size=TARGET, start=True,
                 private_key=RSAPrivateKey(), min_refresh_period=60.0, max_refresh_period=60.0,
-                default_refresh_period=60.0,
+                default_refresh_period=60.0, push_book=PushBook(target_batch_size=TARGET),
             ))
         a, b = trackers
         a.report_local_progress(0, 8)
@@ -75,8 +75,6 @@ def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() ->
         wait_for(lambda: _records_seen(a, a_dht), 30.0, "B's progress record in A's DHT")
         wait_for(lambda: _records_seen(b, b_dht), 30.0, "A's progress record in B's DHT")
         assert b.others_samples == {0: 8.0}
-        for tracker in trackers:
-            tracker.enable_push(PushBook(target_batch_size=TARGET))
         wait_for(lambda: all(t.channel is not None and t.channel._loop is not None
                              for t in trackers), 20.0, "both progress channels to start")
 
