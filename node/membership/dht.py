@@ -718,21 +718,30 @@ def tidy_optimizer_class() -> type:
             if self.hold_epoch is not None and self.hold_epoch():
                 return False
             if self.exact_epochs:
-                local = self.local_progress
-                others = self.others_samples
-                # our own samples as they are now, not as our last published record had them
-                # (hivemind's sum takes that record at each fetch and adds our samples since
-                # the fetch: what we accumulated between publishing and fetching is missed)
-                fresh = others.get(local.epoch, 0.0) + local.samples_accumulated
-                reported = self.global_progress.samples_accumulated
-                return bool(
-                    self.global_epoch > local.epoch
-                    # a replica already past our epoch (its push can say so before the DHT
-                    # does): the epoch is over, and its samples no longer count in it
-                    or any(epoch > local.epoch for epoch in others)
-                    or max(fresh, reported) >= self.target_batch_size
-                )
+                return self.epoch_end_reason() is not None
             return bool(super().ready_to_update_epoch)
+
+        def epoch_end_reason(self) -> str | None:
+            """With ``exact_epochs``, why the epoch is over as the counts stand now
+            (``global``: the DHT shows a later epoch; ``ahead``: a replica's count, pushed
+            or fetched, is at a later epoch; ``target``: the samples reached the target),
+            or None while it is not."""
+            local = self.local_progress
+            others = self.others_samples
+            if self.global_epoch > local.epoch:
+                return "global"
+            # a replica already past our epoch (its push can say so before the DHT does):
+            # the epoch is over, and its samples no longer count in it
+            if any(epoch > local.epoch for epoch in others):
+                return "ahead"
+            # our own samples as they are now, not as our last published record had them
+            # (hivemind's sum takes that record at each fetch and adds our samples since
+            # the fetch: what we accumulated between publishing and fetching is missed)
+            fresh = others.get(local.epoch, 0.0) + local.samples_accumulated
+            reported = self.global_progress.samples_accumulated
+            if max(fresh, reported) >= self.target_batch_size:
+                return "target"
+            return None
 
         def run(self) -> None:
             loop = asyncio.new_event_loop()

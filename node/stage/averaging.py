@@ -88,6 +88,7 @@ so that the replica counts (and shares its state) as being at that epoch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -134,6 +135,8 @@ _BYTES_PER_VALUE: dict[str, float] = {
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
+ROUND_POLL_S = 0.25  # while waiting for a round: how often to look whether it is hopeless
+SLOW_STEP_MARGIN_S = 5.0  # a step longer than matchmaking_time plus this is logged
 # Longest wait between two reads of the stage's progress (hivemind: 10 s, shorter as its
 # estimate of the epoch's end nears). A replica learns that another ended the epoch only at a
 # read; the round formed early for that epoch starts its all-reduce at each member's own
@@ -344,8 +347,14 @@ class CollaborativeOptimizer:
                 load_state_timeout=config.load_state_timeout,
                 shutdown_timeout=config.shutdown_timeout,
                 # every member of a round gets the same averaged gradients, bit for bit, so
-                # replicas stay identical (exact_allreduce.py)
-                grad_averager_factory=ExactGradientAverager,
+                # replicas stay identical (exact_allreduce.py). hivemind 1.1.12 hands
+                # averager_opts (below) to its state averager only: the gradient averager's
+                # matchmaking kept its default request_timeout (3 s), not shorter than a
+                # matchmaking_time of 2 s (the demo's), and two replicas of a stage looked for
+                # each other's round for 40 s without meeting (hivemind warns of such deadlocks)
+                grad_averager_factory=partial(
+                    ExactGradientAverager, request_timeout=config.matchmaking_time / 2
+                ),
                 offload_optimizer=True,
                 delay_optimizer_step=delayed,
                 delay_grad_averaging=delayed,
@@ -368,6 +377,7 @@ class CollaborativeOptimizer:
                 },
                 # hivemind warns that a matchmaking request_timeout (its default: 3 s) not
                 # shorter than min_matchmaking_time can deadlock matchmaking in rare cases
+                # (the state averager's; the gradient averager's is set above)
                 averager_opts={"request_timeout": config.matchmaking_time / 2},
             )
         except (ValueError, RuntimeError, OSError, TimeoutError) as exc:
@@ -397,6 +407,33 @@ class CollaborativeOptimizer:
             fallback()
 
         self._opt._load_local_gradients_into_optimizer = counted_fallback
+        # every epoch's step timed; a slow one is logged with what it waited for
+        self.slow_steps = 0
+        self.last_slow_step: dict[str, Any] | None = None
+        self._round: dict[str, Any] = {}
+        update = self._opt._update_global_epoch
+        average = self._opt._average_gradients_and_load_into_optimizer
+
+        def timed_update(grad_scaler: Any) -> None:
+            self._timed_epoch_step(update, grad_scaler)
+
+        def timed_average(control: Any) -> None:
+            self._timed_round(average, control)
+
+        self._opt._update_global_epoch = timed_update
+        self._opt._average_gradients_and_load_into_optimizer = timed_average
+        # rounds meet only rounds of the same epoch (exact_allreduce.py); a replica whose
+        # partners have all moved past its epoch steps without a round
+        self._opt.grad_averager.round_epoch = lambda: int(self._opt.local_epoch)
+        self.rounds_skipped_behind = 0
+        begin = self._opt._begin_averaging_gradients
+
+        def begin_unless_behind(grad_scaler: Any) -> bool:
+            if self._behind_every_partner():
+                return self._skip_round()
+            return bool(begin(grad_scaler))
+
+        self._opt._begin_averaging_gradients = begin_unless_behind
         # a round that outlives this is left to hivemind's own wait (which times out)
         self.hold_limit_s = 2 * config.averaging_timeout
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
@@ -498,6 +535,105 @@ class CollaborativeOptimizer:
         if self.local_epoch == epoch + 1:
             self.step_samples.append((epoch, before))
         return self.local_epoch != epoch
+
+    def _behind_every_partner(self) -> bool:
+        """Every other replica with a record (or push) is at a later epoch than ours: no
+        round of our epoch can form (rounds meet only their epoch's), and hivemind would
+        look for one until ``averaging_timeout``."""
+        others = getattr(self._opt.tracker, "others_samples", None)
+        if not isinstance(others, dict) or not others:
+            return False  # nobody known: hivemind's own rule (no peers: no round)
+        return min(others) > self.local_epoch
+
+    def _skip_round(self) -> bool:
+        """hivemind's step without a round: this replica's own gradients (the return value
+        of ``_begin_averaging_gradients``: no round began). A round scheduled for the epoch
+        is cancelled: it can only wait for partners that are not coming."""
+        opt = self._opt
+        control = opt.scheduled_grads
+        if control is not None and not control.done():
+            control.cancel()
+        opt.scheduled_grads = None
+        self.rounds_skipped_behind += 1
+        self._round = {"round": "skipped (behind)"}
+        return False
+
+    def _wait_unless_left_behind(self, control: Any) -> bool:
+        """Wait for the epoch's round as hivemind would (up to ``averaging_timeout``), but
+        give up on a round still looking for its group once every partner has moved past
+        our epoch: hivemind retries matchmaking until its deadline, and no round of our
+        epoch can form any more (a partner whose side of the round failed under load and
+        stepped on). True if the round was abandoned (cancelled: hivemind then steps on
+        this replica's own gradients)."""
+        from hivemind.averaging.control import AveragingStage
+
+        deadline = time.monotonic() + self.config.averaging_timeout
+        while time.monotonic() < deadline:
+            try:
+                control.result(timeout=ROUND_POLL_S)
+                return False
+            except TimeoutError:
+                pass
+            except Exception:  # the round failed or was cancelled: hivemind's wait says so
+                return False
+            if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and (
+                self._behind_every_partner()
+            ):
+                control.cancel()
+                self.rounds_skipped_behind += 1
+                return True
+        return False
+
+    def _timed_epoch_step(self, update: Callable[[Any], None], grad_scaler: Any) -> None:
+        """hivemind's ``_update_global_epoch``, timed: a step longer than
+        ``matchmaking_time + SLOW_STEP_MARGIN_S`` is logged and counted with why the epoch
+        ended, the counts it ended on and what its gradient round did."""
+        opt, tracker = self._opt, self._opt.tracker
+        reason = getattr(tracker, "epoch_end_reason", lambda: None)()
+        others = getattr(tracker, "others_samples", {})
+        control = opt.scheduled_grads
+        seen = {
+            "epoch": self.local_epoch,
+            "reason": reason or "estimate",
+            "ours": self.samples_accumulated,
+            "others": {str(e): round(n, 1) for e, n in others.items()},
+            "global_epoch": self.global_epoch,
+            "formed_early": control is not None and not control.triggered,
+        }
+        self._round = {}
+        start = time.monotonic()
+        try:
+            update(grad_scaler)
+        finally:
+            seconds = time.monotonic() - start
+            if seconds > self.config.matchmaking_time + SLOW_STEP_MARGIN_S:
+                self.slow_steps += 1
+                self.last_slow_step = {**seen, "seconds": round(seconds, 2), **self._round}
+                logger.warning(
+                    "%s: the step ending epoch %d took %.1f s (%s)", self.run_id,
+                    seen["epoch"], seconds,
+                    ", ".join(f"{k}={v}" for k, v in self.last_slow_step.items()
+                              if k not in ("epoch", "seconds")),
+                )
+
+    def _timed_round(self, average: Callable[[Any], None], control: Any) -> None:
+        """hivemind's wait for the epoch's gradient round, timed (``_timed_epoch_step``)."""
+        start = time.monotonic()
+        fallbacks = self.local_gradient_steps
+        abandoned = control is not None and self._wait_unless_left_behind(control)
+        try:
+            average(control)  # at once when the round is over (or abandoned)
+        finally:
+            self._round = {
+                "round_s": round(time.monotonic() - start, 2),
+                "round": "none" if control is None else "abandoned (behind)" if abandoned else (
+                    "local" if self.local_gradient_steps > fallbacks else "averaged"
+                ),
+            }
+            if self._round["round"] == "averaged":
+                # hivemind's result: what each member of the group gathered, by peer
+                with contextlib.suppress(Exception):
+                    self._round["group"] = len(control.result(0))
 
     def _prepare_round(self) -> None:
         """Drop a failed pre-scheduled round; schedule the next one early (module docstring)."""
@@ -626,6 +762,12 @@ class CollaborativeOptimizer:
             # epochs already full when a micro-batch of ours arrived: stepped without it
             "epochs_ended_before_a_batch": self.epochs_ended_before_a_batch,
             "local_gradient_steps": self.local_gradient_steps,
+            # epochs that ended, or whose round was still looking for a group, with every
+            # partner already past them: stepped without a round
+            "rounds_skipped_behind": self.rounds_skipped_behind,
+            # steps that took over matchmaking_time + SLOW_STEP_MARGIN_S, the last one's account
+            "slow_steps": self.slow_steps,
+            "last_slow_step": self.last_slow_step,
             # the samples this replica brought to each of its last steps; summed over a
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},

@@ -22,12 +22,22 @@ one compressed part per member and part.
 ``grad_averager_factory`` of ``hivemind.Optimizer``, averaging.py). It overrides hivemind
 internals, which is why hivemind is pinned exactly (pyproject.toml) and
 tests/unit/test_exact_allreduce.py checks the names this module relies on.
+
+Rounds of one epoch only. hivemind's matchmaking key is the averager's prefix and group
+bits, nothing about the epoch: a replica one epoch ahead of another forms its next round
+with the other's round of the epoch before, so each waits inside its step for the other's
+epoch to end, the one ahead gathers the samples while the other waits, and the two average
+gradients of different parameters. Once there (a replica that stepped alone while the
+other started, in the demo), the pair stays one epoch apart for the rest of the run: steps
+took 2-5 s instead of 0.1-0.3 s in the stalled stage. Given ``round_epoch`` (the stage's
+optimizer sets it), every round this averager starts first sets its group bits to the
+epoch's low :data:`EPOCH_KEY_BITS` bits, so only rounds of the same epoch meet.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -123,8 +133,29 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+EPOCH_KEY_BITS = 8  # of the epoch, in a round's group key: 256 epochs apart collide
+
+
+def epoch_group_bits(epoch: int) -> str:
+    """The group bits of a round averaging epoch ``epoch``'s gradients."""
+    return format(epoch % (1 << EPOCH_KEY_BITS), f"0{EPOCH_KEY_BITS}b")
+
+
 class ExactGradientAverager(GradientAverager):
-    """hivemind's GradientAverager whose rounds leave every member the same averaged bits."""
+    """hivemind's GradientAverager whose rounds leave every member the same averaged bits,
+    and whose rounds meet only rounds of the same epoch (given ``round_epoch``)."""
+
+    # the epoch whose gradients the next round averages; None: hivemind's key alone
+    round_epoch: Callable[[], int] | None = None
+
+    def schedule_step(self, *args: Any, **kwargs: Any) -> Any:
+        # every round starts here (hivemind's step without a control calls it too)
+        round_epoch = self.round_epoch
+        if round_epoch is not None:
+            # through the averager's pipe, ahead of the step's own message: its matchmaking
+            # (in the averager's process) reads the bits after they are set
+            self.set_group_bits(epoch_group_bits(round_epoch()), wait=False)
+        return super().schedule_step(*args, **kwargs)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None,

@@ -194,6 +194,11 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             ]
             # hivemind set SIG_IGN; restored
             assert signal.getsignal(signal.SIGINT) is _daemon_sigint
+            # both averagers' matchmaking requests time out within matchmaking_time (hivemind
+            # passes averager_opts to its state averager only)
+            for opt in optimizers:
+                for averager in (opt._opt.grad_averager, opt._opt.state_averager):
+                    assert averager.matchmaking_kwargs["request_timeout"] == 1.0
         finally:
             signal.signal(signal.SIGINT, previous)
 
@@ -513,4 +518,61 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
             opt.shutdown()
         dht.shutdown()
         del opt, dht
+        gc.collect()
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_gradient_rounds_meet_only_rounds_of_the_same_epoch() -> None:
+    """Two gradient averagers on real DHTs: rounds of epochs 3 and 4 find no group (hivemind
+    would pair them: its group key holds no epoch), rounds of epoch 4 and 4 average."""
+    hivemind = pytest.importorskip("hivemind")
+    from wanswarm.node.stage.exact_allreduce import EPOCH_KEY_BITS, ExactGradientAverager
+
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [dht_a]
+    averagers: list[Any] = []
+    try:
+        dhts.append(hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
+        ))
+        params = [torch.nn.Parameter(torch.zeros(8)) for _ in dhts]
+        epochs = [3, 4]
+        for i, (p, dht) in enumerate(zip(params, dhts, strict=True)):
+            averager = ExactGradientAverager(
+                [p], dht=dht, prefix="epochkey", start=True, target_group_size=2,
+                min_matchmaking_time=1.0, request_timeout=0.5,
+            )
+            averager.round_epoch = lambda i=i: epochs[i]
+            averagers.append(averager)
+
+        def one_round() -> list[bool]:
+            for value, (p, averager) in enumerate(zip(params, averagers, strict=True)):
+                p.grad = torch.full_like(p, float(value))
+                averager.accumulate_grads_(batch_size=1)
+            controls = [a.step(timeout=4.0, wait=False) for a in averagers]
+            met = []
+            for control in controls:
+                try:
+                    met.append(len(control.result(timeout=30)) == 2)
+                except Exception:  # hivemind's AllreduceException: no group by the deadline
+                    met.append(False)
+            return met
+
+        assert one_round() == [False, False]
+        epochs[0] = 4
+        assert one_round() == [True, True]
+        with averagers[0].get_tensors() as a, averagers[1].get_tensors() as b:
+            assert torch.equal(a[0], b[0])
+            assert torch.equal(a[0], torch.full((8,), 0.5))
+        assert len(averagers[0].get_group_bits()) == EPOCH_KEY_BITS
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        averagers.clear()
+        dhts.clear()
         gc.collect()

@@ -5,7 +5,9 @@ included, and adds this replica's samples accumulated after the fetch: what it a
 between publishing its record and the fetch is missing from the sum until the next one, so
 the epoch ended up to a micro-batch late. The rule now takes the other replicas' records and
 this replica's samples as they are. No DHT: the tracker's state is set by hand on an
-instance built without hivemind's constructor.
+instance built without hivemind's constructor. Also here: why an epoch ended, and the rule
+that a replica behind every partner steps without a round (rounds meet only rounds of their
+own epoch: exact_allreduce.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from wanswarm.node.membership.dht import others_samples, tidy_optimizer_class
+from wanswarm.node.stage.averaging import CollaborativeOptimizer
 
 OWN, OTHER, CLIENT = b"own", b"other", b"client"
 
@@ -44,13 +47,33 @@ def _ready(local_epoch: int, local_samples: int, global_epoch: int, reported: in
     """The tracker's ``ready_to_update_epoch`` over a stand-in holding that state (a real
     tracker needs a DHT and a thread)."""
     rule = tidy_optimizer_class().tracker_class.ready_to_update_epoch.fget
+    return bool(rule(_tracker_state(local_epoch, local_samples, global_epoch, reported, others)))
+
+
+def _reason(local_epoch: int, local_samples: int, global_epoch: int, reported: int,
+            others: dict[int, float]) -> str | None:
+    state = _tracker_state(local_epoch, local_samples, global_epoch, reported, others)
+    return state.epoch_end_reason()
+
+
+def _tracker_state(local_epoch: int, local_samples: int, global_epoch: int, reported: int,
+                   others: dict[int, float]) -> SimpleNamespace:
+    reason = tidy_optimizer_class().tracker_class.epoch_end_reason
     state = SimpleNamespace(
         hold_epoch=None, exact_epochs=True, target_batch_size=64, global_epoch=global_epoch,
         local_progress=SimpleNamespace(epoch=local_epoch, samples_accumulated=local_samples),
         global_progress=SimpleNamespace(epoch=global_epoch, samples_accumulated=reported),
         others_samples=others,
     )
-    return bool(rule(state))
+    state.epoch_end_reason = lambda: reason(state)
+    return state
+
+
+def test_the_reason_an_epoch_ended_is_named() -> None:
+    assert _reason(5, 8, 6, 0, {5: 8.0}) == "global"
+    assert _reason(5, 8, 5, 16, {6: 0.0}) == "ahead"
+    assert _reason(5, 40, 5, 48, {5: 24.0}) == "target"
+    assert _reason(5, 32, 5, 48, {5: 24.0}) is None
 
 
 def test_an_epoch_ends_on_the_others_records_plus_our_samples_as_they_are() -> None:
@@ -71,3 +94,129 @@ def test_a_replica_already_past_our_epoch_ends_it() -> None:
     # epoch 5's count, and the epoch is over all the same
     assert _ready(5, 24, 5, 24, {6: 0.0})
     assert not _ready(5, 24, 5, 24, {5: 16.0, 4: 8.0})
+
+
+class _Control:
+    """Stands for hivemind's StepControl of a round formed early, not yet triggered."""
+
+    triggered = False
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> CollaborativeOptimizer:
+    """A CollaborativeOptimizer over a stand-in hivemind Optimizer in that state (a real
+    one needs a DHT: tests/loopback/test_averaging.py)."""
+    opt = CollaborativeOptimizer.__new__(CollaborativeOptimizer)
+    opt._opt = SimpleNamespace(
+        local_epoch=local_epoch, tracker=SimpleNamespace(others_samples=others),
+        scheduled_grads=_Control(),
+    )
+    opt.rounds_skipped_behind = 0
+    opt._round = {}
+    return opt
+
+
+def test_a_replica_behind_every_partner_steps_without_a_round() -> None:
+    assert _stage_optimizer(5, {6: 0.0})._behind_every_partner()
+    assert _stage_optimizer(5, {6: 0.0, 7: 8.0})._behind_every_partner()
+    # a partner at our epoch (or behind it, about to reach it) can still form our round
+    assert not _stage_optimizer(5, {5: 8.0, 6: 0.0})._behind_every_partner()
+    assert not _stage_optimizer(5, {4: 8.0})._behind_every_partner()
+    # nobody known: hivemind's own rule
+    assert not _stage_optimizer(5, {})._behind_every_partner()
+
+    opt = _stage_optimizer(5, {6: 0.0})
+    control = opt._opt.scheduled_grads
+    assert opt._skip_round() is False  # hivemind: no round began, its own gradients
+    assert control.cancelled and opt._opt.scheduled_grads is None
+    assert opt.rounds_skipped_behind == 1
+
+
+def test_a_slow_step_is_logged_with_why_the_epoch_ended(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    from wanswarm.node.stage import averaging
+
+    monkeypatch.setattr(averaging, "SLOW_STEP_MARGIN_S", -1.0)  # every step is "slow"
+    opt = _stage_optimizer(5, {6: 0.0})
+    opt._opt.tracker.epoch_end_reason = lambda: "ahead"
+    opt._opt.local_progress = SimpleNamespace(samples_accumulated=8)
+    opt._opt.tracker.global_epoch = 5
+    opt.config = SimpleNamespace(matchmaking_time=0.0)
+    opt.run_id = "run_stage1"
+    opt.slow_steps, opt.last_slow_step, opt.local_gradient_steps = 0, None, 0
+
+    def update(_scaler: Any) -> None:  # hivemind's step, skipping its round
+        opt._skip_round()
+        opt._opt.local_epoch = 6
+
+    with caplog.at_level("WARNING"):
+        opt._timed_epoch_step(update, None)
+    assert opt.slow_steps == 1
+    slow = opt.last_slow_step
+    assert slow is not None
+    assert (slow["epoch"], slow["reason"], slow["ours"], slow["others"]) == (5, "ahead", 8,
+                                                                           {"6": 0.0})
+    assert slow["round"] == "skipped (behind)" and slow["formed_early"] is True
+    assert "the step ending epoch 5 took" in caplog.text and "reason=ahead" in caplog.text
+
+
+class _Round(_Control):
+    """A triggered round: looking for its group until ``finish_after`` polls, or for good."""
+
+    triggered = True
+
+    def __init__(self, finish_after: int | None) -> None:
+        super().__init__()
+        self.polls = 0
+        self.finish_after = finish_after
+
+    @property
+    def stage(self) -> Any:
+        from hivemind.averaging.control import AveragingStage
+
+        return AveragingStage.LOOKING_FOR_GROUP
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.polls += 1
+        if self.finish_after is not None and self.polls > self.finish_after:
+            return {}
+        raise TimeoutError
+
+
+def test_a_round_left_behind_by_every_partner_is_abandoned(monkeypatch: Any) -> None:
+    from wanswarm.node.stage import averaging
+
+    monkeypatch.setattr(averaging, "ROUND_POLL_S", 0.0)
+    opt = _stage_optimizer(25, {25: 40.0})
+    opt.config = SimpleNamespace(averaging_timeout=30.0)
+    others = opt._opt.tracker.others_samples
+    hopeless = _Round(finish_after=None)
+    polls = 0
+
+    def partner_moves_on(timeout: float | None = None) -> Any:
+        nonlocal polls
+        polls += 1
+        if polls == 3:  # its side of the round failed: it stepped on (pushed: epoch 26)
+            others.clear()
+            others[26] = 0.0
+        raise TimeoutError
+
+    hopeless.result = partner_moves_on  # type: ignore[method-assign]
+    assert opt._wait_unless_left_behind(hopeless) is True
+    assert hopeless.cancelled and opt.rounds_skipped_behind == 1 and polls == 3
+
+    # a partner still at our epoch: the round is waited for until it is over
+    opt = _stage_optimizer(25, {25: 40.0})
+    opt.config = SimpleNamespace(averaging_timeout=30.0)
+    finishing = _Round(finish_after=5)
+    assert opt._wait_unless_left_behind(finishing) is False
+    assert not finishing.cancelled and finishing.polls == 6
