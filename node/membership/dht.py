@@ -770,6 +770,27 @@ def tidy_optimizer_class() -> type:
     class TidyOptimizer(Optimizer):
         tracker_class = ClosingProgressTracker
 
+        def _make_state_averager(self, **kwargs: Any) -> Any:
+            # hivemind's own, with the state averager whose parameter rounds meet only
+            # rounds of their epoch (stage/exact_allreduce.py)
+            from ..stage.exact_allreduce import EpochKeyedStateAverager
+
+            return EpochKeyedStateAverager(
+                dht=self.dht,
+                prefix=f"{self.run_id}_state_averager",
+                min_matchmaking_time=self.matchmaking_time,
+                allreduce_timeout=self.allreduce_timeout,
+                shutdown_timeout=self.shutdown_timeout,
+                offload_optimizer=self.offload_optimizer,
+                custom_gradients=self.offload_optimizer,
+                status_loglevel=self.status_loglevel,
+                next_chunk_timeout=self.next_chunk_timeout,
+                client_mode=self.client_mode,
+                auxiliary=self.auxiliary,
+                start=True,
+                **kwargs,
+            )
+
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
             return ClosingProgressTracker(
                 dht=self.dht,

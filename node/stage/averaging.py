@@ -60,11 +60,22 @@ held 51.5 samples of 64 on average, and the swarm took 25 steps where the refere
 (``averaging.exact_epochs``, membership/dht.py); the estimate still decides when
 matchmaking starts. A step then holds the target plus what the replicas accumulate
 between the first one's trigger and the last one's (73.5 samples on average in the same
-run: 17 steps where the reference took 18), less when the replicas push their counts to
-each other as they change (``averaging.push_progress``, progress_push.py: 64.3 samples, 18
-steps; off by default, docs/averaging.md says why). Each replica records the samples it
+run: 17 steps where the reference took 18), and the target when the replicas push their
+counts to each other as they change (``averaging.push_progress``, the default,
+progress_push.py: 64.0-65.0 samples, 18 steps). Each replica records the samples it
 brought to each step (``step_samples`` in the status); the demo and the swarm benchmark
 sum them over a stage's replicas and print the mean step size beside the target.
+
+Rounds of one epoch. A gradient round meets only rounds of the same epoch (its group key
+carries the epoch: exact_allreduce.py). A replica whose partners have all moved past its
+epoch (their pushes or records say so) steps on its own gradients without looking for a
+round (``rounds_skipped_behind``), and gives up a round still looking for its group once
+that happens while it waits: hivemind would retry matchmaking until ``averaging_timeout``.
+Without these, a replica one epoch ahead met the other's round of the epoch before, and the
+pair stayed one epoch apart, the one behind waiting in every step (docs/averaging.md).
+Every epoch's step is timed; one longer than ``matchmaking_time + SLOW_STEP_MARGIN_S`` is
+logged with why the epoch ended, the counts it ended on and what its round did
+(``slow_steps``, ``last_slow_step``).
 
 Gradient clipping (``optimizer.grad_clip``) happens inside the optimizer, on the averaged
 gradients of the stage, right before AdamW; the learning rate follows
@@ -238,13 +249,14 @@ class AveragingConfig(BaseModel):
         ),
     )
     push_progress: bool = Field(
-        default=False,
+        default=True,
         description=(
             "With exact_epochs: the replicas of a stage push their sample counts to each "
             "other over libp2p as they change (stage/progress_push.py), so that an epoch ends "
             "at the target rather than up to a micro-batch per replica later (the DHT alone "
-            "carries the counts 0.5-1 s late). Off by default: in the demo it came with "
-            "half-finished all-reduce rounds and stalls (docs/averaging.md)."
+            "carries the counts 0.5-1 s late), and a replica left behind by every partner "
+            "learns it while its round still waits (docs/averaging.md); false: the DHT's "
+            "counts only."
         ),
     )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
@@ -426,6 +438,8 @@ class CollaborativeOptimizer:
         # partners have all moved past its epoch steps without a round
         self._opt.grad_averager.round_epoch = lambda: int(self._opt.local_epoch)
         self.rounds_skipped_behind = 0
+        self.state_rounds_abandoned = 0
+        self._state_round: Any = None  # the parameter round the last step started
         begin = self._opt._begin_averaging_gradients
 
         def begin_unless_behind(grad_scaler: Any) -> bool:
@@ -580,7 +594,6 @@ class CollaborativeOptimizer:
                 self._behind_every_partner()
             ):
                 control.cancel()
-                self.rounds_skipped_behind += 1
                 return True
         return False
 
@@ -602,9 +615,22 @@ class CollaborativeOptimizer:
         }
         self._round = {}
         start = time.monotonic()
+        # the parameter round an earlier step left running in the background: hivemind's
+        # optimizer step queues behind it (one worker thread), so it is waited for here,
+        # and given up while still matching once every partner has moved on
+        state_round, self._state_round = self._state_round, None
+        if state_round is not None and not state_round.done():
+            if self._wait_unless_left_behind(state_round):
+                self.state_rounds_abandoned += 1
+                self._round["state_round"] = "abandoned (behind)"
+        state_averager = opt.state_averager
+        before = getattr(state_averager, "last_round", None)
         try:
             update(grad_scaler)
         finally:
+            started = getattr(state_averager, "last_round", None)
+            if started is not before:
+                self._state_round = started  # this step's parameter round: it runs on
             seconds = time.monotonic() - start
             if seconds > self.config.matchmaking_time + SLOW_STEP_MARGIN_S:
                 self.slow_steps += 1
@@ -621,6 +647,8 @@ class CollaborativeOptimizer:
         start = time.monotonic()
         fallbacks = self.local_gradient_steps
         abandoned = control is not None and self._wait_unless_left_behind(control)
+        if abandoned:
+            self.rounds_skipped_behind += 1
         try:
             average(control)  # at once when the round is over (or abandoned)
         finally:
@@ -765,6 +793,8 @@ class CollaborativeOptimizer:
             # epochs that ended, or whose round was still looking for a group, with every
             # partner already past them: stepped without a round
             "rounds_skipped_behind": self.rounds_skipped_behind,
+            # parameter rounds given up while still matching, every partner past our epoch
+            "state_rounds_abandoned": self.state_rounds_abandoned,
             # steps that took over matchmaking_time + SLOW_STEP_MARGIN_S, the last one's account
             "slow_steps": self.slow_steps,
             "last_slow_step": self.last_slow_step,

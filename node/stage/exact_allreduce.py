@@ -42,9 +42,11 @@ from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
@@ -134,6 +136,30 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 EPOCH_KEY_BITS = 8  # of the epoch, in a round's group key: 256 epochs apart collide
+
+
+class _ParameterRoundHook(DecentralizedAverager):
+    """Between hivemind's ``TrainingStateAverager`` and ``DecentralizedAverager`` in
+    :class:`EpochKeyedStateAverager`'s method order, so that the ``super().step`` through
+    which the state averager starts a parameter round (pre-scheduled or not) comes here: the
+    round's group key gets the epoch the round gathers (hivemind passes it as ``gather``),
+    and the round's control is kept as ``last_round`` for whoever waits on it."""
+
+    last_round: Any = None
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        gather = kwargs.get("gather")
+        if isinstance(gather, int) and not isinstance(gather, bool):
+            self.set_group_bits(epoch_group_bits(gather), wait=False)
+        control = super().step(*args, **kwargs)
+        if kwargs.get("wait") is False:
+            self.last_round = control
+        return control
+
+
+class EpochKeyedStateAverager(TrainingStateAverager, _ParameterRoundHook):
+    """hivemind's ``TrainingStateAverager`` whose parameter rounds meet only rounds of the
+    same epoch, and which keeps its last round's control (``last_round``)."""
 
 
 def epoch_group_bits(epoch: int) -> str:

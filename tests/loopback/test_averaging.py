@@ -39,6 +39,7 @@ from wanswarm.node.stage.averaging import (
     _due,
     averaging_run_id,
 )
+from wanswarm.node.stage.exact_allreduce import EpochKeyedStateAverager
 from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
 from wanswarm.node.training.model import build_stage, param_groups
 
@@ -199,6 +200,8 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             for opt in optimizers:
                 for averager in (opt._opt.grad_averager, opt._opt.state_averager):
                     assert averager.matchmaking_kwargs["request_timeout"] == 1.0
+                # parameter rounds keyed by epoch too (exact_allreduce.py)
+                assert isinstance(opt._opt.state_averager, EpochKeyedStateAverager)
         finally:
             signal.signal(signal.SIGINT, previous)
 

@@ -97,3 +97,24 @@ def test_a_cancelled_caller_leaves_the_shared_mean_to_the_other() -> None:
         assert first.cancelled()
 
     asyncio.run(scenario())
+
+
+def test_the_state_averager_starts_its_rounds_through_the_hook() -> None:
+    """EpochKeyedStateAverager relies on hivemind's state averager starting a parameter
+    round through ``super().step`` with the epoch as ``gather``, on the hook sitting right
+    after it in the method order, and on hivemind building its state averager with the
+    arguments TidyOptimizer._make_state_averager repeats (membership/dht.py)."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+    from wanswarm.node.stage.exact_allreduce import EpochKeyedStateAverager, _ParameterRoundHook
+
+    mro = EpochKeyedStateAverager.__mro__
+    assert mro[1:4] == (TrainingStateAverager, _ParameterRoundHook, DecentralizedAverager)
+    source = inspect.getsource(TrainingStateAverager._do)
+    assert "super().step(" in source and "gather=self.local_epoch" in source
+    assert "super().step(" in inspect.getsource(TrainingStateAverager.schedule_step)
+    made = inspect.getsource(hivemind.Optimizer._make_state_averager)
+    for argument in ('prefix=f"{self.run_id}_state_averager"', "min_matchmaking_time=",
+                     "allreduce_timeout=", "shutdown_timeout=", "offload_optimizer=",
+                     "custom_gradients=", "status_loglevel=", "next_chunk_timeout=",
+                     "client_mode=", "auxiliary=", "start=True", "**kwargs"):
+        assert argument in made, argument

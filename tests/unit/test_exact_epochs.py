@@ -120,7 +120,10 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
         scheduled_grads=_Control(),
     )
     opt.rounds_skipped_behind = 0
+    opt.state_rounds_abandoned = 0
     opt._round = {}
+    opt._state_round = None
+    opt._opt.state_averager = SimpleNamespace(last_round=None)
     return opt
 
 
@@ -212,7 +215,7 @@ def test_a_round_left_behind_by_every_partner_is_abandoned(monkeypatch: Any) -> 
 
     hopeless.result = partner_moves_on  # type: ignore[method-assign]
     assert opt._wait_unless_left_behind(hopeless) is True
-    assert hopeless.cancelled and opt.rounds_skipped_behind == 1 and polls == 3
+    assert hopeless.cancelled and polls == 3
 
     # a partner still at our epoch: the round is waited for until it is over
     opt = _stage_optimizer(25, {25: 40.0})
@@ -220,3 +223,33 @@ def test_a_round_left_behind_by_every_partner_is_abandoned(monkeypatch: Any) -> 
     finishing = _Round(finish_after=5)
     assert opt._wait_unless_left_behind(finishing) is False
     assert not finishing.cancelled and finishing.polls == 6
+
+
+def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
+    monkeypatch: Any,
+) -> None:
+    """The parameter round the last step started runs in hivemind's one worker thread,
+    ahead of this step's optimizer step: it is waited for first, and given up while still
+    matching when every partner is past our epoch."""
+    from wanswarm.node.stage import averaging
+
+    monkeypatch.setattr(averaging, "ROUND_POLL_S", 0.0)
+    opt = _stage_optimizer(45, {46: 0.0})
+    opt._opt.tracker.epoch_end_reason = lambda: "ahead"
+    opt._opt.local_progress = SimpleNamespace(samples_accumulated=16)
+    opt._opt.tracker.global_epoch = 45
+    opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
+    opt.run_id = "run_stage2"
+    opt.slow_steps, opt.last_slow_step = 0, None
+    stuck = _Round(finish_after=None)
+    opt._state_round = stuck
+    started = _Round(finish_after=0)
+
+    def update(_scaler: Any) -> None:  # hivemind's step, starting this epoch's round
+        assert stuck.cancelled  # given up before hivemind's step waits behind it
+        opt._opt.state_averager.last_round = started
+        opt._opt.local_epoch = 46
+
+    opt._timed_epoch_step(update, None)
+    assert opt.state_rounds_abandoned == 1
+    assert opt._state_round is started  # the next step waits for this one
