@@ -34,6 +34,7 @@ import math
 import multiprocessing.sharedctypes
 import os
 import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -685,9 +686,18 @@ def tidy_optimizer_class() -> type:
         push_book: PushBook | None = None  # the constructor's push_book
         channel: ProgressChannel | None = None  # run, with a push_book
 
-        def __init__(self, *args: Any, push_book: PushBook | None = None, **kwargs: Any) -> None:
-            # set before hivemind's constructor starts the thread, whose run reads it
+        def __init__(
+            self, *args: Any, push_book: PushBook | None = None,
+            pushes_after: threading.Event | None = None, **kwargs: Any,
+        ) -> None:
+            # set before hivemind's constructor starts the thread, whose run reads them
             self.push_book = push_book
+            # the channel starts once this is set (None: at once). The optimizer sets it
+            # when its averagers are forked: the channel's setup calls into the DHT and
+            # p2pd from this thread, and a fork while another thread holds a lock there
+            # leaves the child averager waiting on it for good (a test's optimizer hung
+            # in the averager's start)
+            self.pushes_after = pushes_after
             super().__init__(*args, **kwargs)
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
@@ -791,6 +801,13 @@ def tidy_optimizer_class() -> type:
                 **kwargs,
             )
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._averagers_forked = threading.Event()
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                self._averagers_forked.set()  # the tracker's push channel may start
+
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
             return ClosingProgressTracker(
                 dht=self.dht,
@@ -799,6 +816,7 @@ def tidy_optimizer_class() -> type:
                 client_mode=self.client_mode,
                 status_loglevel=self.status_loglevel,
                 start=True,
+                pushes_after=self._averagers_forked,
                 **kwargs,
             )
 

@@ -67,10 +67,13 @@ brought to each step (``step_samples`` in the status); the demo and the swarm be
 sum them over a stage's replicas and print the mean step size beside the target.
 
 Rounds of one epoch. A gradient round meets only rounds of the same epoch (its group key
-carries the epoch: exact_allreduce.py). A replica whose partners have all moved past its
-epoch (their pushes or records say so) steps on its own gradients without looking for a
-round (``rounds_skipped_behind``), and gives up a round still looking for its group once
-that happens while it waits: hivemind would retry matchmaking until ``averaging_timeout``.
+carries the epoch: exact_allreduce.py). With synchronous steps, a replica whose partners
+have all moved past its epoch (their pushes or records say so) steps on its own gradients
+without looking for a round (``rounds_skipped_behind``), and gives up a round still looking
+for its group once that happens while it waits: hivemind would retry matchmaking until
+``averaging_timeout``. (With delayed updates a partner moves to the next epoch as soon as
+its round starts in the background, so its later epoch says nothing about that round:
+there the epoch in the key alone applies, and ``hold_epoch`` bounds the wait.)
 Without these, a replica one epoch ahead met the other's round of the epoch before, and the
 pair stayed one epoch apart, the one behind waiting in every step (docs/averaging.md).
 Every epoch's step is timed; one longer than ``matchmaking_time + SLOW_STEP_MARGIN_S`` is
@@ -439,15 +442,14 @@ class CollaborativeOptimizer:
         self._opt.grad_averager.round_epoch = lambda: int(self._opt.local_epoch)
         self.rounds_skipped_behind = 0
         self.state_rounds_abandoned = 0
+        # the rules for a replica left behind hold with synchronous steps only: there a
+        # partner at a later epoch has finished its round of ours (its step waited for it);
+        # with delayed updates it moves on at once and its round runs in the background
+        self._sync = not config.delayed_updates
         self._state_round: Any = None  # the parameter round the last step started
-        begin = self._opt._begin_averaging_gradients
-
-        def begin_unless_behind(grad_scaler: Any) -> bool:
-            if self._behind_every_partner():
-                return self._skip_round()
-            return bool(begin(grad_scaler))
-
-        self._opt._begin_averaging_gradients = begin_unless_behind
+        self._opt._begin_averaging_gradients = partial(
+            self._begin_unless_behind, self._opt._begin_averaging_gradients
+        )
         # a round that outlives this is left to hivemind's own wait (which times out)
         self.hold_limit_s = 2 * config.averaging_timeout
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
@@ -550,6 +552,13 @@ class CollaborativeOptimizer:
             self.step_samples.append((epoch, before))
         return self.local_epoch != epoch
 
+    def _begin_unless_behind(self, begin: Callable[[Any], bool], grad_scaler: Any) -> bool:
+        """hivemind's ``_begin_averaging_gradients``, or no round at all when, with
+        synchronous steps, every partner is past our epoch (``_skip_round``)."""
+        if self._sync and self._behind_every_partner():
+            return self._skip_round()
+        return bool(begin(grad_scaler))
+
     def _behind_every_partner(self) -> bool:
         """Every other replica with a record (or push) is at a later epoch than ours: no
         round of our epoch can form (rounds meet only their epoch's), and hivemind would
@@ -619,7 +628,7 @@ class CollaborativeOptimizer:
         # optimizer step queues behind it (one worker thread), so it is waited for here,
         # and given up while still matching once every partner has moved on
         state_round, self._state_round = self._state_round, None
-        if state_round is not None and not state_round.done():
+        if self._sync and state_round is not None and not state_round.done():
             if self._wait_unless_left_behind(state_round):
                 self.state_rounds_abandoned += 1
                 self._round["state_round"] = "abandoned (behind)"
@@ -646,7 +655,9 @@ class CollaborativeOptimizer:
         """hivemind's wait for the epoch's gradient round, timed (``_timed_epoch_step``)."""
         start = time.monotonic()
         fallbacks = self.local_gradient_steps
-        abandoned = control is not None and self._wait_unless_left_behind(control)
+        abandoned = (
+            self._sync and control is not None and self._wait_unless_left_behind(control)
+        )
         if abandoned:
             self.rounds_skipped_behind += 1
         try:

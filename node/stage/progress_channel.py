@@ -90,6 +90,11 @@ class ProgressChannel:
         tracker = self._tracker
         shutdown = tracker.shutdown_triggered
         loop = asyncio.get_running_loop()
+        after = getattr(tracker, "pushes_after", None)  # membership/dht.py: no setup during
+        while after is not None and not after.is_set():  # the optimizer's averager forks
+            if shutdown.is_set():
+                return
+            await asyncio.sleep(SHUTDOWN_POLL_S)
         try:
             maddr = await asyncio.wait_for(
                 loop.run_in_executor(

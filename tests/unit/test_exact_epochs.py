@@ -123,6 +123,7 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
     opt.state_rounds_abandoned = 0
     opt._round = {}
     opt._state_round = None
+    opt._sync = True  # synchronous steps: where the rules for a replica left behind hold
     opt._opt.state_averager = SimpleNamespace(last_round=None)
     return opt
 
@@ -253,3 +254,22 @@ def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     opt._timed_epoch_step(update, None)
     assert opt.state_rounds_abandoned == 1
     assert opt._state_round is started  # the next step waits for this one
+
+
+def test_with_delayed_updates_a_partner_ahead_does_not_skip_our_round() -> None:
+    """With delayed updates a partner moves to the next epoch as soon as its round starts
+    in the background: its later epoch does not mean our round has nobody to meet."""
+    began: list[Any] = []
+
+    def begin(scaler: Any) -> bool:
+        began.append(scaler)
+        return True
+
+    opt = _stage_optimizer(5, {6: 0.0})
+    assert opt._begin_unless_behind(begin, None) is False  # synchronous: skipped
+    assert began == [] and opt.rounds_skipped_behind == 1
+
+    opt = _stage_optimizer(5, {6: 0.0})
+    opt._sync = False
+    assert opt._begin_unless_behind(begin, None) is True  # delayed: hivemind's round
+    assert began == [None] and opt.rounds_skipped_behind == 0
