@@ -28,13 +28,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pkgutil
 import time
 from typing import Any
+
+import hivemind.utils.multiaddr.codecs as multiaddr_codecs
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import (
+    ControlFailure,
+    raise_if_failed,
+    read_pbmsg_safe,
+    write_pbmsg,
+)
+from hivemind.proto import p2pd_pb2
 
 from ..logs import get_logger
 from .progress_push import PUSH_BYTES, PushedCount, encode_push
 
 log = get_logger(__name__)
+
+
+def _import_multiaddr_codecs() -> None:
+    """Import every multiaddr codec now, on the importing (main) thread. hivemind imports
+    them lazily, the first time an address is printed or parsed: a channel that did so on
+    its tracker's thread while the main thread forked another optimizer's averager left the
+    child waiting for good on the module lock that thread held (a test's second optimizer
+    hung in its averager's start, inside ``Multiaddr.__repr__``). The channel's own hivemind
+    imports are at the top of this module for the same reason."""
+    for module in pkgutil.iter_modules(multiaddr_codecs.__path__):
+        multiaddr_codecs.codec_by_name(module.name)
+
+
+_import_multiaddr_codecs()
 
 HANDLER_SUFFIX = "_progress_push"
 SETUP_TIMEOUT_S = 10.0
@@ -85,8 +110,6 @@ class ProgressChannel:
                         self._tracker.prefix, type(exc).__name__, exc)
 
     async def _run(self) -> None:
-        from hivemind.p2p import P2P
-
         tracker = self._tracker
         shutdown = tracker.shutdown_triggered
         loop = asyncio.get_running_loop()
@@ -139,9 +162,6 @@ class ProgressChannel:
             await asyncio.gather(*(self._send(p2p, peer, data) for peer in targets))
 
     async def _send(self, p2p: Any, peer: bytes, data: bytes) -> None:
-        from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
-        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
-
         try:
             async with asyncio.timeout(SEND_TIMEOUT_S):
                 writer = await _open_stream(p2p, PeerID(peer), self.name)
@@ -188,13 +208,6 @@ async def _open_stream(p2p: Any, peer: Any, proto: str) -> asyncio.StreamWriter:
     """A stream to ``proto`` at ``peer`` through the daemon (its control protocol's
     STREAM_OPEN, as hivemind's ``call_binary_stream_handler`` sends it), with the daemon
     connection closed whenever the open fails or is cancelled."""
-    from hivemind.p2p.p2p_daemon_bindings.utils import (
-        raise_if_failed,
-        read_pbmsg_safe,
-        write_pbmsg,
-    )
-    from hivemind.proto import p2pd_pb2
-
     control = p2p._client.control
     _reader, writer = await control.daemon_connector.open_connection()
     try:
