@@ -126,3 +126,26 @@ def test_the_local_gradient_fallback_the_optimizer_counts() -> None:
     assert callable(fallback), f"{where}: Optimizer._load_local_gradients_into_optimizer is gone"
     source = inspect.getsource(hivemind.Optimizer._average_gradients_and_load_into_optimizer)
     assert "self._load_local_gradients_into_optimizer()" in source, where
+
+
+def test_a_dropped_address_request_does_not_end_the_daemons_housekeeping() -> None:
+    """A GeneratorExit that still comes out of the DHT adapter (hivemind's dropped request)
+    leaves the daemon's address refresh with a warning, its addresses as they were."""
+    import asyncio
+
+    from wanswarm.node.daemon import Daemon
+
+    class DroppingDht:
+        async def visible_maddrs(self) -> list[str]:
+            raise GeneratorExit
+
+    daemon = Daemon.__new__(Daemon)
+    daemon.dht = DroppingDht()  # type: ignore[assignment]
+    daemon.dht_addrs = ["/ip4/192.0.2.1/tcp/1/p2p/x"]
+
+    async def main() -> list[str]:
+        await daemon._refresh_addrs()
+        await asyncio.sleep(0)  # the coroutine goes on after it
+        return daemon.dht_addrs
+
+    assert asyncio.run(main()) == ["/ip4/192.0.2.1/tcp/1/p2p/x"]
