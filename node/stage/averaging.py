@@ -578,7 +578,7 @@ class CollaborativeOptimizer:
             control.cancel()
         opt.scheduled_grads = None
         self.rounds_skipped_behind += 1
-        self._round = {"round": "skipped (behind)"}
+        self._round["round"] = "skipped (behind)"
         return False
 
     def _wait_unless_left_behind(self, control: Any) -> bool:
@@ -663,12 +663,13 @@ class CollaborativeOptimizer:
         try:
             average(control)  # at once when the round is over (or abandoned)
         finally:
-            self._round = {
+            # added to the step's account (which may already hold its parameter round's)
+            self._round.update({
                 "round_s": round(time.monotonic() - start, 2),
                 "round": "none" if control is None else "abandoned (behind)" if abandoned else (
                     "local" if self.local_gradient_steps > fallbacks else "averaged"
                 ),
-            }
+            })
             if self._round["round"] == "averaged":
                 # hivemind's result: what each member of the group gathered, by peer
                 with contextlib.suppress(Exception):

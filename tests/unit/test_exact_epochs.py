@@ -248,11 +248,14 @@ def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
 
     def update(_scaler: Any) -> None:  # hivemind's step, starting this epoch's round
         assert stuck.cancelled  # given up before hivemind's step waits behind it
+        opt._skip_round()  # its gradient round's account joins the parameter round's
         opt._opt.state_averager.last_round = started
         opt._opt.local_epoch = 46
 
     opt._timed_epoch_step(update, None)
     assert opt.state_rounds_abandoned == 1
+    # the account keeps the parameter round's fate beside the gradient round's
+    assert opt._round == {"state_round": "abandoned (behind)", "round": "skipped (behind)"}
     assert opt._state_round is started  # the next step waits for this one
 
 
