@@ -12,6 +12,8 @@
 #   kernels   benchmarks/kernels.py: GB/s of every codec at 16-256 MiB against peak and a copy
 #   stage     benchmarks/stage.py on CUDA, bf16 and fp32, at the default size (d384, 8x128)
 #             and at the small run's stage size (d768, 3 blocks, 16x1024)
+#   profile   benchmarks/stage.py --profile in bf16 at both sizes: cProfile per thread, CUDA
+#             synchronizations by line, torch.profiler (OUTDIR/profile_{default,small}/)
 #   swarm     benchmarks/swarm.py: the small model (configs/runs/small.toml with
 #             target_batch_size = 128 and warmup_steps = 10, so a few minutes hold many steps)
 #             on 4 daemons sharing the GPU, int8 on loopback, against the reference on the
@@ -54,7 +56,7 @@ torch.cuda.mem_get_info(0))'"
         run_step tests 200 "$py" -m pytest tests/gpu -q -p no:cacheprovider -rf --timeout 90
         ;;
     kernels)
-        run_step kernels 120 "$py" benchmarks/kernels.py
+        run_step kernels 150 "$py" benchmarks/kernels.py ${KERNEL_SIZES:+--sizes $KERNEL_SIZES}
         ;;
     stage)
         for precision in bf16 fp32; do
@@ -62,6 +64,13 @@ torch.cuda.mem_get_info(0))'"
             run_step stage 90 "$py" benchmarks/stage.py --device cuda --precision "$precision" \
                 --d-model 768 --blocks 3 --seq-len 1024 --batch 16 --json
         done
+        ;;
+    profile)
+        run_step profile 90 "$py" benchmarks/stage.py --device cuda --precision bf16 \
+            --rounds 3 --json --profile "$out/profile_default"
+        run_step profile 120 "$py" benchmarks/stage.py --device cuda --precision bf16 \
+            --d-model 768 --blocks 3 --seq-len 1024 --batch 16 --rounds 3 --json \
+            --profile "$out/profile_small"
         ;;
     swarm)
         spec=$out/small_b128.toml

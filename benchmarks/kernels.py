@@ -22,7 +22,12 @@ The last line of output is JSON:
 "quant_gbps", "dequant_gbps", "ratio_vs_bf16"[, "quant_fraction_of_peak",
 "dequant_fraction_of_peak", "quant_fraction_of_copy", "dequant_fraction_of_copy"]},
 ...]}`` (the fractions and ``copy_gbps`` on CUDA only, where the peak is known). On CUDA
-each timed sample is 10 back-to-back calls (``time_median``).
+each timed sample is 10 back-to-back calls (``time_median``): what a node gets, the host's
+path per call (argument checks, allocation, Triton's launcher) included, which exceeds a
+small kernel's own time. The kernels' own bandwidth is measured apart (``*_kernel_gbps``
+and their fractions, CUDA only): the same 10 calls captured once in a CUDA graph and
+replayed, so that the GPU runs them back to back without waiting for the host
+(``time_graph``); a call that synchronizes with the host cannot be captured and gets null.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +90,8 @@ class Result:
     quant_gbps: float
     dequant_gbps: float
     ratio_vs_bf16: float
+    quant_kernel_gbps: float | None = None  # CUDA graph replay: the kernels alone
+    dequant_kernel_gbps: float | None = None
 
 
 def peak_gbps(device: torch.device) -> float | None:
@@ -132,6 +140,52 @@ def time_median(fn: Callable[[], object], device: torch.device, warmup: int, rep
     return statistics.median(samples)
 
 
+def time_graph(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+) -> float | None:
+    """Median seconds per call of the GPU work alone: ``CUDA_BATCH`` calls captured in a
+    CUDA graph, replayed between two events (no host launch path in between). None off
+    CUDA, or when a call synchronizes with the host (checked first in CUDA's sync debug
+    mode, since a synchronization inside a capture would break it)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    # "warn", not "error": an error raised inside a launch would count as a Triton failure
+    # and switch the dispatcher to the reference (kernels/ops.py)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    if any("called a synchronizing" in str(w.message) for w in caught):
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CUDA_BATCH):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    samples: list[float] = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / CUDA_BATCH)
+    del graph
+    return statistics.median(samples)
+
+
 def bench_one(
     wire: str,
     x: torch.Tensor,
@@ -169,7 +223,12 @@ def bench_one(
     q = time_median(quant, dev, warmup, repeats)
     d = time_median(dequant, dev, warmup, repeats)
     moved = in_bytes + codes.nbytes + scales.nbytes
-    return Result(wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio)
+    qk = time_graph(quant, dev, warmup, repeats) if impl == "triton" else None
+    dk = time_graph(dequant, dev, warmup, repeats) if impl == "triton" else None
+    return Result(
+        wire, size_mb, impl, moved / q / 1e9, moved / d / 1e9, ratio,
+        None if qk is None else moved / qk / 1e9, None if dk is None else moved / dk / 1e9,
+    )
 
 
 def copy_gbps(device: torch.device, size_mb: float, warmup: int, repeats: int) -> float:
@@ -177,6 +236,15 @@ def copy_gbps(device: torch.device, size_mb: float, warmup: int, repeats: int) -
     src = torch.empty(int(size_mb * 2**20), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     seconds = time_median(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.numel() / seconds / 1e9
+
+
+def copy_kernel_gbps(device: torch.device, size_mb: float, warmup: int, repeats: int) -> float:
+    """The same copy replayed from a CUDA graph (``time_graph``): the copy kernel alone."""
+    src = torch.empty(int(size_mb * 2**20), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_graph(lambda: dst.copy_(src), device, warmup, repeats)
+    assert seconds is not None  # a device copy never synchronizes
     return 2 * src.numel() / seconds / 1e9
 
 
@@ -195,6 +263,13 @@ def _as_json(r: Result, peak: float | None, copy: float | None = None) -> dict[s
     if copy:
         out["quant_fraction_of_copy"] = round(r.quant_gbps / copy, 4)
         out["dequant_fraction_of_copy"] = round(r.dequant_gbps / copy, 4)
+    for what in ("quant", "dequant"):
+        gbps = getattr(r, f"{what}_kernel_gbps")
+        if gbps is None:
+            continue
+        out[f"{what}_kernel_gbps"] = round(gbps, 3)
+        if peak:
+            out[f"{what}_kernel_fraction_of_peak"] = round(gbps / peak, 4)
     return out
 
 
@@ -238,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             "(the Triton interpreter is not a performance target)"
         )
     copy = copy_gbps(device, max(sizes), warmup, repeats) if cuda else None
+    copy_kernel = copy_kernel_gbps(device, max(sizes), warmup, repeats) if cuda else None
     print(
         f"device: {name}"
         + (f"   peak memory bandwidth: {peak:.0f} GB/s" if peak else "")
-        + (f"   device copy: {copy:.0f} GB/s" if copy else "")
+        + (f"   device copy: {copy:.0f} GB/s (graph-replayed: {copy_kernel:.0f})" if copy
+           and copy_kernel else "")
     )
     print(f"input dtype: {args.dtype}; GB/s count bytes read + written; ratio = payload / bf16")
     header = (
@@ -251,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         header += f"{'q %peak':>9}{'d %peak':>9}"
     if copy:
         header += f"{'q %copy':>9}{'d %copy':>9}"
+    if cuda:
+        header += f"{'q kernel':>10}{'d kernel':>10}"
+        if peak:
+            header += f"{'qk %peak':>10}{'dk %peak':>10}"
     print(header)
     results: list[Result] = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -273,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
                     line += f"{r.quant_gbps / peak:>9.2f}{r.dequant_gbps / peak:>9.2f}"
                 if copy:
                     line += f"{r.quant_gbps / copy:>9.2f}{r.dequant_gbps / copy:>9.2f}"
+                if cuda:
+                    for gbps in (r.quant_kernel_gbps, r.dequant_kernel_gbps):
+                        line += f"{gbps:>10.1f}" if gbps is not None else f"{'-':>10}"
+                    if peak:
+                        for gbps in (r.quant_kernel_gbps, r.dequant_kernel_gbps):
+                            line += f"{gbps / peak:>10.2f}" if gbps is not None else f"{'-':>10}"
                 print(line, flush=True)
         del x
     print(
@@ -281,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": name,
                 "peak_gbps": peak,
                 "copy_gbps": None if copy is None else round(copy, 1),
+                "copy_kernel_gbps": None if copy_kernel is None else round(copy_kernel, 1),
                 "results": [_as_json(r, peak, copy) for r in results],
             }
         )

@@ -40,6 +40,13 @@ figures too (``wall_*``).
 ``peak_memory_mb`` is CUDA's peak allocated memory during the server's rounds, or on the
 CPU the process's peak resident set size (both paths included: they share the process).
 
+``--profile DIR`` (after the timed rounds, untimed): one more round of the server's path
+under ``cProfile`` (the event loop's thread and the device thread's jobs, each its own
+table), one with CUDA's synchronization debug mode counting every synchronizing call by
+the line that made it, and one under ``torch.profiler`` (host ops and, on CUDA, kernels;
+its trace gzipped for a trace viewer), written to ``DIR/stage_profile.txt`` and
+``DIR/stage_trace.json.gz``.
+
 Prints both figures side by side, then one JSON line (``--json``: only the JSON line) with
 ``tokens_per_s``, ``reference_tokens_per_s``, ``ratio`` and ``peak_memory_mb``.
 """
@@ -48,10 +55,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import cProfile
+import gzip
+import io
 import json
+import os
+import pstats
 import resource
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -64,6 +81,7 @@ from wanswarm.node.config.runspec import (
     StagesSpec,
 )
 from wanswarm.node.protocol import BackwardRequest, ForwardRequest, HopId, Kind, to_header
+from wanswarm.node.stage.device_queue import DeviceQueue
 from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
@@ -197,6 +215,87 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _stats(prof: cProfile.Profile, title: str, top: int = 45) -> str:
+    out = io.StringIO()
+    out.write(f"\n===== {title}: cProfile, by own time =====\n")
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    out.write(f"\n===== {title}: cProfile, by cumulative time =====\n")
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+async def _profile(server_path: _ServerPath, n: int, folder: str) -> None:
+    """The server's path profiled three ways (see the module docstring); untimed."""
+    os.makedirs(folder, exist_ok=True)
+    device = server_path.device
+    parts: list[str] = []
+    # 1. cProfile: before Python 3.12 a profiler sees only the thread that enabled it, so
+    # the device thread's jobs get one of their own; from 3.12 (sys.monitoring) one
+    # profiler sees every thread and a second cannot be enabled
+    per_thread = sys.version_info < (3, 12)
+    device_prof = cProfile.Profile()
+    original = DeviceQueue._device
+
+    def profiled(self: DeviceQueue, job: Any) -> Any:
+        device_prof.enable()
+        try:
+            return original(self, job)
+        finally:
+            device_prof.disable()
+
+    loop_prof = cProfile.Profile()
+    if per_thread:
+        DeviceQueue._device = profiled  # type: ignore[method-assign]
+    try:
+        loop_prof.enable()
+        took, _ = await server_path.round(n)
+        loop_prof.disable()
+    finally:
+        DeviceQueue._device = original  # type: ignore[method-assign]
+    parts.append(f"{n} micro-batches (forward + backward) in {took * 1e3:.1f} ms under cProfile")
+    if per_thread:
+        parts.append(_stats(device_prof, "device thread (jobs)"))
+        parts.append(_stats(loop_prof, "event loop thread"))
+    else:
+        parts.append(_stats(loop_prof, "every thread"))
+    # 2. every synchronizing CUDA call, by the line of ours (or a library's) that made it
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                await server_path.round(n)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = collections.Counter(
+            f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
+        )
+        parts.append(f"\n===== synchronizing CUDA calls in {n} micro-batches: "
+                     f"{sum(where.values())} =====")
+        parts.extend(f"{count:6d}  {line}" for line, count in where.most_common(40))
+    # 3. torch.profiler: host ops and kernels
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        await server_path.round(n)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    parts.append("\n===== torch.profiler, by own host time =====")
+    parts.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    parts.append(f"\n===== torch.profiler, by {sort} =====")
+    parts.append(prof.key_averages().table(sort_by=sort, row_limit=30))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(
+            os.path.join(folder, "stage_trace.json.gz"), "wb"
+        ) as dst:
+            shutil.copyfileobj(src, dst)
+    with open(os.path.join(folder, "stage_profile.txt"), "w") as f:
+        f.write("\n".join(parts))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     spec = _spec(args)
@@ -218,6 +317,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             server_s.append(await server_path.round(args.micro_batches))
             reference_s.append(reference.round(args.micro_batches))
         peak = _peak_memory_mb(device)
+        if args.profile:
+            await _profile(server_path, args.micro_batches, args.profile)
     finally:
         await server_path.server.close()
     tokens = args.micro_batches * args.batch * args.seq_len
@@ -272,6 +373,13 @@ def main() -> None:
         type=int,
         default=None,
         help="torch intra-op threads (default: 1 on the CPU, torch's choice on CUDA)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="after the timed rounds, profile the server's path (cProfile per thread, CUDA "
+        "synchronizations by line, torch.profiler) into DIR/stage_profile.txt",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()

@@ -84,7 +84,7 @@ from ..protocol import (
 )
 from ..training.model import StageModule
 from .checkpointer import Checkpointer
-from .fingerprint import param_sketch
+from .fingerprint import Fingerprinter
 from .memory import AppliedLog, GraphCache, InputCache
 from .optimizer import StageOptimizer
 from .precision import ComputePrecision, resolve_precision
@@ -160,9 +160,10 @@ class StageJobs:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.forward_codec: CodecSpec = parse_codec(spec.codecs.forward_activations)
         self.backward_codec: CodecSpec = parse_codec(spec.codecs.backward_gradients)
-        self.digest: tuple[int, str] = (-1, "")  # (epoch, param_digest) after the epoch's step
-        # and a count sketch of the same parameters: how far replicas are apart (fingerprint.py)
-        self.sketch: list[float] = []
+        # (epoch, param_digest, count sketch) after an epoch's step, computed off this
+        # thread; the sketch tells how far replicas are apart (fingerprint.py)
+        self.fingerprints = Fingerprinter()
+        self._fingerprinted_epoch = -1
         self._checkpoints = checkpoints
         self._queue_len = queue_len
         self._cache = InputCache(config.cache_entries, config.cache_bytes, config.cache_ttl_s)
@@ -519,9 +520,10 @@ class StageJobs:
             took = time.perf_counter() - started
             self.counters.optimizer_s += took
             self.counters.optimizer_max_s = max(self.counters.optimizer_max_s, took)
-            if self.optimizer.local_epoch != self.digest[0]:
-                self.digest = (self.optimizer.local_epoch, self.param_digest())
-                self.sketch = param_sketch(self.module.state_dict())
+            epoch = self.optimizer.local_epoch
+            if epoch != self._fingerprinted_epoch:
+                self._fingerprinted_epoch = epoch
+                self.fingerprints.submit(epoch, self.module.state_dict())
 
     def step_if_due(self) -> None:
         """Join the stage's epoch step if it is due (the server's periodic check)."""

@@ -284,8 +284,18 @@ class StageServer:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._queue.executor, self.optimizer.shutdown)
         self._queue.shutdown()
+        self._jobs.fingerprints.close()
         if self._checkpoints is not None:
             await asyncio.to_thread(self._checkpoints.close)  # a write in flight finishes
+
+    def _fingerprint_fields(self) -> dict[str, Any]:
+        epoch, digest, sketch = self._jobs.fingerprints.latest
+        return {
+            "digest_epoch": epoch,
+            "param_digest": digest,
+            "param_sketch": sketch,  # same epoch: relative_distance of two replicas
+            "fingerprints_skipped": self._jobs.fingerprints.skipped,
+        }
 
     def status(self) -> dict[str, Any]:
         return {
@@ -300,9 +310,7 @@ class StageServer:
             "replicas_seen": self.optimizer.num_peers,
             "averaging": self.optimizer.averaging_status(),
             "cache": self._jobs.cached_inputs,
-            "digest_epoch": self._jobs.digest[0],
-            "param_digest": self._jobs.digest[1],
-            "param_sketch": self._jobs.sketch,  # same epoch: relative_distance of two replicas
+            **self._fingerprint_fields(),
             "resumed_from": self.resumed_from,
             "device": str(self.device),
             "precision": self.precision.describe(),

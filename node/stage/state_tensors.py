@@ -49,7 +49,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in named:
         h.update(name.encode())
         # the tensor's bytes through the buffer protocol: no copy on the CPU
-        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+        h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()[:16]
 
 

@@ -2,10 +2,14 @@
 the relative distance between two replicas' parameters."""
 
 import math
+import threading
+from unittest import mock
 
 import pytest
 import torch
-from wanswarm.node.stage.fingerprint import param_sketch, relative_distance
+from wanswarm.node.stage import fingerprint
+from wanswarm.node.stage.fingerprint import Fingerprinter, param_sketch, relative_distance
+from wanswarm.node.stage.state_tensors import tensors_digest
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -74,3 +78,69 @@ def test_the_lab_compares_replicas_at_a_common_epoch_by_their_sketches() -> None
     assert apart[0] < 1e-6  # equal up to rounding; the replica at epoch 5 is not compared
     assert 1e-3 < apart[1] < 1e-1  # one replica stepped without the other
     assert replicas_divergence({2: [(1, [1.0]), (2, [1.0])]}) == {}  # no common epoch
+
+
+def test_fingerprinter_publishes_the_state_as_it_was_at_submit() -> None:
+    fp = Fingerprinter()
+    try:
+        assert fp.latest == (-1, "", [])
+        state = _state(0)
+        expected = (tensors_digest(state.items()), param_sketch(state))
+        assert fp.submit(3, state)
+        state["blocks.0.w"].add_(1.0)  # training goes on in place: the copy was taken before
+        assert fp.wait(30)
+        assert fp.latest == (3, *expected)
+        assert fp.submit(4, state)  # the same buffers, reused, now hold the new values
+        assert fp.wait(30)
+        assert fp.latest == (4, tensors_digest(state.items()), param_sketch(state))
+        assert fp.skipped == 0
+    finally:
+        fp.close()
+
+
+def test_fingerprinter_skips_an_epoch_while_busy_and_never_mixes_epochs() -> None:
+    fp = Fingerprinter()
+    release = threading.Event()
+    original = fingerprint.tensors_digest
+
+    def slow_digest(named):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return original(named)
+
+    try:
+        with mock.patch.object(fingerprint, "tensors_digest", slow_digest):
+            state = _state(1)
+            assert fp.submit(5, state)
+            assert not fp.submit(6, _state(2))  # busy with 5: skipped, no second copy
+            assert fp.skipped == 1
+            assert fp.latest[0] == -1  # nothing published half-way
+            release.set()
+            assert fp.wait(30)
+        assert fp.latest == (5, tensors_digest(state.items()), param_sketch(state))
+        assert fp.submit(7, _state(2))
+        assert fp.wait(30)
+        assert fp.latest[0] == 7
+    finally:
+        release.set()
+        fp.close()
+
+
+def test_fingerprinter_failure_is_logged_and_the_next_epoch_tries_again() -> None:
+    fp = Fingerprinter()
+    try:
+        with mock.patch.object(fingerprint, "param_sketch", side_effect=RuntimeError("boom")):
+            assert fp.submit(1, _state(0))
+            assert fp.wait(30)
+        assert fp.latest[0] == -1
+        assert fp.submit(2, _state(0))
+        assert fp.wait(30)
+        assert fp.latest[0] == 2
+    finally:
+        fp.close()
+
+
+def test_fingerprinter_after_close_submits_nothing() -> None:
+    fp = Fingerprinter()
+    fp.close()
+    assert not fp.submit(1, _state(0))
+    assert fp.wait(1)
