@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -226,20 +227,25 @@ class QuicLink:
             self._sources.remove(source)
 
     async def ping(self) -> float:
-        """Seconds until a PING is acknowledged (the caller sets the deadline)."""
+        """Seconds until a PING is acknowledged (the caller sets the deadline).
+
+        Timed with ``time.perf_counter``, not the loop's clock: uvloop's ``loop.time()``
+        counts whole milliseconds (libuv's cached ``uv_now``), so a loopback or LAN round
+        trip of a few hundred microseconds measured 0.0 (a peer's RTT reported as 0 ms in
+        status) or 1 ms."""
         if self.is_closed:
             raise self.closed_error()
         waiter: asyncio.Future[None] = self._loop.create_future()
         uid = id(waiter)
         self._pings[uid] = waiter
-        start = self._loop.time()
+        start = time.perf_counter()
         self._quic.send_ping(uid)
         self.transmit()
         try:
             await waiter
         finally:
             self._pings.pop(uid, None)
-        return self._loop.time() - start
+        return time.perf_counter() - start
 
     def close(self, code: CloseCode = CloseCode.NO_ERROR, reason: str = "") -> None:
         """Send CONNECTION_CLOSE; the link ends after aioquic's closing period."""

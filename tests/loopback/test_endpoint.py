@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+from unittest import mock
 
 import pytest
 import torch
@@ -267,6 +269,25 @@ def test_ping_and_path_stats() -> None:
             stats = client.path_stats(server.peer_id)
             assert stats is not None and stats.min_rtt > 0 and stats.loss_rate == 0.0
             assert server.path_stats(client.peer_id) is not None
+
+    run(main())
+
+
+def test_ping_is_timed_finer_than_the_loops_clock() -> None:
+    """uvloop's loop.time() counts whole milliseconds: a loopback ping timed with it measured
+    0.0 (a peer's RTT of 0 ms in status) or 1 ms. Here the loop's clock is made as coarse;
+    the ping must still measure the round trip itself, not in whole milliseconds."""
+
+    async def main() -> None:
+        async with endpoint() as server, endpoint() as client:
+            await client.ping(address(server), timeout=10)  # connected
+            loop = asyncio.get_running_loop()
+            fine = loop.time
+            with mock.patch.object(loop, "time", lambda: math.floor(fine() * 1000) / 1000):
+                rtts = [await client.ping(address(server), timeout=10) for _ in range(5)]
+            assert all(0 < rtt < 1 for rtt in rtts), rtts
+            whole_ms = [abs(rtt * 1000 - round(rtt * 1000)) < 1e-6 for rtt in rtts]
+            assert not all(whole_ms), rtts
 
     run(main())
 
