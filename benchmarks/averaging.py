@@ -40,7 +40,12 @@ Modes (docs/averaging.md):
   feedback;
 - ``gossip-H<h>``: the same inner steps; every ``h`` steps each replica averages its
   parameters with its neighbours of the round on the one-peer exponential graph (float32
-  parameters, one neighbour); replicas then differ, which ``replica_max_divergence`` shows.
+  parameters, one neighbour); replicas then differ, which ``replica_max_divergence`` shows;
+- ``gossip-H<h>-accum<s>`` and ``diloco-H<h>-accum<s>``: the same with Decent-DP's AccumAdam
+  as the inner optimizer (``averaging.inner_optimizer = "accum_adamw"``, ``accum_steps``
+  ``s`` from ``--accum-steps``): each inner step sees only ``--global-batch / R`` samples,
+  the small per-worker batch AccumAdam is for; its moments advance every ``s`` steps on
+  their mean gradient.
 
 The outer step's lr and momentum default to 1.0 and 0.5 (``--outer``; several pairs run
 every DiLoCo mode with each): in 200-step runs of this benchmark DiLoCo's own 0.7 / 0.9,
@@ -72,6 +77,7 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU: the kernels' reference paths
 
 import torch  # noqa: E402
+from wanswarm.node.config.averaging_spec import AveragingSpec  # noqa: E402
 from wanswarm.node.config.runspec import (  # noqa: E402
     BatchSpec,
     DataSpec,
@@ -81,7 +87,7 @@ from wanswarm.node.config.runspec import (  # noqa: E402
     StagesSpec,
 )
 from wanswarm.node.stage import gossip, outer  # noqa: E402
-from wanswarm.node.stage.optimizer import make_adamw  # noqa: E402
+from wanswarm.node.stage.optimizer import make_adamw, make_inner_optimizer  # noqa: E402
 from wanswarm.node.stage.pseudo_gradient import ErrorFeedback, PseudoGradientCodec  # noqa: E402
 from wanswarm.node.training.data import TrainStream, load_corpus, validation_set  # noqa: E402
 from wanswarm.node.training.model import build_stage, param_groups  # noqa: E402
@@ -96,6 +102,7 @@ class Mode:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     fragments: int = 1  # Streaming DiLoCo: parameter fragments synchronised on a stagger
+    accum_steps: int = 0  # > 0: the inner steps take AccumAdamW with these accumulation steps
 
 
 @dataclass
@@ -139,7 +146,13 @@ def train(mode: Mode, spec: RunSpec, args: argparse.Namespace, corpus: Any) -> d
         group = []
         for _ in range(n_rep):
             module = build_stage(spec, s)  # every replica starts from the stage's init
-            opt = make_adamw(spec.optimizer, param_groups(module, spec.optimizer.weight_decay))
+            groups = param_groups(module, spec.optimizer.weight_decay)
+            if mode.accum_steps:  # the swarm's own choice of inner optimizer (optimizer.py)
+                inner = AveragingSpec(mode=mode.kind, inner_optimizer="accum_adamw",
+                                      accum_steps=mode.accum_steps)
+                opt = make_inner_optimizer(spec.model_copy(update={"averaging": inner}), groups)
+            else:
+                opt = make_adamw(spec.optimizer, groups)
             for p in module.parameters():
                 p.grad = None
             schedule = torch.optim.lr_scheduler.LambdaLR(opt, spec.optimizer.lr_multiplier)
@@ -300,6 +313,11 @@ def evaluate(modules: list[torch.nn.Module], spec: RunSpec, corpus: Any) -> floa
     return sum(losses) / len(losses)
 
 
+def _outer_pair(pair: str) -> tuple[float, float]:
+    lr, momentum = (float(v) for v in pair.split(":"))
+    return lr, momentum
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one final JSON line")
@@ -317,6 +335,10 @@ def main() -> None:
     )
     parser.add_argument("--h", type=int, nargs=2, default=[8, 40], help="two values of H")
     parser.add_argument("--topk-density", type=float, default=0.02)
+    parser.add_argument(
+        "--accum-steps", type=int, default=4,
+        help="AccumAdamW's accumulation steps in the *-accum modes (Decent-DP: ~ workers)",
+    )
     parser.add_argument("--val-windows", type=int, default=128)
     parser.add_argument("--link-mbps", type=float, default=100.0, help="for the runtime model")
     parser.add_argument("--threads", type=int, default=1)
@@ -345,6 +367,10 @@ def main() -> None:
         name, h, c = streamed
         modes.append(Mode(name + suffix, "diloco", h, c, lr, momentum, fragments=4))
     modes.append(Mode(f"gossip-H{h_small}", "gossip", h_small))
+    s = args.accum_steps
+    modes.append(Mode(f"gossip-H{h_small}-accum{s}", "gossip", h_small, accum_steps=s))
+    modes.append(Mode(f"diloco-H{h_small}-accum{s}", "diloco", h_small, "none",
+                      *_outer_pair(args.outer[0]), accum_steps=s))
     if args.modes:
         wanted = set(args.modes.split(","))
         modes = [m for m in modes if m.name.split("@")[0] in wanted or m.name == "allreduce"]
@@ -380,7 +406,7 @@ def main() -> None:
     model: dict[str, Any] = {"gamma": gamma, "sigma2": sigma2, "link_mbps": args.link_mbps}
     if gossip_results:
         g = gossip_results[0]
-        h = int(g["mode"].split("H")[1])
+        h = int(g["mode"].split("H")[1].split("-")[0])
         rounds_bytes = g["averaging_bytes_total"] / g["outer_rounds"] / (
             args.replicas * spec.n_stages
         )

@@ -32,6 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 AveragingMode = Literal["allreduce", "diloco", "gossip"]
+InnerOptimizer = Literal["adamw", "accum_adamw"]
 PseudoGradientCompression = Literal["none", "int8", "int4", "sign", "topk"]
 
 
@@ -107,6 +108,26 @@ class AveragingSpec(BaseModel):
             "averaged every inner_steps steps and a round sends 1/fragments of the stage."
         ),
     )
+    inner_optimizer: InnerOptimizer = Field(
+        default="adamw",
+        description=(
+            "The inner steps' optimizer (diloco and gossip): 'adamw', or 'accum_adamw', "
+            "Decent-DP's AccumAdam (ICLR 2025) with decoupled weight decay: every step "
+            "moves the parameters with its own gradient, but Adam's moments advance only "
+            "every accum_steps steps, on the mean of those steps' gradients, so a replica "
+            "whose inner steps see few samples does not estimate the second moment from "
+            "single noisy gradients."
+        ),
+    )
+    accum_steps: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description=(
+            "accum_adamw: inner steps per update of Adam's moments (1 is AdamW exactly). "
+            "Decent-DP scales it with the number of workers."
+        ),
+    )
     round_timeout_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -141,6 +162,12 @@ class AveragingSpec(BaseModel):
                 f"averaging.inner_steps ({self.inner_steps}) must be a multiple of "
                 f"averaging.fragments ({self.fragments}): a round comes every "
                 "inner_steps / fragments inner steps"
+            )
+        if self.inner_optimizer != "adamw" and self.mode == "allreduce":
+            raise ValueError(
+                f"averaging.inner_optimizer = {self.inner_optimizer!r} is the optimizer of "
+                "'diloco' and 'gossip' inner steps; 'allreduce' steps hivemind's AdamW on the "
+                "stage's whole batch: set averaging.mode or inner_optimizer = 'adamw'"
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(

@@ -33,8 +33,10 @@ state that a quorum of donors agrees on. :meth:`export_state` is this replica's 
 gossip averagers (trusted as one gossip partner is: names, shapes and finiteness checked).
 ``replicas_differ`` tells the state sharing (state.py) to do that.
 
-Not built: Decent-DP's AccumAdam, and compression of the exchanged parameters (the spec
-refuses ``compression`` with ``gossip``: parameters, unlike pseudo-gradients, do not
+The inner optimizer is the run spec's ``averaging.inner_optimizer``: AdamW, or Decent-DP's
+AccumAdam (``optimizer.AccumAdamW``), for replicas whose inner steps see few samples.
+Not built: compression of the exchanged parameters (the spec refuses ``compression`` with
+``gossip``: parameters, unlike pseudo-gradients, do not
 survive 8-bit rounding; CHOCO-style compressed gossip needs per-neighbour copies that a
 changing topology does not keep).
 

@@ -10,7 +10,9 @@ over the stage's replicas.
 
 Both build the same AdamW (:func:`make_adamw`: a :class:`ClippedAdamW` with its state
 initialized, ``optimizer.grad_clip`` applied to the gradients of the whole stage right
-before each step) and the same learning-rate schedule (:func:`make_schedule`:
+before each step; in a DiLoCo or gossip run whose spec asks for it,
+:func:`make_inner_optimizer` gives the inner steps Decent-DP's AccumAdam instead,
+:class:`AccumAdamW`) and the same learning-rate schedule (:func:`make_schedule`:
 ``OptimizerSpec.lr_multiplier(local_epoch)``).
 
 Checkpoints. ``export_state`` returns the stage's state as named CPU tensors (the module's
@@ -141,6 +143,111 @@ class ClippedAdamW(torch.optim.AdamW):
         return loss
 
 
+class AccumAdamW(torch.optim.Optimizer):
+    """Decent-DP's AccumAdam (Wang et al., ICLR 2025, Algorithm 4) with AdamW's decoupled
+    weight decay, the stage's gradient clipping and the subspace constraint of
+    :class:`ClippedAdamW`.
+
+    Step ``t`` (1-based) with gradient ``g`` (clipped), committed moments ``m``, ``v`` and
+    ``k = ceil(t / s)`` moment updates so far (this one included)::
+
+        p     <- p (1 - lr wd)
+        a     <- a + g / s                                   # the moments' accumulator
+        m'    =  beta1 m + (1 - beta1) g                     # this step's moments, not kept
+        v'    =  beta2 v + (1 - beta2) g^2
+        p     <- p - lr (m' / (1 - beta1^k)) / (sqrt(v' / (1 - beta2^k)) + eps)
+        every s-th step: m <- beta1 m + (1 - beta1) a;  v <- beta2 v + (1 - beta2) a^2;  a <- 0
+
+    so every step moves the parameters with its own gradient, while the moments advance once
+    per ``s`` steps on the mean of their gradients: with few samples per step (a DiLoCo or
+    gossip replica's inner steps on its share of the batch) ``v`` no longer squares single
+    noisy gradients. ``s = 1`` is AdamW. State per parameter: ``step``, ``exp_avg``,
+    ``exp_avg_sq``, ``accum`` (all tensors: checkpoints and state transfer carry them).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        accum_steps: int = 4,
+        max_grad_norm: float = 0.0,
+        constraint: SubspaceConstraint | None = None,
+    ) -> None:
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "accum_steps": accum_steps}
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.constraint = constraint
+        for group in self.param_groups:  # state up front, as make_adamw's (hivemind ships it)
+            for p in group["params"]:
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "accum": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm > 0:
+            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, s = group["lr"], group["eps"], group["weight_decay"], group["accum_steps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                state["step"] += 1
+                t = int(state["step"].item())
+                k = -(-t // s)  # moment updates so far, this one included
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                accum = state["accum"]
+                accum.add_(g, alpha=1.0 / s)
+                m = state["exp_avg"].mul(beta1).add_(g, alpha=1.0 - beta1)
+                v = state["exp_avg_sq"].mul(beta2).addcmul_(g, g, value=1.0 - beta2)
+                denom = v.div_(1.0 - beta2**k).sqrt_().add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1.0 - beta1**k))
+                if t % s == 0:
+                    state["exp_avg"].mul_(beta1).add_(accum, alpha=1.0 - beta1)
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(accum, accum, value=1.0 - beta2)
+                    accum.zero_()
+        if self.constraint is not None:
+            self.constraint.apply_(self.param_groups)
+        return loss
+
+
+def make_inner_optimizer(
+    spec: RunSpec, groups: Iterable[Any], constraint: SubspaceConstraint | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer of a stage's own steps: the run's AdamW (:func:`make_adamw`), or in a
+    DiLoCo or gossip run with ``averaging.inner_optimizer = "accum_adamw"`` an
+    :class:`AccumAdamW` with the same hyperparameters, state likewise initialized."""
+    averaging = spec.averaging
+    if averaging.mode == "allreduce" or averaging.inner_optimizer == "adamw":
+        return make_adamw(spec.optimizer, groups, constraint)
+    return AccumAdamW(
+        groups,
+        accum_steps=averaging.accum_steps,
+        max_grad_norm=spec.optimizer.grad_clip,
+        constraint=constraint,
+        **spec.optimizer.adamw_kwargs(),
+    )
+
+
 def make_adamw(
     spec: OptimizerSpec, groups: Iterable[Any], constraint: SubspaceConstraint | None = None
 ) -> ClippedAdamW:
@@ -213,7 +320,7 @@ class LocalOptimizer:
         self._target = spec.batch.target_batch_size
         wd = spec.optimizer.weight_decay
         constraint = SubspaceConstraint.for_stage(module, wd)
-        self._opt = make_adamw(spec.optimizer, param_groups(module, wd), constraint)
+        self._opt = make_inner_optimizer(spec, param_groups(module, wd), constraint)
         for p in self._params:
             p.grad = None  # make_adamw left zero gradients behind
         self._schedule = make_schedule(spec.optimizer, self._opt)

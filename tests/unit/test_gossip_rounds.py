@@ -20,6 +20,7 @@ from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, Ru
 from wanswarm.node.stage.averaging import AveragingConfig, AveragingError
 from wanswarm.node.stage.checkpoint import CheckpointError
 from wanswarm.node.stage.gossip_optimizer import GossipOptimizer
+from wanswarm.node.stage.optimizer import AccumAdamW
 from wanswarm.node.training.model import build_stage
 
 H = 2
@@ -251,3 +252,16 @@ def test_the_spec_refuses_compression_with_gossip() -> None:
     with pytest.raises(AveragingError, match="compression"):
         GossipOptimizer(build_stage(spec, STAGE), spec, STAGE, AveragingConfig(),
                         lambda _: Carrier(None, "x"))
+
+
+def test_accum_adamw_is_the_inner_optimizer_when_the_spec_says_so() -> None:
+    spec = SPEC.model_copy(update={"averaging": SPEC.averaging.model_copy(
+        update={"inner_optimizer": "accum_adamw", "accum_steps": 2})})
+    module = build_stage(spec, STAGE)
+    meeting = Meeting()
+    opt = GossipOptimizer(module, spec, STAGE, AveragingConfig(), lambda _: meeting.carrier("a"))
+    assert isinstance(opt._inner._opt, AccumAdamW)
+    _train(module, opt, seed=3, steps=2)
+    epoch, tensors, _ = opt.export_state()
+    assert [n for n in tensors if n.endswith(".accum")]  # its accumulator travels with the state
+    assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
