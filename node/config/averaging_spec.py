@@ -21,6 +21,10 @@ Modes (docs/averaging.md):
   every replica (Decent-DP; the daemon forms random groups, benchmarks/averaging.py the
   alternating exponential ring); uncompressed.
 
+The inner steps of ``diloco`` and ``gossip`` take the run's AdamW, or with
+``inner_optimizer = "accum_adamw"`` Decent-DP's AccumAdam (node/stage/optimizer.py
+``AccumAdamW``: Adam's moments advance every ``accum_steps`` steps on the mean gradient).
+
 This module is pure (pydantic only); ``runspec.RunSpec.averaging`` holds the section and
 leaves it out of the run id while it holds its defaults, so existing runs keep their id.
 """
