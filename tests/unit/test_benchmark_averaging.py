@@ -38,7 +38,8 @@ def test_json_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
     results = {r["mode"]: r for r in line["results"]}
     assert list(results) == [
         "allreduce", "diloco-H2", "diloco-H4", "diloco-H2-int4-ef", "diloco-H2-sign-ef",
-        "diloco-H2-topk-ef", "diloco-H2-stream4-sign-ef", "gossip-H2",
+        "diloco-H2-topk-ef", "diloco-H2-stream4-sign-ef", "gossip-H2", "gossip-H2-accum4",
+        "diloco-H2-accum4",
     ]
     for r in results.values():
         assert {"mode", "averaging_bytes_per_token", "reduction_vs_allreduce", "val_loss",
@@ -53,6 +54,10 @@ def test_json_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
         assert results[mode]["replica_max_divergence"] == 0.0
         assert results[mode]["outer_rounds"] == 4 // int(mode.split("-")[1][1:])
     assert results["gossip-H2"]["replica_max_divergence"] == 0.0  # two replicas: exact mean
+    # AccumAdam changes the inner steps, not what is sent
+    assert bytes_of["gossip-H2-accum4"] == bytes_of["gossip-H2"]
+    assert bytes_of["diloco-H2-accum4"] == bytes_of["diloco-H2"]
+    assert results["gossip-H2-accum4"]["val_loss"] != results["gossip-H2"]["val_loss"]
     # streamed: every fragment of the stage synchronised as often as in diloco-H2-sign-ef
     # (sign payloads are per tensor, so the split changes no byte), on a stagger: offsets
     # 0, 0, 1, 1 for four fragments at H = 2, each fragment twice in four steps
