@@ -361,7 +361,7 @@ def main() -> None:
     streamed = (f"diloco-H{h_small}-stream4-sign-ef", h_small, "sign")
     modes = [Mode("allreduce", "allreduce")]
     for pair in args.outer:
-        lr, momentum = (float(v) for v in pair.split(":"))
+        lr, momentum = _outer_pair(pair)
         suffix = f"@{lr:g}/{momentum:g}" if len(args.outer) > 1 else ""
         modes += [Mode(name + suffix, "diloco", h, c, lr, momentum) for name, h, c in diloco]
         name, h, c = streamed

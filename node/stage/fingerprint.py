@@ -100,6 +100,7 @@ class Fingerprinter:
         self._host: dict[str, torch.Tensor] = {}
         self._idle = threading.Event()
         self._idle.set()
+        self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="wanswarm-fingerprint")
 
     @property
@@ -113,6 +114,8 @@ class Fingerprinter:
         """Fingerprint ``state`` (a ``state_dict``) as it is now, for ``epoch``; False when
         skipped (the worker is busy, or closed). Call on the device thread."""
         with self._lock:
+            if self._closed:
+                return False
             if self._busy:
                 self.skipped += 1
                 return False
@@ -121,13 +124,10 @@ class Fingerprinter:
         try:
             host, event = self._copy(state)
             self._worker.submit(self._compute, epoch, host, event)
-        except RuntimeError as exc:
+        except BaseException as exc:
             self._done()
-            if "shutdown" in str(exc):  # closed: the stage is going away
-                return False
-            raise
-        except BaseException:
-            self._done()
+            if isinstance(exc, RuntimeError) and self._closed:
+                return False  # closed meanwhile (the executor refused): the stage is going away
             raise
         return True
 
@@ -180,6 +180,7 @@ class Fingerprinter:
 
     def close(self) -> None:
         """Stop the worker; a fingerprint in progress finishes, nothing new starts."""
+        self._closed = True
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 

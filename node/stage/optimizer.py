@@ -236,8 +236,8 @@ def make_inner_optimizer(
     """The optimizer of a stage's own steps: the run's AdamW (:func:`make_adamw`), or in a
     DiLoCo or gossip run with ``averaging.inner_optimizer = "accum_adamw"`` an
     :class:`AccumAdamW` with the same hyperparameters, state likewise initialized."""
-    averaging = spec.averaging
-    if averaging.mode == "allreduce" or averaging.inner_optimizer == "adamw":
+    averaging = spec.averaging  # its validator keeps accum_adamw out of allreduce runs
+    if averaging.inner_optimizer == "adamw":
         return make_adamw(spec.optimizer, groups, constraint)
     return AccumAdamW(
         groups,
@@ -322,7 +322,7 @@ class LocalOptimizer:
         constraint = SubspaceConstraint.for_stage(module, wd)
         self._opt = make_inner_optimizer(spec, param_groups(module, wd), constraint)
         for p in self._params:
-            p.grad = None  # make_adamw left zero gradients behind
+            p.grad = None  # make_adamw leaves zero gradients behind
         self._schedule = make_schedule(spec.optimizer, self._opt)
         self._acc = [torch.zeros_like(p) for p in self._params]
         self._samples = 0
