@@ -18,7 +18,10 @@
 # conda). Compiled kernels are cached in TRITON_CACHE_DIR, on the volume, so a restarted
 # container does not compile them again. Where they still cannot run (an old GPU), the
 # node logs it once and uses the torch reference on the GPU (docs/gpu.md).
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# BASE_IMAGE: any image with Python >= 3.11 and torch on PATH, Debian or Ubuntu (apt-get).
+# tests/docker builds on a local Debian stand-in where Docker Hub is out of reach.
+ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+FROM ${BASE_IMAGE}
 
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -55,7 +58,8 @@ STOPSIGNAL SIGTERM
 # The first check runs 'wanswarm selftest' (device, precision, kernels vs the reference,
 # a stage's forward/backward; it compiles the kernels into the cache) and leaves a marker
 # in /tmp, which a new container does not have; every check then asks the daemon.
-HEALTHCHECK --interval=15s --timeout=120s --start-period=180s --start-interval=5s --retries=3 \
+# (No --start-interval: Docker before 25 refuses the whole Dockerfile over that flag.)
+HEALTHCHECK --interval=10s --timeout=120s --start-period=180s --retries=3 \
     CMD ["sh", "-c", "wanswarm selftest --config /etc/wanswarm/node.toml --once /tmp/wanswarm-selftest.ok && exec wanswarm status"]
 ENTRYPOINT ["wanswarm"]
 CMD ["join", "--config", "/etc/wanswarm/node.toml"]

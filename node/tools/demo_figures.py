@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..stage.fingerprint import relative_distance
 
 Status = dict[str, Any]
 
@@ -153,6 +152,10 @@ def averaging_summary(servers: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
         sketch = s.get("param_sketch") if s else None
         if isinstance(sketch, list) and sketch:
             sketches.setdefault(s.get("digest_epoch"), []).append(sketch)
+    # imported here: fingerprint imports torch, and this module is on the path of every
+    # CLI command ('wanswarm status' runs every few seconds as Docker's health check)
+    from ..stage.fingerprint import relative_distance
+
     distances = [
         relative_distance(group[0], other)
         for group in sketches.values() if len(group) > 1
