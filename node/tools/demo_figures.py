@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-
 Status = dict[str, Any]
 
 

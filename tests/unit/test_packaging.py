@@ -58,7 +58,8 @@ def test_status_path_does_not_import_hivemind_or_torch(tmp_path: Path) -> None:
     run cost about 2 s of CPU."""
     code = (
         "import sys, wanswarm.node.cli as cli\n"
-        "for args in (['status', '--state-dir', sys.argv[1]], ['leave', '--state-dir', sys.argv[1]]):\n"
+        "for command in ('status', 'leave'):\n"
+        "    args = [command, '--state-dir', sys.argv[1]]\n"
         "    try:\n"
         "        cli.main(args)\n"
         "    except SystemExit:\n"
