@@ -648,6 +648,30 @@ def sum_by_epoch(records: dict[bytes, tuple[int, float]]) -> dict[int, float]:
     return out
 
 
+_PROGRESS_KEY_ATTR = "_wanswarm_progress_key"
+
+
+def progress_signing_key(dht: Any) -> Any:
+    """The RSA key that signs this DHT's progress records: one per hivemind DHT, made at the
+    first call.
+
+    hivemind's tracker signs its records through the DHT process's RSASignatureValidator,
+    and a DHT keeps the first such validator it is given (``merge_with`` drops later
+    ones), which signs only records whose owner is its own key. A tracker with any other
+    key stores unsigned records, which every node refuses: after a stage move, the node's
+    second optimizer, built with a key of its own, was invisible to the replicas of its
+    new stage (no averaging round, its pushes refused as ``unknown``; docs/gpu.md). Not
+    hivemind's process-wide key either: two replicas on two DHTs in one process (tests)
+    would then publish under one owner and overwrite each other's records."""
+    key = getattr(dht, _PROGRESS_KEY_ATTR, None)
+    if key is None:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        key = RSAPrivateKey()
+        setattr(dht, _PROGRESS_KEY_ATTR, key)
+    return key
+
+
 @cache
 def tidy_optimizer_class() -> type:
     """``hivemind.Optimizer`` whose progress tracker closes the event loop it runs on.
@@ -809,6 +833,7 @@ def tidy_optimizer_class() -> type:
                 self._averagers_forked.set()  # the tracker's push channel may start
 
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+            kwargs["private_key"] = progress_signing_key(self.dht)
             return ClosingProgressTracker(
                 dht=self.dht,
                 prefix=self.run_id,

@@ -330,8 +330,6 @@ class CollaborativeOptimizer:
                 "construct CollaborativeOptimizer on the main thread "
                 "(hivemind installs signal handlers)"
             )
-        from hivemind.utils.crypto import RSAPrivateKey
-
         if spec.averaging.mode != "allreduce":
             raise AveragingError(
                 f"averaging.mode = {spec.averaging.mode!r}: build the stage's optimizer with "
@@ -378,11 +376,9 @@ class CollaborativeOptimizer:
                 state_averaging_compression=_compression(config.state_compression),
                 load_state_compression=_compression(config.load_state_compression),
                 verbose=config.verbose,
-                # progress records are signed; hivemind's default key is process-wide, so two
-                # replicas in one process (tests, a node serving while another leaves) would
-                # overwrite each other's progress: give each optimizer its own key
+                # progress records are signed with one key per DHT (membership/dht.py:
+                # progress_signing_key), set by the Optimizer class itself
                 tracker_opts={
-                    "private_key": RSAPrivateKey(),
                     "max_refresh_period": MAX_PROGRESS_REFRESH_S,
                     # the replicas' counts pushed over libp2p as well (progress_push.py)
                     "push_book": (

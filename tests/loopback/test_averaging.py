@@ -579,3 +579,55 @@ def test_gradient_rounds_meet_only_rounds_of_the_same_epoch() -> None:
         averagers.clear()
         dhts.clear()
         gc.collect()
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_a_replica_that_moved_stage_is_seen_by_its_new_stage() -> None:
+    """A node that moves builds a second optimizer on the same DHT. Its progress records must
+    be signed like the first one's: the DHT process keeps the first RSA validator it is given
+    and signs only records of that validator's key. With a key per optimizer (as before)
+    the mover's records went out unsigned, every node refused them, and the replicas of its
+    new stage never saw it (``num_peers`` stayed 1 on both; seen in docker/compose.yaml's
+    swarm). This test fails that way without one key per DHT."""
+    hivemind = pytest.importorskip("hivemind")
+    config = AveragingConfig(matchmaking_time=2.0, averaging_timeout=15.0,
+                             load_state_timeout=15.0)
+    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [dht_a]
+    optimizers: list[CollaborativeOptimizer] = []
+    try:
+        dht_b = hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
+        )
+        dhts.append(dht_b)
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            # the mover first serves stage 0, then leaves it for stage 1 on the same DHT
+            first = CollaborativeOptimizer(build_stage(SPEC, 0), SPEC, 0, _Host(dht_a), config)
+            optimizers.append(first)
+            first.shutdown()
+            optimizers.remove(first)
+            modules = [build_stage(SPEC, 1), build_stage(SPEC, 1)]
+            mover = CollaborativeOptimizer(modules[0], SPEC, 1, _Host(dht_a), config)
+            optimizers.append(mover)
+            resident = CollaborativeOptimizer(modules[1], SPEC, 1, _Host(dht_b), config)
+            optimizers.append(resident)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        gen = torch.Generator().manual_seed(0)
+        for module, opt in zip(modules, (mover, resident), strict=True):
+            _accumulate(module, gen)  # half an epoch each: both publish a record
+            opt.step(B)
+        for opt in (mover, resident):
+            wait_for(lambda opt=opt: opt.num_peers >= 2, SEE_PEER_TIMEOUT_S,
+                     "each replica of stage 1 to see the other's progress record", interval=0.1)
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        del optimizers, dhts
+        gc.collect()
