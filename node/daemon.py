@@ -45,6 +45,8 @@ from .config.node_config import NodeConfig
 from .control import ControlServer, LeaveAck
 from .errors import DhtError, JoinError, NodeError
 from .logs import get_logger, set_log_context, setup_logging
+from .membership.address_book import SAVE_PERIOD_S as PEERS_SAVE_PERIOD_S
+from .membership.address_book import AddressBook, split_maddr
 from .membership.dht import Dht, route_hivemind_logs
 from .membership.peers import PeerTable
 from .membership.prober import Prober, RttSource
@@ -65,6 +67,8 @@ CLOSE_GRACE_S = 5.0
 ABANDONED_THREAD_WAIT_S = 2.0
 # in the name of every stage device thread (node/stage/device_queue.py: "stage{s}-device")
 DEVICE_THREAD_MARK = "-device"
+# remembered peers dialed at once: on start, and while connected to nobody
+ADDRESS_BOOK_DIALS = 16
 # how often the observer feeds status into the metrics, the page's history and lifetime totals
 OBSERVE_PERIOD_S = 1.0
 
@@ -163,6 +167,7 @@ class Daemon:
         self._starting: Component | None = None  # the component whose start() runs now
         self.paused = False
         self.lifetime = LifetimeTotals(config.state_dir)
+        self.address_book = AddressBook(config.state_dir, self.peer_id)
         self.page: PageServer | None = None
 
     # ----------------------------------------------------------------- control handler
@@ -303,6 +308,7 @@ class Daemon:
                 await self.page.close()
             self.metrics.close()
             self.lifetime.save()
+            self.address_book.save()
             await self.dht.shutdown(timeout=max(5.0, self.config.dht.rpc_timeout))
         if code == 0:
             log.info("left the swarm")
@@ -364,6 +370,11 @@ class Daemon:
         await self.dht.wait_ready()
         await self._refresh_addrs()
         log.info("DHT ready; reachable at %s", ", ".join(self.dht_addrs) or "(no public address)")
+        if len(self.address_book):
+            # before the swarm is read: a restarted node without initial peers (the swarm's
+            # first node) would otherwise find nobody (membership/address_book.py)
+            await self._dial_remembered("rejoining", with_initial_peers=False)
+        spawn(self._keep_address_book(), "address-book")
         await self._announce_logged()
         with contextlib.suppress(DhtError):
             await self.membership.refresh()
@@ -504,6 +515,51 @@ class Daemon:
             # task: nobody closes it, so the GeneratorExit is hivemind's. (A real close that
             # reached here would end in "coroutine ignored GeneratorExit", not silently.)
             log.warning("cannot read our DHT addresses: the DHT process dropped the request")
+
+    async def _dial_remembered(self, why: str, with_initial_peers: bool) -> None:
+        """Dial the remembered peers we are not connected to (and ``dht.initial_peers`` too
+        with ``with_initial_peers``), at most ADDRESS_BOOK_DIALS at once."""
+        try:
+            connected = await self.dht.connected_peers()
+        except DhtError as exc:
+            log.warning("cannot list connected peers: %s", exc)
+            return
+        candidates = self.address_book.candidates(connected, limit=ADDRESS_BOOK_DIALS)
+        if with_initial_peers:
+            listed = {peer_id for peer_id, _ in candidates} | set(connected) | {self.peer_id}
+            for maddr in self.config.dht.initial_peers:
+                split = split_maddr(maddr)
+                if split is not None and split[0] not in listed:
+                    candidates.append(split)
+                    listed.add(split[0])
+        if not candidates:
+            return
+        try:
+            answered = await self.dht.dial(candidates, timeout=self.config.dht.rpc_timeout)
+        except DhtError as exc:
+            log.warning("%s: could not dial remembered peers: %s", why, exc)
+            return
+        log.info("%s: %d of %d remembered peer(s) answered", why, len(answered), len(candidates))
+
+    async def _keep_address_book(self) -> None:
+        """Every membership period: remember the run's members we are connected to
+        (address_book.py); while connected to nobody, dial the remembered ones and the
+        initial peers again, at most every PEERS_SAVE_PERIOD_S / 2."""
+        loop = asyncio.get_running_loop()
+        last_dial = loop.time()
+        while True:
+            node = self.config.node
+            await asyncio.sleep(jittered(node.membership_period, node.announce_jitter, self.rng))
+            try:
+                connected = await self.dht.connected_peers()
+            except DhtError as exc:
+                log.debug("address book: cannot list connected peers: %s", exc)
+                continue
+            self.address_book.remember(connected, (p.peer_id for p in self.table.peers()))
+            self.address_book.save()
+            if not connected and loop.time() - last_dial >= PEERS_SAVE_PERIOD_S / 2:
+                last_dial = loop.time()
+                await self._dial_remembered("connected to no peer", with_initial_peers=True)
 
     async def _watch_dht(self) -> None:
         """Fail the TaskGroup (exit 1, systemd restarts us) if the DHT process dies under us."""

@@ -243,6 +243,42 @@ async def _in_dht_ping(_dht: DHT, node: DHTNode, peer_id: str, timeout: float) -
     return time.perf_counter() - start if answered is not None else None
 
 
+async def _in_dht_connected_peers(
+    _dht: DHT, node: DHTNode, max_addrs: int
+) -> dict[str, list[str]]:
+    # p2pd's connections: one entry per peer, its connections' remote addresses
+    out: dict[str, list[str]] = {}
+    for info in await node.p2p.list_peers():
+        out[info.peer_id.to_base58()] = [str(addr) for addr in info.addrs][:max_addrs]
+    return out
+
+
+async def _in_dht_dial(
+    _dht: DHT, node: DHTNode, peers: list[tuple[str, list[str]]], timeout: float
+) -> list[str]:
+    """Connect to each of ``peers`` (peer id, multiaddrs without /p2p/) and ping it over the
+    DHT protocol, which puts each side in the other's routing table; then look up our own id
+    to fill the routing table with the answering peers' neighbours. The peers that answered."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    async def one(peer_id: str, addrs: list[str]) -> bool:
+        try:
+            peer = PeerID.from_base58(peer_id)
+            async with asyncio.timeout(timeout):
+                await node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs])
+                return await node.protocol.call_ping(peer) is not None
+        except Exception:  # unreachable, refused, malformed: not answered
+            return False
+
+    results = await asyncio.gather(*(one(p, a) for p, a in peers))
+    answered = [peer for (peer, _), ok in zip(peers, results, strict=True) if ok]
+    if answered:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(timeout):
+                await node.find_nearest_nodes([node.node_id])
+    return answered
+
+
 async def _in_dht_visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
     # latest: hivemind caches the first answer, taken before any relay slot was reserved
     return [str(addr) for addr in await node.get_visible_maddrs(latest=True)]
@@ -581,6 +617,26 @@ class Dht:
         if rtt is None:
             raise ProbeError(f"{peer_id} did not answer a ping within {timeout}s")
         return float(rtt)
+
+    async def connected_peers(self, max_addrs: int = 8) -> dict[str, list[str]]:
+        """The peers the DHT's libp2p daemon is connected to: peer id -> remote addresses."""
+        found = await self._call(
+            partial(_in_dht_connected_peers, max_addrs=max_addrs),
+            self.config.rpc_timeout, "listing connected peers",
+        )
+        return dict(found)
+
+    async def dial(self, peers: list[tuple[str, tuple[str, ...]]], timeout: float) -> list[str]:
+        """Connect to and ping ``peers`` (peer id, multiaddrs), all at once, each within
+        ``timeout`` s (address_book.py); the peer ids that answered."""
+        if not peers:
+            return []
+        request = [(peer_id, list(addrs)) for peer_id, addrs in peers]
+        answered = await self._call(
+            partial(_in_dht_dial, peers=request, timeout=timeout), 2 * timeout + 2.0,
+            "dialing remembered peers",
+        )
+        return list(answered)
 
     async def shutdown(self, timeout: float) -> None:
         """Stop the DHT process (and its p2pd), killing it if it overruns ``timeout``."""

@@ -267,3 +267,33 @@ def test_build_components_hands_each_its_own_section(state_dir: Path) -> None:
     assert trainer.config is config.trainer and trainer.server is server
     no_server = config.model_copy(update={"node": config.node.model_copy(update={"server": False})})
     assert [c.name for c in build_components(no_server)] == ["endpoint", "trainer"]
+
+
+def test_remembered_peers_are_dialed_on_start_and_members_remembered(state_dir: Path) -> None:
+    """The address book (membership/address_book.py): a peers.json from an earlier run is
+    dialed before the swarm is read; connected peers that are members are written back, a
+    connected stranger is not."""
+    from wanswarm.node.membership.address_book import AddressBook
+
+    identity = Identity.generate()
+    earlier = AddressBook(state_dir, identity.peer_id)
+    earlier.remember({OTHER: ["/ip4/192.0.2.7/tcp/31337"]}, [OTHER])
+    earlier.save()
+    stranger = Identity.generate().peer_id
+    dht = FakeDht(identity.peer_id)
+    dht.servers[OTHER] = (ServerRecord(peer_id=OTHER, state="online", stage=1), 4e9)
+    daemon = Daemon(_config(state_dir), identity, dht, [Recorder()])
+    book = state_dir / "peers.json"
+
+    async def body(task: asyncio.Future[int]) -> None:
+        # connected to nobody at start: the remembered peer is dialed
+        await _until(lambda: bool(dht.dialed))
+        dht.connected = {OTHER: ["/ip4/192.0.2.8/tcp/31337"], stranger: ["/ip4/192.0.2.9/tcp/1"]}
+        await _until(lambda: daemon.state == "online")
+        await _until(lambda: "192.0.2.8" in book.read_text())
+        daemon.request_leave("test")
+
+    assert _run(daemon, body) == 0
+    assert dht.dialed[0] == [(OTHER, ("/ip4/192.0.2.7/tcp/31337",))]
+    text = book.read_text()
+    assert OTHER in text and stranger not in text

@@ -236,3 +236,27 @@ def test_cli_leave_exits_0_and_peers_drop_the_leaver(module: Module, member: Dae
              explain=module.swarm.explain)
     assert time.monotonic() - started < 15
     assert member.cli("status").returncode == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_first_node_finds_its_swarm_through_its_address_book() -> None:
+    """The swarm's first node has no initial peers. SIGKILLed and restarted (same state dir,
+    a new port), it dials the members it remembered (peers.json) and lists them again; the
+    member, which had dropped it, lists it again too. Without the address book the first
+    node came back alone: 0 peers known (the compose swarm showed it, docs/nat.md)."""
+    with LocalSwarm(n=2, extra_args=[*FAST, *NO_TRAINING]) as swarm:
+        boot, member = swarm.nodes
+        boot_id, member_id = boot.wait_online().peer_id, member.wait_online().peer_id
+        swarm.wait_all_see_each_other()
+        book = boot.state_dir / "peers.json"
+        wait_for(lambda: book.exists() and member_id in book.read_text(), 15,
+                 "the first node to remember the member", explain=swarm.explain)
+
+        boot.kill()
+        wait_for(lambda: not _listed(member, boot_id), 20,
+                 "the member to drop the killed node (its record expired)", explain=swarm.explain)
+        boot.start()
+        assert boot.wait_online().peer_id == boot_id
+        wait_for(lambda: _listed(boot, member_id) and _listed(member, boot_id), 30,
+                 "both to list each other after the restart", explain=swarm.explain)
+        assert "rejoining: 1 of 1 remembered peer(s) answered" in boot.log_path.read_text()

@@ -57,6 +57,8 @@ class FakeDht(MemoryDht):
         self._read_fd, self._write_fd = os.pipe()
         self.shut_down = False
         self.pings: list[str] = []
+        self.connected: dict[str, list[str]] = {}  # what connected_peers() answers
+        self.dialed: list[list[tuple[str, tuple[str, ...]]]] = []
 
     @property
     def sentinel(self) -> int:
@@ -77,6 +79,13 @@ class FakeDht(MemoryDht):
 
     async def visible_maddrs(self) -> list[str]:
         return [f"/ip4/127.0.0.1/tcp/4000/p2p/{self.peer_id}"]
+
+    async def connected_peers(self, max_addrs: int = 8) -> dict[str, list[str]]:
+        return {peer: addrs[:max_addrs] for peer, addrs in self.connected.items()}
+
+    async def dial(self, peers: list[tuple[str, tuple[str, ...]]], timeout: float) -> list[str]:
+        self.dialed.append(list(peers))
+        return []
 
     async def ping(self, peer_id: str, timeout: float) -> float:
         self.pings.append(peer_id)

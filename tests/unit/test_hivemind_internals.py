@@ -149,3 +149,24 @@ def test_a_dropped_address_request_does_not_end_the_daemons_housekeeping() -> No
         return daemon.dht_addrs
 
     assert asyncio.run(main()) == ["/ip4/192.0.2.1/tcp/1/p2p/x"]
+
+
+def test_connect_list_peers_and_ping_used_by_the_address_book() -> None:
+    """node/membership/dht.py dials remembered peers through the DHT's P2P client (connect,
+    then a DHT ping that puts both sides in each other's routing table, then a lookup of our
+    own id) and lists the connected peers' addresses (address_book.py)."""
+    from hivemind.dht import DHTNode
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings import p2pclient
+    from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
+
+    where = "node/membership/dht.py (_in_dht_dial, _in_dht_connected_peers)"
+    assert list(inspect.signature(p2pclient.Client.connect).parameters) == [
+        "self", "peer_id", "maddrs"], f"{where}: Client.connect changed"
+    assert "self._client.list_peers()" in inspect.getsource(P2P.list_peers), where
+    assert {"peer_id", "addrs"} <= set(inspect.signature(PeerInfo).parameters), where
+    ping = inspect.getsource(DHTProtocol.call_ping)
+    assert "update_routing_table" in ping, f"{where}: call_ping no longer updates the table"
+    assert "update_routing_table" in inspect.getsource(DHTProtocol.rpc_ping), where
+    assert "queries" in inspect.signature(DHTNode.find_nearest_nodes).parameters, where
