@@ -26,16 +26,16 @@ book with a warning, never a reason not to start.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Final
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ..logs import get_logger
+from ..service.statefiles import load_model, write_atomically
 
 log = get_logger(__name__)
 
@@ -90,22 +90,8 @@ def usable_addrs(addrs: Iterable[str]) -> tuple[str, ...]:
 
 
 def load_peers(path: Path) -> PeersFile:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return PeersFile()
-    except OSError as exc:
-        log.warning("cannot read %s (%s); no peers remembered", path, exc)
-        return PeersFile()
-    if len(data) > MAX_FILE_BYTES:
-        log.warning("%s is over %d bytes; no peers remembered", path, MAX_FILE_BYTES)
-        return PeersFile()
-    try:
-        return PeersFile.model_validate_json(data)
-    except ValidationError as exc:
-        log.warning("%s is malformed (%s); no peers remembered", path, exc.errors()[0]["msg"])
-        return PeersFile()
+    found = load_model(path, PeersFile, MAX_FILE_BYTES, "no peers remembered")
+    return found if found is not None else PeersFile()
 
 
 class AddressBook:
@@ -165,18 +151,12 @@ class AddressBook:
         if not self._dirty:
             return
         peers = sorted(self._peers.values(), key=lambda p: -p.last_seen_unix)[:MAX_PEERS]
-        content = PeersFile(peers=tuple(peers)).model_dump_json()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(content)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+        content = PeersFile(peers=tuple(peers)).model_dump_json().encode()
+        error = write_atomically(self.path, content)
+        if error is None:
             self._dirty = False
-        except OSError as exc:
-            log.warning("cannot write %s: %s", self.path, exc)
-            tmp.unlink(missing_ok=True)
+        else:
+            log.warning("cannot write %s: %s", self.path, error)
 
     def _prune(self, now: float) -> None:
         for peer_id in [

@@ -10,15 +10,15 @@ counted from zero with a warning: it is a convenience, never a reason not to sta
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..logs import get_logger
 from ..status import StatusReport
+from .statefiles import load_model, write_atomically
 
 log = get_logger(__name__)
 
@@ -45,36 +45,14 @@ class Lifetime(BaseModel):
 
 
 def load_lifetime(path: Path) -> Lifetime:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return Lifetime()
-    except OSError as exc:
-        log.warning("cannot read %s (%s); lifetime totals start from zero", path, exc)
-        return Lifetime()
-    if len(data) > MAX_FILE_BYTES:
-        log.warning("%s is over %d bytes; lifetime totals start from zero", path, MAX_FILE_BYTES)
-        return Lifetime()
-    try:
-        return Lifetime.model_validate_json(data)
-    except ValidationError as exc:
-        log.warning("%s is malformed (%s); lifetime totals start from zero", path,
-                    exc.errors()[0]["msg"])
-        return Lifetime()
+    found = load_model(path, Lifetime, MAX_FILE_BYTES, "lifetime totals start from zero")
+    return found if found is not None else Lifetime()
 
 
 def save_lifetime(path: Path, totals: Lifetime) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(totals.model_dump_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot write %s: %s", path, exc)
-        tmp.unlink(missing_ok=True)
+    error = write_atomically(path, totals.model_dump_json().encode())
+    if error is not None:
+        log.warning("cannot write %s: %s", path, error)
 
 
 class _Counter:

@@ -810,6 +810,8 @@ class CollaborativeOptimizer:
             # stage's replicas, a step's samples (demo_figures.step_size)
             "step_samples": {str(e): n for e, n in self.step_samples},
             "progress_records_refused": self.progress_screen.refused,
+            # kept with a count above the screen's bound, counted as the bound
+            "progress_records_clamped": self.progress_screen.clamped,
             # the replicas' counts pushed over libp2p (progress_push.py): sent, failed,
             # received, refused by reason
             "progress_pushes": self._push_status(),

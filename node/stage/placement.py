@@ -20,7 +20,6 @@ component:
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..endpoint import EndpointComponent
 from ..errors import DhtError, JoinError, RecordError
 from ..logs import get_logger
 from ..membership.records import ServerState
+from ..service.statefiles import write_atomically
 from .averaging import AveragingConfig
 from .diloco import make_stage_optimizer
 from .memory import check_fits
@@ -85,16 +85,9 @@ def write_stage_claim(state_dir: Path, run_id: str, stage: int) -> None:
     """Store the claim atomically (a temporary file, fsync, rename): a crash leaves the old
     claim or the new one. A failed write is logged, not fatal (a restart then chooses anew)."""
     path = state_dir / STAGE_CLAIM_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(encode_stage_claim(run_id, stage))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot remember stage %d in %s: %s", stage, path, exc)
-        tmp.unlink(missing_ok=True)
+    error = write_atomically(path, encode_stage_claim(run_id, stage))
+    if error is not None:
+        log.warning("cannot remember stage %d in %s: %s", stage, path, error)
 
 
 def forget_stage_claim(state_dir: Path) -> None:

@@ -14,7 +14,6 @@ check the same export/import contract.
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
 import time
@@ -43,6 +42,7 @@ from wanswarm.node.stage.exact_allreduce import EpochKeyedStateAverager
 from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
 from wanswarm.node.training.model import build_stage, param_groups
 
+from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.waiting import wait_for
 
 SPEC = RunSpec(
@@ -146,8 +146,8 @@ def _daemon_sigint(signum: int, frame: object) -> None:
 
 # hivemind's libp2p daemon wrapper still calls importlib.resources.path (in the DHT process),
 # and its DHT/P2P clients in this process leave an event loop and control sockets to the
-# garbage collector after shutdown; each test collects them itself (see the ends) so that
-# only these two narrow filters apply to them.
+# garbage collector after shutdown; each test collects them itself (hivemind_dhts.py's
+# teardown) so that only these two narrow filters apply to them.
 HIVEMIND_PATH_WARNING = pytest.mark.filterwarnings(
     r"ignore:path is deprecated\. Use files\(\) instead:DeprecationWarning"
 )
@@ -168,7 +168,7 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
     collector, whose warnings land in whichever test runs then (none and uint8 passed too
     when run by hand)."""
     compression = "fp16"
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     config = AveragingConfig(
         matchmaking_time=2.0,
         averaging_timeout=15.0,
@@ -176,22 +176,14 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         grad_compression=compression,
         state_compression="none",
     )
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [dht_a]
-    optimizers: list[CollaborativeOptimizer] = []
-    try:
-        dht_b = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht_a.get_visible_maddrs(),
-        )
-        dhts.append(dht_b)
+    with hivemind_dhts(2) as dhts:
         initial = [p.detach().clone() for p in build_stage(SPEC, STAGE).parameters()]
         replicas = [build_stage(SPEC, STAGE) for _ in range(2)]
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
             optimizers = [
-                CollaborativeOptimizer(m, SPEC, STAGE, _Host(d), config)
-                for m, d in zip(replicas, dhts, strict=False)
+                dhts.own(CollaborativeOptimizer(m, SPEC, STAGE, _Host(d), config))
+                for m, d in zip(replicas, dhts.dhts, strict=True)
             ]
             # hivemind set SIG_IGN; restored
             assert signal.getsignal(signal.SIGINT) is _daemon_sigint
@@ -238,24 +230,12 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             assert not torch.equal(p, p0)
 
         # a replica joining now downloads the stage's state before serving
-        dht_c = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht_a.get_visible_maddrs(),
-        )
-        dhts.append(dht_c)
         newcomer = build_stage(SPEC, STAGE)
-        optimizers.append(CollaborativeOptimizer(newcomer, SPEC, STAGE, _Host(dht_c), config))
-        assert optimizers[2].load_state_from_peers()
-        assert optimizers[2].local_epoch == 1
+        joined = dhts.own(CollaborativeOptimizer(newcomer, SPEC, STAGE, _Host(dhts.add()), config))
+        assert joined.load_state_from_peers()
+        assert joined.local_epoch == 1
         for p, q in zip(replicas[0].parameters(), newcomer.parameters(), strict=False):
             assert torch.equal(p, q)
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        del optimizers, dhts
-        gc.collect()
 
 
 class _RoundStillRunning(Future[Any]):
@@ -280,17 +260,15 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
     thread, up to averaging_timeout); it ends at the first step after the round finished,
     and the replica records the samples it brought to it. An epoch ends on the samples
     reported, not when hivemind's estimated arrival time has passed."""
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     from hivemind.utils.timed_storage import get_dht_time
     config = AveragingConfig(
         matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
         grad_compression="none", state_compression="none",
     )
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    opt: CollaborativeOptimizer | None = None
-    try:
+    with hivemind_dhts(1) as dhts:
         module = build_stage(SPEC, STAGE)
-        opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
+        opt = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
         running = _RoundStillRunning()
         opt._opt.state_averager.pending_updates.add(running)
         gen = torch.Generator().manual_seed(0)
@@ -331,12 +309,6 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
             opt.step(B)
         assert hung.waited and hung.cancelled()
         opt.flush()
-    finally:
-        if opt is not None:
-            opt.shutdown()
-        dht.shutdown()
-        del opt, dht
-        gc.collect()
 
 
 @HIVEMIND_PATH_WARNING
@@ -347,7 +319,7 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
     gets none after its first, and only runs the stage server's periodic ``step_if_due``.
     B must join the round (without it, A waits for B's chunks until the round times out):
     both end the epoch with the same parameters, B through one idle step."""
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     config = AveragingConfig(
         matchmaking_time=2.0,
         averaging_timeout=30.0,
@@ -357,21 +329,14 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
         grad_compression="none",
         state_compression="none",
     )
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [dht_a]
-    optimizers: list[CollaborativeOptimizer] = []
-    try:
-        dhts.append(hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht_a.get_visible_maddrs(),
-        ))
+    with hivemind_dhts(2) as dhts:
         initial = [p.detach().clone() for p in build_stage(SPEC4, STAGE).parameters()]
         replicas = [build_stage(SPEC4, STAGE) for _ in range(2)]
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
             optimizers = [
-                CollaborativeOptimizer(m, SPEC4, STAGE, _Host(d), config)
-                for m, d in zip(replicas, dhts, strict=True)
+                dhts.own(CollaborativeOptimizer(m, SPEC4, STAGE, _Host(d), config))
+                for m, d in zip(replicas, dhts.dhts, strict=True)
             ]
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -420,13 +385,6 @@ def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> Non
         for p, q, p0 in pairs:
             assert torch.equal(p, q)
             assert not torch.equal(p, p0)
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        del optimizers, dhts
-        gc.collect()
 
 
 State = tuple[int, dict[str, torch.Tensor], dict[str, object]]
@@ -461,14 +419,11 @@ def test_local_optimizer_export_then_import_restores_the_state_exactly() -> None
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_collaborative_optimizer_export_then_import_restores_the_state_exactly() -> None:
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     config = AveragingConfig(matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    opt: CollaborativeOptimizer | None = None
-    try:
+    with hivemind_dhts(1) as dhts:
         module = build_stage(SPEC, STAGE)
-        opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
-        collab = opt
+        collab = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
         deadline = time.monotonic() + 45.0
         gen = torch.Generator().manual_seed(0)
 
@@ -516,12 +471,6 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
             assert inner.local_epoch == 5 and inner.tracker.local_progress.epoch == 5
             assert inner.tracker.global_epoch == 5 and collab.is_synchronized()
             device.submit(train_to, 6).result(timeout=60)  # and it trains on from there
-    finally:
-        if opt is not None:
-            opt.shutdown()
-        dht.shutdown()
-        del opt, dht
-        gc.collect()
 
 
 @HIVEMIND_PATH_WARNING
@@ -530,24 +479,18 @@ def test_collaborative_optimizer_export_then_import_restores_the_state_exactly()
 def test_gradient_rounds_meet_only_rounds_of_the_same_epoch() -> None:
     """Two gradient averagers on real DHTs: rounds of epochs 3 and 4 find no group (hivemind
     would pair them: its group key holds no epoch), rounds of epoch 4 and 4 average."""
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     from wanswarm.node.stage.exact_allreduce import EPOCH_KEY_BITS, ExactGradientAverager
 
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [dht_a]
-    averagers: list[Any] = []
-    try:
-        dhts.append(hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht_a.get_visible_maddrs(),
-        ))
-        params = [torch.nn.Parameter(torch.zeros(8)) for _ in dhts]
+    with hivemind_dhts(2) as dhts:
+        params = [torch.nn.Parameter(torch.zeros(8)) for _ in dhts.dhts]
         epochs = [3, 4]
-        for i, (p, dht) in enumerate(zip(params, dhts, strict=True)):
-            averager = ExactGradientAverager(
+        averagers: list[Any] = []
+        for i, (p, dht) in enumerate(zip(params, dhts.dhts, strict=True)):
+            averager = dhts.own(ExactGradientAverager(
                 [p], dht=dht, prefix="epochkey", start=True, target_group_size=2,
                 min_matchmaking_time=1.0, request_timeout=0.5,
-            )
+            ))
             averager.round_epoch = lambda i=i: epochs[i]
             averagers.append(averager)
 
@@ -571,14 +514,6 @@ def test_gradient_rounds_meet_only_rounds_of_the_same_epoch() -> None:
             assert torch.equal(a[0], b[0])
             assert torch.equal(a[0], torch.full((8,), 0.5))
         assert len(averagers[0].get_group_bits()) == EPOCH_KEY_BITS
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        averagers.clear()
-        dhts.clear()
-        gc.collect()
 
 
 @HIVEMIND_PATH_WARNING
@@ -591,30 +526,23 @@ def test_a_replica_that_moved_stage_is_seen_by_its_new_stage() -> None:
     the mover's records went out unsigned, every node refused them, and the replicas of its
     new stage never saw it (``num_peers`` stayed 1 on both; seen in docker/compose.yaml's
     swarm). This test fails that way without one key per DHT."""
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     config = AveragingConfig(matchmaking_time=2.0, averaging_timeout=15.0,
                              load_state_timeout=15.0)
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [dht_a]
-    optimizers: list[CollaborativeOptimizer] = []
-    try:
-        dht_b = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht_a.get_visible_maddrs(),
-        )
-        dhts.append(dht_b)
+    with hivemind_dhts(2) as dhts:
+        dht_a, dht_b = dhts.dhts
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
             # the mover first serves stage 0, then leaves it for stage 1 on the same DHT
-            first = CollaborativeOptimizer(build_stage(SPEC, 0), SPEC, 0, _Host(dht_a), config)
-            optimizers.append(first)
-            first.shutdown()
-            optimizers.remove(first)
+            first = dhts.own(
+                CollaborativeOptimizer(build_stage(SPEC, 0), SPEC, 0, _Host(dht_a), config)
+            )
+            dhts.release(first)
             modules = [build_stage(SPEC, 1), build_stage(SPEC, 1)]
-            mover = CollaborativeOptimizer(modules[0], SPEC, 1, _Host(dht_a), config)
-            optimizers.append(mover)
-            resident = CollaborativeOptimizer(modules[1], SPEC, 1, _Host(dht_b), config)
-            optimizers.append(resident)
+            mover = dhts.own(CollaborativeOptimizer(modules[0], SPEC, 1, _Host(dht_a), config))
+            resident = dhts.own(
+                CollaborativeOptimizer(modules[1], SPEC, 1, _Host(dht_b), config)
+            )
         finally:
             signal.signal(signal.SIGINT, previous)
         gen = torch.Generator().manual_seed(0)
@@ -624,10 +552,3 @@ def test_a_replica_that_moved_stage_is_seen_by_its_new_stage() -> None:
         for opt in (mover, resident):
             wait_for(lambda opt=opt: opt.num_peers >= 2, SEE_PEER_TIMEOUT_S,
                      "each replica of stage 1 to see the other's progress record", interval=0.1)
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        del optimizers, dhts
-        gc.collect()

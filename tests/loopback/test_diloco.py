@@ -14,7 +14,6 @@ daemon, inside this test process.
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
 import time
@@ -30,6 +29,7 @@ from wanswarm.node.stage.diloco import DilocoOptimizer, make_diloco_optimizer
 from wanswarm.node.stage.outer import ANCHOR_PREFIX, RESIDUAL_PREFIX
 from wanswarm.node.training.model import build_stage
 
+from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.loopback.test_averaging import (
     HIVEMIND_PATH_WARNING,
     HIVEMIND_UNRAISABLE_WARNING,
@@ -89,15 +89,8 @@ def _finish_round(opt: DilocoOptimizer, timeout: float = 60.0) -> None:
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(120)
 def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there() -> None:
-    hivemind = pytest.importorskip("hivemind")
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts: list[Any] = [dht_a]
-    optimizers: list[DilocoOptimizer] = []
-    try:
-        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 initial_peers=dht_a.get_visible_maddrs()))
-        built = [_build(d) for d in dhts]
-        optimizers = [opt for _, opt in built]
+    with hivemind_dhts(2) as dhts:
+        built = [(m, dhts.own(opt)) for m, opt in (_build(d) for d in dhts.dhts)]
         initial = [p.detach().clone() for p in built[0][0].parameters()]
         barrier = threading.Barrier(2, timeout=30.0)
 
@@ -138,34 +131,23 @@ def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there
 
         # a newcomer downloads the latest outer state from the stage's averagers (installing
         # the shared state from state transfer: tests/unit/test_diloco_rounds.py)
-        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 initial_peers=dht_a.get_visible_maddrs()))
-        asker_module, asker = _build(dhts[2])
-        optimizers.append(asker)
+        asker_module, asker = _build(dhts.add())
+        dhts.own(asker)
         assert asker.load_state_from_peers()
         assert asker.outer.round == 1
         for p, q in zip(asker_module.parameters(), m_a.parameters(), strict=True):
             assert torch.equal(p, q)
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        del optimizers, dhts
-        gc.collect()
 
 
 @HIVEMIND_PATH_WARNING
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_a_replica_alone_misses_its_round_within_the_timeout_and_keeps_training() -> None:
-    hivemind = pytest.importorskip("hivemind")
     spec = DILOCO.model_copy(update={"averaging": DILOCO.averaging.model_copy(
         update={"round_timeout_s": 4.0})})
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    opt: DilocoOptimizer | None = None
-    try:
-        module, opt = _build(dht, spec)
+    with hivemind_dhts(1) as dhts:
+        module, opt = _build(dhts[0], spec)
+        dhts.own(opt)
         gen = torch.Generator().manual_seed(0)
         _inner_steps(module, opt, gen, H - 1)
         # a debt carried from earlier rounds: a missed round must leave it as it was
@@ -203,12 +185,6 @@ def test_a_replica_alone_misses_its_round_within_the_timeout_and_keeps_training(
             opt.import_state(epoch, bad, meta)
         with pytest.raises(CheckpointError, match="outer_round"):
             opt.import_state(epoch, tensors, meta | {"outer_round": epoch + 1})
-    finally:
-        if opt is not None:
-            opt.shutdown()
-        dht.shutdown()
-        del opt
-        gc.collect()
 
 
 def test_the_mode_picks_the_optimizer() -> None:

@@ -13,7 +13,6 @@ daemon, inside this test process.
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from wanswarm.node.stage.diloco import make_stage_optimizer
 from wanswarm.node.stage.gossip_optimizer import GossipOptimizer
 from wanswarm.node.training.model import build_stage
 
+from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.loopback.test_averaging import (
     HIVEMIND_PATH_WARNING,
     HIVEMIND_UNRAISABLE_WARNING,
@@ -69,15 +69,9 @@ def _inner_steps(module: torch.nn.Module, opt: GossipOptimizer, gen: torch.Gener
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(120)
 def test_two_replicas_average_their_parameters_and_a_newcomer_adopts_one() -> None:
-    hivemind = pytest.importorskip("hivemind")
-    dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts: list[Any] = [dht_a]
-    optimizers: list[GossipOptimizer] = []
-    try:
-        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 initial_peers=dht_a.get_visible_maddrs()))
-        built = [_build(d, seed) for seed, d in enumerate(dhts)]
-        optimizers = [opt for _, opt in built]
+    with hivemind_dhts(2) as dhts:
+        built = [(m, dhts.own(opt)) for m, opt in
+                 (_build(d, seed) for seed, d in enumerate(dhts.dhts))]
         sent: list[list[torch.Tensor]] = [[], []]
         barrier = threading.Barrier(2, timeout=30.0)
 
@@ -112,10 +106,8 @@ def test_two_replicas_average_their_parameters_and_a_newcomer_adopts_one() -> No
         assert status["participants"] == 2 and status["bytes_sent"] == 4 * numel
 
         # a newcomer asks the stage's gossip averagers and adopts one replica's parameters
-        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 initial_peers=dht_a.get_visible_maddrs()))
-        asker_module, asker = _build(dhts[2], seed=7)
-        optimizers.append(asker)
+        asker_module, asker = _build(dhts.add(), seed=7)
+        dhts.own(asker)
         assert asker.load_state_from_peers()
         assert asker.round == 1 and asker.local_epoch == H and asker.rounds_adopted == 1
         donor = [p.detach() for p in asker_module.parameters()]
@@ -123,10 +115,3 @@ def test_two_replicas_average_their_parameters_and_a_newcomer_adopts_one() -> No
             all(torch.equal(d, p.detach()) for d, p in zip(donor, m.parameters(), strict=True))
             for m in (m_a, m_b)
         )
-    finally:
-        for opt in optimizers:
-            opt.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        del optimizers, dhts
-        gc.collect()

@@ -10,15 +10,16 @@ stage's epoch, stays synchronized and steps normally.
 
 from __future__ import annotations
 
-import gc
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from wanswarm.node.stage.averaging import AveragingConfig, CollaborativeOptimizer
 
+from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.loopback.test_averaging import (
     HIVEMIND_PATH_WARNING,
     HIVEMIND_UNRAISABLE_WARNING,
@@ -38,7 +39,7 @@ FORGED_EPOCH = 10**15
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils.crypto import RSAPrivateKey
     from hivemind.utils.timed_storage import ValueWithExpiration
@@ -48,20 +49,12 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
         matchmaking_time=1.0, averaging_timeout=5.0, load_state_timeout=5.0,
         delayed_updates=False, grad_compression="none", state_compression="none",
     )
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts: list[Any] = [dht]
-    attacker: Any = None
-    opt: CollaborativeOptimizer | None = None
-    try:
-        evil_dht = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=dht.get_visible_maddrs(),
-        )
-        dhts.append(evil_dht)
+    with hivemind_dhts(2) as dhts:
+        dht, evil_dht = dhts.dhts
         module = build_stage(SPEC, STAGE)
         previous = signal.signal(signal.SIGINT, _daemon_sigint)
         try:
-            opt = CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config)
+            opt = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dht), config))
         finally:
             signal.signal(signal.SIGINT, previous)
         # the forger: hivemind's own tracker, so the record is signed and fits the schema
@@ -69,6 +62,7 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
             evil_dht, opt.run_id, SPEC.batch.target_batch_size, start=True,
             private_key=RSAPrivateKey(), min_refresh_period=0.1,
         )
+        dhts.own(attacker, partial(attacker.shutdown, timeout=5))
         attacker.report_local_progress(FORGED_EPOCH, 2)
         key = f"{opt.run_id}_progress"
 
@@ -104,12 +98,3 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
         assert opt.global_epoch == 1 and opt.is_synchronized()
         assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
         assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
-    finally:
-        if attacker is not None:
-            attacker.shutdown(timeout=5)
-        if opt is not None:
-            opt.shutdown()
-        for d in dhts:
-            d.shutdown()
-        del dhts, attacker, opt
-        gc.collect()

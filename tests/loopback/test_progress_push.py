@@ -8,7 +8,6 @@ and counted; neither moves the count.
 
 from __future__ import annotations
 
-import gc
 from functools import partial
 from typing import Any
 
@@ -17,6 +16,7 @@ from wanswarm.node.membership.dht import tidy_optimizer_class
 from wanswarm.node.stage.progress_channel import HANDLER_SUFFIX
 from wanswarm.node.stage.progress_push import PushBook, PushedCount, encode_push
 
+from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.loopback.test_averaging import HIVEMIND_PATH_WARNING, HIVEMIND_UNRAISABLE_WARNING
 from tests.waiting import wait_for
 
@@ -50,25 +50,20 @@ def _records_seen(tracker: Any, dht: Any) -> bool:
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
 def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() -> None:
-    hivemind = pytest.importorskip("hivemind")
+    pytest.importorskip("hivemind")
     from hivemind.utils.crypto import RSAPrivateKey
 
     tracker_class = tidy_optimizer_class().tracker_class
-    dhts: list[Any] = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    trackers: list[Any] = []
-    try:
-        for _ in range(2):
-            dhts.append(hivemind.DHT(
-                start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=dhts[0].get_visible_maddrs(),
-            ))
-        a_dht, b_dht, stranger_dht = dhts
+    with hivemind_dhts(3) as dhts:
+        a_dht, b_dht, stranger_dht = dhts.dhts
+        trackers: list[Any] = []
         for dht in (a_dht, b_dht):
-            trackers.append(tracker_class(
+            tracker = tracker_class(
                 dht=dht, prefix=PREFIX, target_batch_size=TARGET, start=True,
                 private_key=RSAPrivateKey(), min_refresh_period=60.0, max_refresh_period=60.0,
                 default_refresh_period=60.0, push_book=PushBook(target_batch_size=TARGET),
-            ))
+            )
+            trackers.append(dhts.own(tracker, partial(tracker.shutdown, timeout=5)))
         a, b = trackers
         a.report_local_progress(0, 8)
         b.report_local_progress(0, 8)
@@ -97,11 +92,3 @@ def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() ->
                  "both hostile pushes to be refused", explain=lambda: str(book.refused))
         assert b.others_samples == {0: 40.0}
         assert b.channel.status()["refused"] == {"unknown": 1, "samples": 1}
-    finally:
-        for tracker in trackers:
-            tracker.shutdown(timeout=5)
-        for dht in dhts:
-            dht.shutdown()
-        dhts.clear()
-        trackers.clear()
-        gc.collect()

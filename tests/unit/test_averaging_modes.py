@@ -259,7 +259,7 @@ def test_screen_ignores_an_absurd_epoch_and_keeps_honest_leads() -> None:
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
-        (_record(b"x", 7, samples=10**12), "samples"),
+        (_record(b"x", 7, samples=math.inf), "samples"),
         (_record(b"x", 7, samples=math.nan), "samples"),
         (_record(b"x", 7, samples=-8), "samples"),
         (_record(b"x", 7, rate=1e30), "rate"),
@@ -274,6 +274,24 @@ def test_screen_ignores_an_absurd_epoch_and_keeps_honest_leads() -> None:
 def test_screen_ignores_absurd_counts(record: Any, reason: str) -> None:
     kept, tally = _screen({b"me": _record(b"me", 7), b"x": record})
     assert set(kept) == {b"me"} and tally.reasons == {reason: 1}
+
+
+def test_screen_clamps_a_count_above_the_bound_and_keeps_the_record() -> None:
+    """A replica whose epoch is held while a slow round runs accumulates past the bound
+    (4 x 64 here); its record stays, its count is taken as the bound."""
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    held = ValueWithExpiration(_record(b"x", 7, samples=264).value, 123.0)
+    forged = _record(b"y", 7, samples=10**12)
+    records = {b"me": _record(b"me", 7), b"x": held, b"y": forged}
+    kept, tally = _screen(records)
+    assert set(kept) == {b"me", b"x", b"y"} and tally.refused == 0 and tally.clamped == 2
+    assert isinstance(kept[b"x"], ValueWithExpiration) and kept[b"x"].expiration_time == 123.0
+    assert kept[b"x"].value["samples_accumulated"] == 256.0
+    assert kept[b"y"].value["samples_accumulated"] == 256.0
+    assert held.value["samples_accumulated"] == 264  # the DHT's own copy is left alone
+    kept, tally = _screen({b"x": _record(b"x", 7, samples=256)})
+    assert kept[b"x"].value["samples_accumulated"] == 256 and tally.clamped == 0
 
 
 def test_screen_passes_what_hivemind_handles_itself() -> None:
