@@ -7,7 +7,8 @@ README promises of that swarm: every node's health check passes (the first one r
 ``wanswarm selftest``); no node announces loopback; every node's trainer completes
 micro-batches through every stage; two replicas of a stage average across containers
 (a round with two participants); a joiner SIGKILLed and started again comes back with the
-same identity and serves; ``docker compose stop`` (SIGTERM) makes every daemon leave the
+same identity and serves, and so does the bootstrap (it has no initial peers: it finds the
+swarm through its address book); ``docker compose stop`` (SIGTERM) makes every daemon leave the
 swarm and exit 0.
 
 Skipped without a Docker engine and Compose v2 (``docker compose``), so CI without Docker
@@ -97,6 +98,10 @@ class Compose:
 
     def logs(self, tail: int = 15) -> str:
         return self("logs", "--no-color", "--tail", str(tail), timeout=60, check=False).stdout
+
+    def logs_of(self, container: str) -> str:
+        result = _run(["docker", "logs", container], 60, check=False)
+        return result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +206,26 @@ def test_compose_swarm_trains_averages_rejoins_and_leaves(compose: Compose) -> N
 
     after = _until(compose, f"{joiner} serves and trains again after SIGKILL", back, 240)
     assert after[joiner]["peer_id"] == before["peer_id"]
+
+    # the bootstrap too: it has no initial peers, and finds the swarm again through the
+    # members it remembered (peers.json, node/membership/address_book.py)
+    boot = next(n for n in names if "bootstrap" in n)
+    boot_id = after[boot]["peer_id"]
+    killed = time.monotonic()
+    _run(["docker", "kill", "--signal", "KILL", boot], 60)
+    _run(["docker", "start", boot], 120)
+
+    def boot_back(statuses: dict[str, Status]) -> bool:
+        s = statuses.get(boot)
+        server = (s or {}).get("components", {}).get("stage_server") or {}
+        return bool(s and s["uptime_s"] < time.monotonic() - killed
+                    and s["state"] == "online" and server.get("state") == "online"
+                    and len(s["peers"]) >= N_NODES - 1 and _completed(s) > 0)
+
+    again = _until(compose, "the bootstrap knows the swarm, serves and trains after SIGKILL",
+                   boot_back, 240)
+    assert again[boot]["peer_id"] == boot_id
+    assert "remembered peer(s) answered" in compose.logs_of(boot)
 
     # graceful leave: SIGTERM through tini, every daemon withdraws and exits 0
     compose("stop", "--timeout", "90", timeout=300)
