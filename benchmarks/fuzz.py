@@ -240,7 +240,8 @@ class Corpus:
                 version=WIRE_VERSION, type="request", request_id=rng.randrange(1 << 20),
                 kind=kind, header=header, tensors=tuple(tensor_spec(e) for e in encoded),
             )
-            self.cases.append([encode_header(message, limits), *(e.payload for e in encoded)])
+            payloads = [bytes(e.payload) for e in encoded]
+            self.cases.append([encode_header(message, limits), *payloads])
         response = MessageHeader(version=WIRE_VERSION, type="response", request_id=1)
         self.cases.append([encode_header(response, limits)])
         self.cases.append([encode_header(error_header(1, "busy", "x"), limits)])

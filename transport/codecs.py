@@ -24,7 +24,7 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal, cast
 
 import torch
 
@@ -234,7 +234,10 @@ class EncodedTensor:
     spec: CodecSpec
     shape: tuple[int, ...]
     dtype: torch.dtype  # the original (decoded) dtype
-    payload: bytes
+    # what travels: from encode(), a read-only view of the buffer the codec wrote (no copy
+    # into a bytes object; on CUDA that buffer is the pinned host copy); from the wire,
+    # the bytes received
+    payload: bytes | memoryview
 
     @property
     def numel(self) -> int:
@@ -436,15 +439,18 @@ def kernel_format(spec: CodecSpec) -> str:
     return spec.name
 
 
-def _to_bytes(host: torch.Tensor) -> bytes:
-    return host.numpy().tobytes()
+def _to_bytes(host: torch.Tensor) -> memoryview:
+    """A read-only view of ``host``'s bytes, which it keeps alive: ``host`` is the encoder's
+    own fresh buffer (never written once encoded), so the payload need not be copied into
+    a ``bytes`` object (12.5 MB took 5.8 ms on an H100's host, twice a micro-batch)."""
+    return memoryview(cast(Any, host.numpy())).toreadonly()
 
 
 _readonly_lock = threading.Lock()
 _readonly_seen = False
 
 
-def _view_payload(payload: bytes) -> torch.Tensor:
+def _view_payload(payload: bytes | bytearray | memoryview) -> torch.Tensor:
     """Zero-copy uint8 view of the payload (never written to: results are fresh tensors).
 
     torch warns once per process when it wraps a read-only buffer; that warning is about

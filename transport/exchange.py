@@ -77,7 +77,7 @@ async def send_message(
 ) -> Outgoing:
     """Write a message; ``end`` sends FIN after it. No deadline here: callers set one."""
     specs: list[TensorSpec] = []
-    stream_payloads: list[bytes] = []
+    stream_payloads: list[bytes | memoryview] = []
     transfers: list[SenderTransfer] = []
     use_fec = hub.can_send()
     for item in encoded:

@@ -258,7 +258,7 @@ def tensor_spec(
 
 
 def decode_tensor(
-    plan: TensorPlan, payload: bytes | bytearray, *, allow_nonfinite: bool
+    plan: TensorPlan, payload: bytes | bytearray | memoryview, *, allow_nonfinite: bool
 ) -> torch.Tensor:
     """Decode one payload; PayloadError (code ``non_finite``) for NaN/Inf unless allowed."""
     if len(payload) != plan.spec.nbytes:

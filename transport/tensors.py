@@ -63,7 +63,7 @@ class ReceivedTensor:
     def __init__(
         self,
         plan: TensorPlan,
-        payload: bytes | bytearray,
+        payload: bytes | bytearray | memoryview,
         *,
         allow_nonfinite: bool = False,
         sender: str = "",

@@ -119,7 +119,9 @@ class TransferHub:
             return False
         return True
 
-    def send(self, payload: bytes) -> tuple[SenderTransfer, tuple[int, int, int]]:
+    def send(
+        self, payload: bytes | memoryview
+    ) -> tuple[SenderTransfer, tuple[int, int, int]]:
         """Start sending ``payload``; also returns (transfer id, symbol size, block symbols)
         for its header entry. Symbols go out once the header is on the stream."""
         size = self.link.max_datagram_payload

@@ -88,7 +88,7 @@ class PseudoGradientCodec:
         if self._spec is not None:
             from ...transport import codecs
 
-            return codecs.encode(x, self._spec).payload
+            return bytes(codecs.encode(x, self._spec).payload)  # hivemind's messages want bytes
         flat = x.reshape(-1)
         if self.kind == "none":
             return flat.numpy().tobytes()

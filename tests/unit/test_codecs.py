@@ -369,7 +369,7 @@ def test_truncated_or_extended_payloads_are_codec_errors() -> None:
             with pytest.raises(CodecError):
                 decode(EncodedTensor(e.spec, e.shape, e.dtype, e.payload[:cut]))
         with pytest.raises(CodecError):
-            decode(EncodedTensor(e.spec, e.shape, e.dtype, e.payload + b"\0"))
+            decode(EncodedTensor(e.spec, e.shape, e.dtype, bytes(e.payload) + b"\0"))
 
 
 def test_header_mismatches_are_codec_errors() -> None:

@@ -47,8 +47,8 @@ def test_header_checks_on_receipt() -> None:
     with pytest.raises(CodecError):  # the payload's own header names another codec
         ReceivedTensor(
             plan,
-            encode(torch.randn(100), CodecSpec.from_wire("int8/b64/f16")).payload[:8]
-            + e.payload[8:],
+            bytes(encode(torch.randn(100), CodecSpec.from_wire("int8/b64/f16")).payload[:8])
+            + bytes(e.payload[8:]),
         )
     with pytest.raises(CodecError):  # int8 does not carry int64
         ReceivedTensor.of(EncodedTensor(INT8, (4,), torch.int64, e.payload))
