@@ -32,7 +32,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import uvloop
@@ -67,8 +67,11 @@ CLOSE_GRACE_S = 5.0
 ABANDONED_THREAD_WAIT_S = 2.0
 # in the name of every stage device thread (node/stage/device_queue.py: "stage{s}-device")
 DEVICE_THREAD_MARK = "-device"
-# remembered peers dialed at once: on start, and while connected to nobody
+# remembered peers dialed at once: on start, and while we know no member
 ADDRESS_BOOK_DIALS = 16
+# how often the address book's loop may dial again (initial peers we are not connected to;
+# everyone we remember or are connected to while we know no member)
+REDIAL_PERIOD_S = PEERS_SAVE_PERIOD_S / 2
 # how often the observer feeds status into the metrics, the page's history and lifetime totals
 OBSERVE_PERIOD_S = 1.0
 
@@ -373,7 +376,10 @@ class Daemon:
         if len(self.address_book):
             # before the swarm is read: a restarted node without initial peers (the swarm's
             # first node) would otherwise find nobody (membership/address_book.py)
-            await self._dial_remembered("rejoining", with_initial_peers=False)
+            await self._dial(
+                "rejoining", self.address_book.candidates(limit=ADDRESS_BOOK_DIALS),
+                noun="remembered peer(s)",
+            )
         spawn(self._keep_address_book(), "address-book")
         await self._announce_logged()
         with contextlib.suppress(DhtError):
@@ -516,35 +522,38 @@ class Daemon:
             # reached here would end in "coroutine ignored GeneratorExit", not silently.)
             log.warning("cannot read our DHT addresses: the DHT process dropped the request")
 
-    async def _dial_remembered(self, why: str, with_initial_peers: bool) -> None:
-        """Dial the remembered peers we are not connected to (and ``dht.initial_peers`` too
-        with ``with_initial_peers``), at most ADDRESS_BOOK_DIALS at once."""
-        try:
-            connected = await self.dht.connected_peers()
-        except DhtError as exc:
-            log.warning("cannot list connected peers: %s", exc)
-            return
-        candidates = self.address_book.candidates(connected, limit=ADDRESS_BOOK_DIALS)
-        if with_initial_peers:
-            listed = {peer_id for peer_id, _ in candidates} | set(connected) | {self.peer_id}
-            for maddr in self.config.dht.initial_peers:
-                split = split_maddr(maddr)
-                if split is not None and split[0] not in listed:
-                    candidates.append(split)
-                    listed.add(split[0])
+    async def _dial(
+        self, why: str, candidates: list[tuple[str, tuple[str, ...]]], noun: str = "peer(s)"
+    ) -> int:
+        """Connect to and DHT-ping ``candidates`` (peer id, addresses), all at once: each that
+        answers and we are back in each other's routing tables. How many answered."""
         if not candidates:
-            return
+            return 0
         try:
             answered = await self.dht.dial(candidates, timeout=self.config.dht.rpc_timeout)
         except DhtError as exc:
-            log.warning("%s: could not dial remembered peers: %s", why, exc)
-            return
-        log.info("%s: %d of %d remembered peer(s) answered", why, len(answered), len(candidates))
+            log.warning("%s: could not dial peers: %s", why, exc)
+            return 0
+        log.log(logging.INFO if answered else logging.DEBUG,
+                "%s: %d of %d %s answered", why, len(answered), len(candidates), noun)
+        return len(answered)
+
+    def _initial_peers_to_dial(self, connected: Mapping[str, Sequence[str]]) -> list[
+            tuple[str, tuple[str, ...]]]:
+        out = []
+        for maddr in self.config.dht.initial_peers:
+            split = split_maddr(maddr)
+            if split is not None and split[0] not in connected and split[0] != self.peer_id:
+                out.append(split)
+        return out
 
     async def _keep_address_book(self) -> None:
         """Every membership period: remember the run's members we are connected to
-        (address_book.py); while connected to nobody, dial the remembered ones and the
-        initial peers again, at most every PEERS_SAVE_PERIOD_S / 2."""
+        (address_book.py). At most every REDIAL_PERIOD_S: dial the initial peers we
+        are not connected to (a restarted bootstrap cannot dial a home behind NAT: the home
+        dials it), and, while we know no member at all, the remembered peers and the ones
+        connected to us (peers that reconnected through p2pd, for a relay slot, but whose
+        DHT has not met ours again)."""
         loop = asyncio.get_running_loop()
         last_dial = loop.time()
         while True:
@@ -557,9 +566,21 @@ class Daemon:
                 continue
             self.address_book.remember(connected, (p.peer_id for p in self.table.peers()))
             self.address_book.save()
-            if not connected and loop.time() - last_dial >= PEERS_SAVE_PERIOD_S / 2:
+            if loop.time() - last_dial < REDIAL_PERIOD_S:
+                continue
+            candidates = self._initial_peers_to_dial(connected)
+            if not len(self.table):
+                listed = {peer_id for peer_id, _ in candidates}
+                for peer_id, addrs in [
+                    *self.address_book.candidates(limit=ADDRESS_BOOK_DIALS),
+                    *((p, tuple(a[:4])) for p, a in connected.items()),
+                ]:
+                    if peer_id not in listed and len(listed) < 2 * ADDRESS_BOOK_DIALS:
+                        candidates.append((peer_id, addrs))
+                        listed.add(peer_id)
+            if candidates:
                 last_dial = loop.time()
-                await self._dial_remembered("connected to no peer", with_initial_peers=True)
+                await self._dial("reconnecting", candidates)
 
     async def _watch_dht(self) -> None:
         """Fail the TaskGroup (exit 1, systemd restarts us) if the DHT process dies under us."""

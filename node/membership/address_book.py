@@ -13,8 +13,10 @@ are also members of its run, their membership records validated: a stranger that
 connected is not remembered, so identities made up by the thousand cannot push the run's
 members out. The file is written when a peer or an address is new, and otherwise once every
 ``SAVE_PERIOD_S`` to keep the dates fresh. On start the daemon dials the remembered peers
-before it reads the swarm; while it is connected to nobody at all, it dials them (and its
-initial peers) again every ``SAVE_PERIOD_S / 2``. Dialing one is a libp2p connect plus a
+before it reads the swarm. Every ``SAVE_PERIOD_S / 2`` it dials its initial peers that it
+is not connected to (a restarted bootstrap cannot dial a home behind NAT: the home dials
+it), and, while it knows no member at all, the remembered peers and the peers connected
+to it (node/daemon.py: ``_keep_address_book``). Dialing one is a libp2p connect plus a
 DHT ping: a peer that answers puts us back in its routing table.
 
 Bounds (the file can be edited by hand, and its addresses came from the network): at most

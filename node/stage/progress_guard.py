@@ -140,10 +140,11 @@ def screen(
         if problem is not None:
             tally.refuse(publisher, problem[0], problem[1])
             continue
-        cap = bounds.max_samples_factor * bounds.target_batch_size
+        # an int: hivemind's LocalTrainingProgress takes strict integers only
+        cap = int(bounds.max_samples_factor * bounds.target_batch_size)
         samples = _number(_field(value, "samples_accumulated"))
         if samples is not None and samples > cap:
-            tally.clamp(publisher, f"{samples:.0f} samples accumulated, counted as {cap:.0f} "
+            tally.clamp(publisher, f"{samples:.0f} samples accumulated, counted as {cap} "
                         f"(target {bounds.target_batch_size})")
             item = _with_value(item, {**value, "samples_accumulated": cap})
         kept[subkey] = item
@@ -195,7 +196,13 @@ def guard_tracker(tracker: Any, bounds: ProgressBounds) -> ProgressScreen:
             bounds=bounds,
             tally=tally,
         )
-        return original(screened)
+        try:
+            return original(screened)
+        except ValueError as exc:  # pydantic's ValidationError: a record hivemind cannot parse
+            # the DHT's schema validator should have refused it; never let it end the tracker
+            # (or, during the optimizer's construction, the daemon): count the stage as empty
+            tally.refuse(b"", "unparsable", f"hivemind could not parse the records: {exc}")
+            return original({})
 
     tracker._parse_swarm_progress_data = parse
     # the constructor already parsed what the DHT held, unscreened: parse it again

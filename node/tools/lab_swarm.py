@@ -86,6 +86,7 @@ class LabSwarm:
         self.settings = list(settings)
         self.nodes: dict[str, SwarmNode] = {}
         self.initial: list[str] = []
+        self.bootstrap: str | None = None  # the node started first, without initial peers
 
     def add(self, name: str, nat: str) -> SwarmNode:
         node = SwarmNode(name, nat, self.root / name, self.root / f"{name}.log")
@@ -94,9 +95,13 @@ class LabSwarm:
         return node
 
     def start(self, node: SwarmNode, extra: Sequence[str] = ()) -> None:
-        """Start ``node``'s daemon (joining through ``self.initial`` when set)."""
+        """Start ``node``'s daemon (joining through ``self.initial`` when set). The first
+        node started is the bootstrap, and starts again as one: on its fixed port, without
+        initial peers (its address book finds the swarm)."""
         host = "127.0.0.1" if self.lab is None else "0.0.0.0"
-        boot = not self.initial
+        if self.bootstrap is None:
+            self.bootstrap = node.name
+        boot = node.name == self.bootstrap
         cmd = [
             sys.executable, "-m", "wanswarm.node.cli", "join",
             "--state-dir", str(node.state_dir),
@@ -107,7 +112,7 @@ class LabSwarm:
         ]
         for item in [*self.settings, *extra]:
             cmd += ["--set", item]
-        if self.initial:
+        if self.initial and not boot:
             cmd += ["--initial-peers", *self.initial]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}

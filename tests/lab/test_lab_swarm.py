@@ -7,7 +7,8 @@ what a volunteer behind NAT needs: every node's trainer completes micro-batches 
 every stage; no node announces loopback; the homes are classified behind NAT and keep a
 rendezvous; connections between the homes are hole-punched (cone to cone) or relayed
 (with the symmetric NAT); ``wanswarm netcheck`` run in a home reports its public address;
-and a home node that is SIGKILLed and restarted serves and trains again.
+a home node that is SIGKILLed and restarted serves and trains again; and so does the
+bootstrap, which has no initial peers and cannot dial the homes behind NAT.
 
 The acceptance figures (25 ms, 1% loss, 100 Mb/s, tokens/s against loopback) come from
 ``benchmarks/netlab.py``; this test keeps the same path working within a few minutes.
@@ -130,6 +131,26 @@ def test_volunteers_behind_nat_train_together(lab: LabFactory, tmp_path: Path) -
                 )
 
             await _until(swarm, "bob back after SIGKILL", back, 150)
+
+            # the bootstrap too: started again without initial peers, it cannot dial the
+            # homes behind NAT; it dials the members it remembered (peers.json), and the
+            # homes dial it, their initial peer, again (node/daemon.py: _keep_address_book)
+            boot = nodes["boot"]
+            swarm.kill(boot)
+            boot.status = {}
+            swarm.start(boot)
+
+            def boot_back(st: list[Any]) -> bool:
+                status = boot.status
+                return bool(
+                    status and status["state"] == "online"
+                    and status["components"].get("stage_server", {}).get("state") == "online"
+                    and len(status["peers"]) >= len(HOSTS) - 1
+                    and through_every_stage(status, N_STAGES)
+                )
+
+            await _until(swarm, "the bootstrap knows the homes and trains after SIGKILL",
+                         boot_back, 180)
         finally:
             await swarm.stop()
 

@@ -297,3 +297,42 @@ def test_remembered_peers_are_dialed_on_start_and_members_remembered(state_dir: 
     assert dht.dialed[0] == [(OTHER, ("/ip4/192.0.2.7/tcp/31337",))]
     text = book.read_text()
     assert OTHER in text and stranger not in text
+
+
+def test_the_address_book_loop_redials_initial_peers_and_everyone_while_alone(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An initial peer we are not connected to (a restarted bootstrap, which cannot dial a
+    home behind NAT) is dialed again; while we know no member, so are the peers connected
+    to us (a home that reconnected to it for a relay slot)."""
+    import wanswarm.node.daemon as daemon_module
+
+    monkeypatch.setattr(daemon_module, "REDIAL_PERIOD_S", 0.05)
+    identity = Identity.generate()
+    boot = Identity.generate().peer_id
+    home = Identity.generate().peer_id
+    dht = FakeDht(identity.peer_id)
+    dht.connected = {home: ["/ip4/198.51.100.7/tcp/40000"]}
+    config = _config(state_dir, f'dht.initial_peers=["/ip4/192.0.2.1/tcp/31337/p2p/{boot}"]')
+    daemon = Daemon(config, identity, dht, [Recorder()])
+    initial = (boot, ("/ip4/192.0.2.1/tcp/31337",))
+
+    async def body(task: asyncio.Future[int]) -> None:
+        await _until(lambda: daemon.state == "online")
+        # alone (no member known): the initial peer and the peer connected to us
+        await _until(lambda: any(home in dict(d) for d in dht.dialed))
+        assert initial in next(d for d in dht.dialed if home in dict(d))
+        # a member known: only the initial peer we are not connected to
+        dht.servers[OTHER] = (ServerRecord(peer_id=OTHER, state="online", stage=1), 4e9)
+        await _until(lambda: daemon.table.get(OTHER) is not None)
+        seen = len(dht.dialed)
+        await _until(lambda: len(dht.dialed) > seen + 1)
+        assert dht.dialed[-1] == [initial]
+        dht.connected[boot] = ["/ip4/192.0.2.1/tcp/31337"]  # connected: no more dials
+        await asyncio.sleep(0.3)
+        seen = len(dht.dialed)
+        await asyncio.sleep(0.3)
+        assert len(dht.dialed) == seen
+        daemon.request_leave("test")
+
+    assert _run(daemon, body) == 0

@@ -287,8 +287,14 @@ def test_screen_clamps_a_count_above_the_bound_and_keeps_the_record() -> None:
     kept, tally = _screen(records)
     assert set(kept) == {b"me", b"x", b"y"} and tally.refused == 0 and tally.clamped == 2
     assert isinstance(kept[b"x"], ValueWithExpiration) and kept[b"x"].expiration_time == 123.0
-    assert kept[b"x"].value["samples_accumulated"] == 256.0
-    assert kept[b"y"].value["samples_accumulated"] == 256.0
+    assert kept[b"x"].value["samples_accumulated"] == 256
+    assert kept[b"y"].value["samples_accumulated"] == 256
+    # what hivemind's tracker parses next takes strict integers: a float 256.0 here ended a
+    # restarted daemon in the network lab
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+    for peer in (b"x", b"y"):
+        assert LocalTrainingProgress.parse_obj(kept[peer].value).samples_accumulated == 256
     assert held.value["samples_accumulated"] == 264  # the DHT's own copy is left alone
     kept, tally = _screen({b"x": _record(b"x", 7, samples=256)})
     assert kept[b"x"].value["samples_accumulated"] == 256 and tally.clamped == 0
@@ -350,3 +356,31 @@ def test_status_shows_the_averaging_mode_round_participants_and_bytes() -> None:
     )
     line = next(x for x in render_text(report).splitlines() if x.startswith("averaging"))
     assert line == "averaging mode diloco   last_round 7   participants 3   bytes_sent 12345"
+
+
+def test_a_record_hivemind_cannot_parse_counts_the_stage_as_empty_not_a_crash() -> None:
+    """guard_tracker: should hivemind's parser still refuse what the screen kept, the
+    tracker sees no peers (and the refusal is counted) instead of raising in the daemon."""
+    import threading
+
+    from wanswarm.node.stage.progress_guard import guard_tracker
+
+    parsed: list[Any] = []
+
+    class Tracker:
+        local_progress = SimpleNamespace(epoch=7, peer_id=b"me")
+        lock_global_progress = threading.Lock()
+        training_progress_key = "run_progress"
+        dht = SimpleNamespace(get=lambda key, latest: None)
+        global_progress: Any = None
+
+        def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+            if metadata:
+                raise ValueError("1 validation error for LocalTrainingProgress")
+            parsed.append(metadata)
+            return "no peers"
+
+    tracker = Tracker()
+    tally = guard_tracker(tracker, ProgressBounds(target_batch_size=64))
+    assert tracker._parse_swarm_progress_data({b"x": _record(b"x", 7)}) == "no peers"
+    assert tally.reasons.get("unparsable") == 1 and parsed[-1] == {}
