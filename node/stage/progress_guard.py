@@ -77,15 +77,20 @@ class ProgressScreen:
     def refuse(self, publisher: bytes, reason: str, detail: str) -> None:
         self.refused += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if (publisher, reason) not in self.logged and len(self.logged) < 10_000:
-            self.logged.add((publisher, reason))
+        if self._first(publisher, reason):
             log.warning("ignoring a progress record (%s): %s", reason, detail)
 
     def clamp(self, publisher: bytes, detail: str) -> None:
         self.clamped += 1
-        if (publisher, "clamped") not in self.logged and len(self.logged) < 10_000:
-            self.logged.add((publisher, "clamped"))
+        if self._first(publisher, "clamped"):
             log.info("clamping a progress record's count: %s", detail)
+
+    def _first(self, publisher: bytes, reason: str) -> bool:
+        """Whether this is the first time for ``publisher`` and ``reason`` (logged once)."""
+        if (publisher, reason) in self.logged or len(self.logged) >= 10_000:
+            return False
+        self.logged.add((publisher, reason))
+        return True
 
 
 def _field(value: Any, key: str) -> Any:
