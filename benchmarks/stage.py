@@ -117,7 +117,8 @@ class _Handlers:
     ) -> Response:
         # as the endpoint does before a server's handler: on the device it registered with
         tensors = await decode_all(received, self.devices[kind])
-        return await self.handlers[kind](Request(TRAINER, kind, header, tensors))
+        request = Request(TRAINER, kind, header, tensors, received=list(received))
+        return await self.handlers[kind](request)
 
 
 def _spec(args: argparse.Namespace) -> RunSpec:

@@ -177,15 +177,16 @@ def _dequantize_kernel(
     if FMT == 2:
         boffs = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # (ROWS, BS/2)
         b = tl.load(codes_ptr + boffs, mask=boffs < (n + 1) // 2, other=0).to(tl.int32)
-        lo = ((b & 0xF) - 8).to(tl.float32)
-        hi = ((b >> 4) - 8).to(tl.float32)
+        lo = tl.maximum((b & 0xF) - 8, -7).to(tl.float32)  # nibble 0 (-8) decodes as -7
+        hi = tl.maximum((b >> 4) - 8, -7).to(tl.float32)
         v = tl.reshape(tl.join(lo, hi), (ROWS, BS))  # (ROWS, BS), element 2j = low nibble
     elif FMT == 1:
         c = tl.load(codes_ptr + offs, mask=offs < n, other=0).to(tl.int32)
         tl.store(flags_ptr + pid, tl.max(tl.max(((c & 0x7F) == 0x7F).to(tl.int32), axis=1)))
         v = _e4m3fn_decode(tl.where((c & 0x7F) == 0x7F, 0, c))
     else:
-        v = tl.load(codes_ptr + offs, mask=offs < n, other=0).to(tl.float32)
+        v = tl.load(codes_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        v = tl.maximum(v, -127).to(tl.float32)  # -128 decodes as -127
     out = v * s
     if OUT_KIND == 0:
         tl.store(out_ptr + offs, out, mask=offs < n)

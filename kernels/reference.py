@@ -19,10 +19,15 @@ elements (the last block may be short). Per block, in float32::
                             keyed by (seed, element index // 4), output index % 4,
                             identical to ``tl.rand4x``.
 
-Decoding is ``code_value * scale`` in float32, then a cast (RNE) to the output dtype.
+Decoding is ``code_value * scale`` in float32, then a cast (RNE) to the output dtype. A
+code's value never exceeds QMAX in magnitude: the two codes no encoder emits, int8's -128
+and int4's nibble 0 (-8), decode as -127 and -7.
 
 ``scale_limit`` caps the scale so that ``QMAX * scale`` never exceeds the largest finite
-value of the original dtype: decoding a conforming payload can never overflow.
+value of the original dtype: decoding a conforming payload can never overflow. Since no
+code decodes beyond QMAX, a payload whose scales pass :func:`check_scale_range` decodes
+to finite values whatever its codes (fp8 NaN codes are refused), each at most
+``QMAX * scale`` of its block in magnitude.
 """
 
 from __future__ import annotations
@@ -306,18 +311,20 @@ def _code_table(fmt: Format, device: torch.device) -> torch.Tensor:
     if fmt == "fp8":
         table = b.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        table = torch.stack(((b & 0x0F).to(torch.float32) - 8, (b >> 4).to(torch.float32) - 8), 1)
+        nibbles = torch.stack(((b & 0x0F).to(torch.float32), (b >> 4).to(torch.float32)), 1)
+        table = (nibbles - 8).clamp_(min=-QMAX["int4"])  # nibble 0 (-8) decodes as -7
     return table.to(device)
 
 
 def code_values(codes: torch.Tensor, fmt: Format, numel: int) -> torch.Tensor:
-    """The float32 value of every code, before scaling: (numel,). fp8 NaN codes give NaN.
+    """The float32 value of every code, before scaling: (numel,). fp8 NaN codes give NaN;
+    no other code's value exceeds QMAX in magnitude (int8 -128 and int4 -8 decode as -QMAX).
 
     fp8 and int4 decode through a 256-entry table: the fp8 table is torch's own
     float8_e4m3fn -> float32 conversion of every byte, the int4 table holds both nibbles.
     """
     if fmt == "int8":
-        return codes.to(torch.float32)
+        return codes.to(torch.float32).clamp_(min=-QMAX["int8"])  # -128 decodes as -127
     table = _code_table(fmt, codes.device)
     vals = torch.index_select(table, 0, codes.to(torch.int64))
     return vals if fmt == "fp8" else vals.flatten()[:numel]

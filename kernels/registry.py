@@ -117,9 +117,14 @@ class Layout:
     codes, so that the codes' view of the body is always aligned). ``float_only``: the
     codec carries float32/float16/bfloat16 tensors only (else any payload dtype).
     ``stochastic``: a stochastic-rounding variant exists (a seed reaches ``quantize``).
-    ``qmax``: blockwise codecs only, the largest code magnitude; decoding range-checks
-    every scale against ``scale_limit_for(qmax, ...)``, so a conforming encoder caps its
-    scales there and ``qmax * scale`` stays finite in the output dtype.
+    ``qmax``: blockwise codecs only, the largest magnitude any code decodes to (the
+    decoder maps a code beyond it to +-qmax, or refuses it); decoding range-checks every
+    scale against ``scale_limit_for(qmax, ...)``, so a conforming encoder caps its scales
+    there, ``qmax * scale`` stays finite in the output dtype, and a payload whose scales
+    pass decodes to finite values, each within ``qmax`` times its block's scale.
+    ``refuses_codes``: blockwise codecs only, the decoder refuses some code values (fp8's
+    NaN codes), so a payload is known to decode only once decoded; without it, checking
+    the scales is enough.
 
     Raises RegistrationError for a combination that has no payload layout.
     """
@@ -130,6 +135,7 @@ class Layout:
     float_only: bool = True
     stochastic: bool = False
     qmax: float | None = None
+    refuses_codes: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.code_dtype, torch.dtype):
@@ -137,7 +143,7 @@ class Layout:
         if self.code_dtype.is_complex or self.code_dtype == torch.bool:
             raise RegistrationError(f"code_dtype {self.code_dtype} cannot hold codes")
         if self.code_bits is None:
-            if self.blockwise or self.stochastic or self.qmax is not None:
+            if self.blockwise or self.stochastic or self.qmax is not None or self.refuses_codes:
                 raise RegistrationError(
                     "a raw layout (code_bits=None) has no blocks, scales or stochastic rounding"
                 )
@@ -160,8 +166,10 @@ class Layout:
                 f"not {self.code_dtype}"
             )
         if not self.blockwise:
-            if self.stochastic or self.qmax is not None:
-                raise RegistrationError("stochastic rounding and qmax need a blockwise layout")
+            if self.stochastic or self.qmax is not None or self.refuses_codes:
+                raise RegistrationError(
+                    "stochastic rounding, qmax and refused codes need a blockwise layout"
+                )
             return
         if width != 8:
             raise RegistrationError(
@@ -407,6 +415,7 @@ def _blockwise(fmt: Format, codec_id: int, bits: int, stochastic: bool, summary:
         code_dtype=reference.codes_dtype(fmt),
         stochastic=stochastic,
         qmax=reference.QMAX[fmt],
+        refuses_codes=fmt == "fp8",  # its NaN codes
     )
     return Codec(fmt, codec_id, layout, quantize, dequantize, _blockwise_triton(fmt), summary)
 

@@ -373,8 +373,11 @@ class StageContract:
         if len(tensors) != n:
             raise refuse(ErrorCode.BAD_REQUEST, f"{what} takes {n} tensors, got {len(tensors)}")
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Token ids (B, T) int64 in [0, V) on stage 0; float32 (B, T, C) elsewhere."""
+    def check_input(self, x: torch.Tensor, peak: float | None = None) -> None:
+        """Token ids (B, T) int64 in [0, V) on stage 0; float32 (B, T, C) elsewhere.
+
+        ``peak``: the input's largest |value| when its payload told it on the host
+        (``Request.peaks``), which spares asking the device; None: computed from ``x``."""
         if not isinstance(x, torch.Tensor):
             raise refuse(ErrorCode.BAD_REQUEST, "input is not a tensor")
         if self.first:
@@ -394,7 +397,7 @@ class StageContract:
                     f"got {x.dtype} {tuple(x.shape)}",
                 )
             self._check_bt(x)
-            self._check_values(x, self.limits.max_activation, "input")
+            self._check_values(x, self.limits.max_activation, "input", peak)
 
     def check_ids(self, ids: torch.Tensor, batch: int, length: int) -> None:
         """The token ids a subspace run's stage rebuilds its input with: the run's id dtype,
@@ -425,9 +428,12 @@ class StageContract:
         """Shape of this (non-last) stage's output and of the gradient a backward carries."""
         return (batch, length, self.out_width)
 
-    def check_output_grad(self, grad: torch.Tensor, batch: int | None, length: int | None) -> None:
+    def check_output_grad(
+        self, grad: torch.Tensor, batch: int | None, length: int | None,
+        peak: float | None = None,
+    ) -> None:
         """dL/dy: float32 (B, T, C) (C the output's wire width); B and T must match the
-        input when it is known."""
+        input when it is known. ``peak`` as for :meth:`check_input`."""
         if not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or grad.dim() != 3:
             raise refuse(ErrorCode.BAD_REQUEST, "output gradient must be float32 (B, T, C)")
         if grad.shape[2] != self.out_width:
@@ -438,7 +444,7 @@ class StageContract:
                 ErrorCode.BAD_REQUEST,
                 f"output gradient {tuple(grad.shape)} does not match input ({batch}, {length})",
             )
-        self._check_values(grad, self.limits.max_gradient, "output gradient")
+        self._check_values(grad, self.limits.max_gradient, "output gradient", peak)
 
     def _check_bt(self, t: torch.Tensor) -> None:
         batch, length = int(t.shape[0]), int(t.shape[1])
@@ -450,10 +456,11 @@ class StageContract:
             )
 
     @staticmethod
-    def _check_values(t: torch.Tensor, bound: float, what: str) -> None:
+    def _check_values(t: torch.Tensor, bound: float, what: str, peak: float | None) -> None:
         """NaN/Inf: ``bad_request`` (the endpoint refuses those on receipt already); a
-        |value| beyond ``bound``: ``out_of_range``."""
-        peak = max_abs(t)
+        |value| beyond ``bound``: ``out_of_range``. ``peak``: ``t``'s largest |value| if
+        known (at least it, as a payload's scales tell), else computed here."""
+        peak = max_abs(t) if peak is None else peak
         if not math.isfinite(peak):
             raise refuse(ErrorCode.BAD_REQUEST, f"{what} has NaN or Inf")
         if peak > bound:

@@ -340,6 +340,52 @@ def encode_roundtrip(
     return encoded, _decode_buffer(buf, spec, encoded.shape, wire, t.device, untrusted=False)
 
 
+def payload_peak(e: EncodedTensor) -> float | None:
+    """The largest |value| the payload decodes to, read on the host from its bytes; None
+    for a payload that does not decode to floats.
+
+    A blockwise payload's is the largest ``|scale| * qmax`` of its blocks, from its scales
+    alone and computed as the decoder computes: no code decodes beyond ``qmax``
+    (docs/codecs.md), so this is never below the decoded tensor's largest |value|, and it
+    equals it for a conforming encoder rounding to nearest (whose block of largest scale
+    holds a code at +-qmax). A raw payload's is its values' (one pass on the host). NaN
+    if a value or scale is NaN, inf if one is infinite. The payload's length and header
+    must have been checked (a received payload, or our own).
+    """
+    if e.dtype not in FLOAT_DTYPES:
+        return None
+    n = math.prod(e.shape)
+    if n == 0:
+        return 0.0
+    spec = e.spec
+    layout = spec.codec.layout
+    buf = _view_payload(cast(Any, e.payload))
+    if not layout.blockwise:
+        body = _decode_buffer(buf, spec, e.shape, e.dtype, torch.device("cpu"), untrusted=False)
+        return float(body.detach().abs().amax())  # amax propagates NaN
+    assert layout.qmax is not None
+    scales = _split_payload(buf, spec, layout, n, e.dtype)[0]
+    # the decoder's own arithmetic (a float32 product, then the output dtype's rounding,
+    # both monotonic): exactly what a code of qmax in the block of largest scale gives
+    largest = scales.abs().amax().float() * layout.qmax
+    return float(largest.to(e.dtype))
+
+
+def check_scales(e: EncodedTensor) -> None:
+    """PayloadError for a blockwise payload's scales that decoding would refuse (NaN,
+    infinite, negative, above the codec's limit for the payload's dtype); nothing to
+    check for other codecs. The payload's length and header must have been checked."""
+    layout = e.spec.codec.layout
+    n = math.prod(e.shape)
+    if not layout.blockwise or n == 0:
+        return
+    scales = _split_payload(_view_payload(cast(Any, e.payload)), e.spec, layout, n, e.dtype)[0]
+    try:
+        ops.validate_scales(scales, e.spec.name, e.dtype)
+    except KernelError as exc:
+        raise PayloadError(f"{e.spec.to_wire()} payload: {exc}") from exc
+
+
 def encodes_directly(spec: CodecSpec, source: torch.dtype, wire: torch.dtype) -> bool:
     """Whether ``spec`` encodes a ``source`` tensor as a ``wire`` payload without a cast.
 

@@ -100,6 +100,18 @@ class Request:
     header: dict[str, Any]
     tensors: list[torch.Tensor]
     remote: tuple[str, int] = ("", 0)
+    # the tensors as they arrived (empty for a request built in-process): their payloads
+    # tell each tensor's largest |value| on the host (``peaks``)
+    received: list[ReceivedTensor] = field(default_factory=list)
+
+    def peaks(self) -> list[float | None]:
+        """Each tensor's largest |value| as its payload bounds it, computed on the host
+        (:attr:`ReceivedTensor.peak`), None where unknown (not a float tensor, or a
+        request built in-process): a handler checks values against a bound with it
+        without asking the device that holds the decoded tensor."""
+        if len(self.received) != len(self.tensors):
+            return [None] * len(self.tensors)
+        return [t.peak for t in self.received]
 
 
 @dataclass
@@ -244,9 +256,9 @@ class Endpoint:
         ``max_bytes``: the most payload bytes (all tensors, encoded) one request may
         announce, refused as ``too_large`` from its header alone; None takes the limit
         set with :meth:`limit`, else the endpoint's default. ``device``: decode the
-        request's tensors there (a stage server's GPU: the dequantize kernel writes
-        straight into device memory; None: the CPU). Kinds starting with ``_`` are the
-        endpoint's own."""
+        request's float tensors there (a stage server's GPU: the dequantize kernel writes
+        straight into device memory; None: the CPU); integer ones stay on the CPU. Kinds
+        starting with ``_`` are the endpoint's own."""
         if kind.startswith("_"):
             raise ValueError(f"{kind!r}: kinds starting with '_' are reserved")
         _check_kind(kind)
@@ -330,7 +342,7 @@ class Endpoint:
                 tensors = await decode_all(received, registration.device)
                 request = Request(
                     peer_id, message.header.kind, message.header.header, tensors,
-                    remote=link.remote_address,
+                    remote=link.remote_address, received=received,
                 )
                 response = await self._run_handler(registration.handler, request, inbound.task)
             except TimeoutError:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -69,11 +69,15 @@ class ErrorFeedback:
         spec: CodecSpec,
         *,
         generator: torch.Generator | None = None,
+        accept: Callable[[EncodedTensor], None] | None = None,
     ) -> EncodedTensor:
         """Encode ``t + residual[key]`` with ``spec`` and keep the new residual.
 
         The payload keeps ``t``'s dtype and shape. Lossless codecs (``none``) keep no
         residual. If encoding fails (e.g. PayloadError on NaN), the old residual stays.
+        ``accept`` sees the payload before the new residual is kept: whatever it raises
+        propagates and the old residual stays (a sender that refuses to send what it
+        encoded, e.g. a value beyond a bound, must not count it as sent).
         """
         with self._lock:
             prev = self._residuals.get(key)
@@ -83,12 +87,17 @@ class ErrorFeedback:
             logger.debug("error feedback: dropping residual of %r (shape/device changed)", key)
             prev = None
         if spec.name == "none":
+            encoded = codecs.encode(t, spec, generator=generator)
+            if accept is not None:
+                accept(encoded)
             self._drop(key)
-            return codecs.encode(t, spec, generator=generator)
+            return encoded
         target = t.detach().to(torch.float32)
         if prev is not None:
             target = target + prev
         encoded, sent = codecs.encode_roundtrip(target.to(t.dtype), spec, generator=generator)
+        if accept is not None:
+            accept(encoded)
         residual = target - sent.to(torch.float32)  # what the receiver did not get
         self._store(key, residual)
         return encoded

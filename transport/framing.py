@@ -258,18 +258,29 @@ def tensor_spec(
 
 
 def decode_tensor(
-    plan: TensorPlan, payload: bytes | bytearray | memoryview, *, allow_nonfinite: bool
+    plan: TensorPlan,
+    payload: bytes | bytearray | memoryview,
+    *,
+    allow_nonfinite: bool,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Decode one payload; PayloadError (code ``non_finite``) for NaN/Inf unless allowed."""
+    """Decode one payload on ``device`` (default the CPU); PayloadError (code
+    ``non_finite``) for NaN/Inf unless allowed.
+
+    A blockwise payload is not searched for NaN/Inf: once its scales passed the decoder's
+    range check it decodes to finite values whatever its codes (docs/codecs.md), so only
+    raw payloads (``none``, ``bf16``) are, which on a GPU spares a synchronization."""
     if len(payload) != plan.spec.nbytes:
         raise PayloadError(
             f"payload of {len(payload)} bytes, header announced {plan.spec.nbytes}"
         )
     # codecs.decode reads any bytes-like payload; a bytearray saves a copy of the payload
-    tensor = decode(EncodedTensor(plan.codec, plan.spec.shape, plan.dtype, cast(bytes, payload)))
-    if not allow_nonfinite and tensor.is_floating_point() and tensor.numel():
-        if not bool(torch.isfinite(tensor).all()):
-            raise PayloadError("tensor holds NaN or Inf values", code=NON_FINITE)
+    encoded = EncodedTensor(plan.codec, plan.spec.shape, plan.dtype, cast(bytes, payload))
+    tensor = decode(encoded, device=device)
+    if allow_nonfinite or plan.codec.quantizing:
+        return tensor
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        raise PayloadError("tensor holds NaN or Inf values", code=NON_FINITE)
     return tensor
 
 

@@ -49,22 +49,28 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``: staged through pinned memory and the copy stream (CUDA).
 
     The result is ready for the current stream of ``device``: it waits on the copy's
-    event before any kernel it runs later reads the result.
+    event before any kernel it runs later reads the result. The host does not wait for
+    the copy (no synchronization), unless ``t`` is itself pinned: then it is the caller's
+    buffer, which it may write again as soon as this returns.
     """
     if device.type != "cuda":
         return t.to(device)
     device = torch.device("cuda", device.index if device.index is not None else 0)
-    pinned = t if t.is_pinned() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    if pinned is not t:
+    own = not t.is_pinned()
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if own else t
+    if own:
         pinned.copy_(t)
     stream = copy_stream(device)
     with torch.cuda.stream(stream):
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        # a non-blocking copy from a block of torch's pinned-memory allocator records an
+        # event on this stream there; the allocator reuses the block only once it has
+        # passed, so our staging buffer may be dropped while the copy is still running
         out.copy_(pinned, non_blocking=True)
         done = stream.record_event()
     current = torch.cuda.current_stream(device)
     current.wait_event(done)
     out.record_stream(current)
-    # the pinned source must outlive the copy: wait for it before it can be freed
-    done.synchronize()
+    if not own:
+        done.synchronize()
     return out

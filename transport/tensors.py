@@ -28,7 +28,14 @@ from typing import Final, TypeAlias, TypeVar, cast
 
 import torch
 
-from .codecs import HEADER_NBYTES, CodecSpec, EncodedTensor, decode, encode
+from .codecs import (
+    HEADER_NBYTES,
+    CodecSpec,
+    EncodedTensor,
+    check_scales,
+    encode,
+    payload_peak,
+)
 from .errors import CodecError, FramingError, PayloadError, ProtocolError
 from .framing import NON_FINITE, TensorPlan, decode_tensor, tensor_spec
 
@@ -39,6 +46,7 @@ PAYLOAD_ERROR_CODES: Final[frozenset[str]] = frozenset(
 )
 _NONE: Final[CodecSpec] = CodecSpec("none")
 _T = TypeVar("_T")
+_UNKNOWN: Final[object] = object()  # a peak not computed yet
 
 
 class ReceivedTensor:
@@ -58,7 +66,9 @@ class ReceivedTensor:
     from several threads. The payload is referenced, never copied, and never written to.
     """
 
-    __slots__ = ("plan", "payload", "allow_nonfinite", "sender", "_lock", "_tensor", "_error")
+    __slots__ = (
+        "plan", "payload", "allow_nonfinite", "sender", "_lock", "_tensor", "_error", "_peak"
+    )
 
     def __init__(
         self,
@@ -87,6 +97,7 @@ class ReceivedTensor:
         self._lock = threading.Lock()
         self._tensor: torch.Tensor | None = None
         self._error: ProtocolError | None = None
+        self._peak: object = _UNKNOWN
 
     @classmethod
     def of(
@@ -155,12 +166,10 @@ class ReceivedTensor:
         with self._lock:
             if self._tensor is None and self._error is None:
                 try:
-                    if target is None or target.type == "cpu":
-                        self._tensor = decode_tensor(
-                            self.plan, self.payload, allow_nonfinite=self.allow_nonfinite
-                        )
-                    else:
-                        self._tensor = self._decode_on(target)
+                    self._tensor = decode_tensor(
+                        self.plan, self.payload, allow_nonfinite=self.allow_nonfinite,
+                        device=target,
+                    )
                 except ProtocolError as exc:
                     self._error = exc
             if self._error is not None:
@@ -170,15 +179,38 @@ class ReceivedTensor:
                 return self._tensor.to(target)
             return self._tensor
 
-    def _decode_on(self, device: torch.device) -> torch.Tensor:
-        """:func:`.framing.decode_tensor`'s checks, decoding on ``device``."""
-        plan = self.plan
-        encoded = EncodedTensor(plan.codec, plan.spec.shape, plan.dtype, cast(bytes, self.payload))
-        t = decode(encoded, device=device)
-        if not self.allow_nonfinite and t.is_floating_point() and t.numel():
-            if not bool(torch.isfinite(t).all()):
-                raise PayloadError("tensor holds NaN or Inf values", code=NON_FINITE)
-        return t
+    @property
+    def peak(self) -> float | None:
+        """The largest |value| the payload decodes to, from its bytes on the host
+        (:func:`.codecs.payload_peak`: a blockwise payload's scales, a raw one's values);
+        None if it does not decode to floats. Only after :meth:`tensor` succeeded: the
+        scales are then known to be in range. Saves a device synchronization: a GPU that
+        decoded the tensor need not be asked for its maximum."""
+        with self._lock:
+            if self._tensor is None:
+                raise RuntimeError("peak of a payload that has not been decoded and checked")
+            if self._peak is _UNKNOWN:
+                self._peak = payload_peak(self.encoded)
+            return cast(float | None, self._peak)
+
+    def checked_peak(self) -> float | None:
+        """The payload's largest |value| (None if it does not decode to floats), once its
+        values passed the checks :meth:`tensor` makes (its ProtocolError otherwise), without
+        keeping a decoded tensor: a blockwise payload whose decoder refuses no code (int8,
+        int4) is checked from its scales alone, since scales in range decode to finite
+        values; the others are decoded into a scratch copy, dropped here. What a relaying
+        trainer checks: the payload goes on as it came."""
+        if self.is_decoded:
+            self.tensor()  # its error, if decoding failed
+            return self.peak
+        layout = self.plan.codec.codec.layout
+        if layout.blockwise and not layout.refuses_codes:
+            check_scales(self.encoded)
+            return payload_peak(self.encoded)
+        scratch = decode_tensor(self.plan, self.payload, allow_nonfinite=self.allow_nonfinite)
+        if not scratch.is_floating_point():
+            return None
+        return float(scratch.abs().amax()) if scratch.numel() else 0.0
 
     async def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
         """:meth:`tensor`, in a worker thread when it is large (THREAD_BYTES)."""
@@ -232,7 +264,11 @@ async def encode_all(tensors: Sequence[Sendable], codec: CodecSpec | None) -> li
 async def decode_all(
     tensors: Sequence[ReceivedTensor], device: torch.device | str | None = None
 ) -> list[torch.Tensor]:
-    """Every tensor decoded and checked (the first ProtocolError otherwise), on ``device``
-    (default the CPU; see :meth:`ReceivedTensor.tensor`); in a worker thread when large."""
+    """Every tensor decoded and checked (the first ProtocolError otherwise): float ones on
+    ``device`` (default the CPU; see :meth:`ReceivedTensor.tensor`), integer ones (token
+    ids, targets: nothing to dequantize, and their range checks are host work) on the CPU;
+    in a worker thread when large."""
     total = sum(t.decoded_nbytes for t in tensors)
-    return await off_loop(total, lambda: [t.tensor(device) for t in tensors])
+    return await off_loop(
+        total, lambda: [t.tensor(device if t.dtype.is_floating_point else None) for t in tensors]
+    )

@@ -48,6 +48,7 @@ half-updated state; the checkpointer's writer thread does the disk work).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -58,10 +59,11 @@ from typing import Any
 
 import torch
 
-from ...transport.codecs import CodecSpec, encode, parse_codec
+from ...transport import staging
+from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec, payload_peak
 from ...transport.endpoint import Response
 from ...transport.error_feedback import ErrorFeedback
-from ...transport.errors import RemoteError
+from ...transport.errors import PayloadError, RemoteError
 from ...transport.tensors import Sendable
 from ..config.runspec import RunSpec
 from ..logs import get_logger
@@ -78,7 +80,6 @@ from ..protocol import (
     LossReply,
     StageContract,
     check_result,
-    max_abs,
     refuse,
     to_header,
 )
@@ -96,6 +97,12 @@ log = get_logger(__name__)
 # Activations and gradients travel as float32 payloads (what the protocol's contract
 # checks); a bf16/fp16 tensor is quantized from its own dtype into such a payload.
 WIRE_DTYPE = torch.float32
+
+# Each request tensor's largest |value| as its payload told it on the host (Request.peaks),
+# None where unknown; empty for a request built in-process.
+Peaks = Sequence[float | None]
+# Encodes and checks dL/dx (None on stage 0) into the reply's tensors.
+Emit = Callable[[torch.Tensor | None], list[Sendable]]
 
 
 @dataclass
@@ -206,16 +213,18 @@ class StageJobs:
                 self.counters.out_of_range += 1
             raise
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        """A checked input on the device: token ids, or activations of any float dtype
-        (checked as float32) in the stage's activation dtype."""
+    def _input(self, x: torch.Tensor, peak: float | None) -> torch.Tensor:
+        """A checked input on the device: token ids (checked on the host, where the
+        endpoint leaves them), or activations of any float dtype (checked as float32) in
+        the stage's activation dtype. ``peak``: the input's largest |value| as its payload
+        told it (None: computed here)."""
         if self.contract.first:
             with self._counting():
                 self.contract.check_input(x)
-            return x.to(self.device)
+            return self._on_device(x)
         x = _as_float32(x)
         with self._counting():
-            self.contract.check_input(x)
+            self.contract.check_input(x, peak)
         return self._to_device(x)
 
     def _ids(self, tensors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
@@ -225,7 +234,7 @@ class StageJobs:
             return None
         with self._counting():
             self.contract.check_ids(tensors[1], int(x.shape[0]), int(x.shape[1]))
-        return tensors[1].to(self.device)
+        return self._on_device(tensors[1])
 
     def _run(self, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """The stage's output as it goes on the wire: the module's, or in a subspace run
@@ -258,24 +267,60 @@ class StageJobs:
         dtype = self.precision.activation_dtype()
         if t.dtype.itemsize > dtype.itemsize:
             t = t.to(dtype)
-        return t.to(self.device).to(dtype)
+        return self._on_device(t).to(dtype)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the stage's device: a host tensor goes through pinned memory on the copy
+        stream (staging.py), which never makes the host wait for the GPU."""
+        if t.device.type == "cpu" and self.device.type != "cpu":
+            return staging.to_device(t, self.device)
+        return t.to(self.device)
 
     def _check(self, value: float, bound: float, what: str) -> None:
         """One of our results against its bound (``out_of_range``)."""
         with self._counting():
             check_result(value, bound, what)
 
-    def forward(self, msg: ForwardRequest, tensors: list[torch.Tensor]) -> Response:
+    def _accept(self, payload: EncodedTensor, bound: float, what: str) -> None:
+        """One of our results, encoded, against its bound (``out_of_range``): the largest
+        |value| its receiver will decode, from the payload's scales on the host
+        (codecs.payload_peak), so the device is not asked for the tensor's maximum."""
+        peak = payload_peak(payload)
+        self._check(0.0 if peak is None else peak, bound, what)
+
+    def _encode_checked(
+        self, t: torch.Tensor, codec: CodecSpec, bound: float, what: str,
+        ef_key: Hashable | None = None,
+    ) -> EncodedTensor:
+        """``t`` encoded as a float32 payload (through error feedback under ``ef_key``),
+        refused as ``out_of_range`` when it holds NaN/Inf or decodes beyond ``bound``;
+        a refused tensor leaves its error-feedback residual as it was."""
+        accept = functools.partial(self._accept, bound=bound, what=what)
+        try:
+            if ef_key is None:
+                out = encode(t, codec, dtype=WIRE_DTYPE)  # quantized from t's dtype
+                accept(out)
+                return out
+            return self._ef.encode(ef_key, t.to(WIRE_DTYPE), codec, accept=accept)
+        except PayloadError:  # the quantizer met NaN/Inf
+            with self._counting():
+                raise refuse(ErrorCode.OUT_OF_RANGE, f"{what} is not finite") from None
+
+    def forward(
+        self, msg: ForwardRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
+    ) -> Response:
         started = time.perf_counter()
         self.contract.check_count(tensors, self.contract.n_inputs, "forward")
-        x = self._input(tensors[0])
+        x = self._input(tensors[0], _peak(peaks, 0))
         ids = self._ids(tensors, x)
         ref = (msg.hop.trainer, msg.hop.micro_batch)
         keep_graph = msg.keep_input and self.config.max_in_flight > 0
         leaf = x if self.contract.first or not keep_graph else x.detach().requires_grad_(True)
         with torch.set_grad_enabled(keep_graph), self.precision.autocast():
             y = self._run(leaf, ids)  # (B, T, C) or (B, T, k), in the compute dtype
-        self._check(max_abs(y), self.limits.max_activation, f"stage {self.stage}'s output")
+        out = self._encode_checked(
+            y, self.forward_codec, self.limits.max_activation, f"stage {self.stage}'s output"
+        )
         now = self.clock()
         cached = msg.keep_input and self._cache.put(ref, x, now)
         if cached and ids is not None:
@@ -287,45 +332,49 @@ class StageJobs:
         else:
             self._graphs.pop(ref)
         self.counters.forward += 1
-        out = encode(y, self.forward_codec, dtype=WIRE_DTYPE)  # quantized from y's dtype
         return Response(
             to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out]
         )
 
-    def forward_loss(self, msg: ForwardLossRequest, tensors: list[torch.Tensor]) -> Response:
+    def forward_loss(
+        self, msg: ForwardLossRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
+    ) -> Response:
         started = time.perf_counter()
         n_in = self.contract.n_inputs
         self.contract.check_count(tensors, n_in + 1, "forward_loss")
-        x = self._input(tensors[0])
+        x = self._input(tensors[0], _peak(peaks, 0))
         ids = self._ids(tensors, x)
         batch, length = int(x.shape[0]), int(x.shape[1])
         self.contract.check_targets(tensors[n_in], batch, length)
-        targets = tensors[n_in].to(self.device)
+        targets = self._on_device(tensors[n_in])
         key = msg.hop.key
         self.counters.forward_loss += 1
         if key in self._applied:
             return self._duplicate(
-                key, started, lambda: self._loss_and_grad(x, ids, targets, accumulate=False)
+                key, started,
+                lambda: self._loss_and_grad(x, ids, targets, self._emit_plain, accumulate=False),
             )
-        loss, grad_x = self._loss_and_grad(x, ids, targets, accumulate=True)
-        out = self._encode_grad(msg.hop, grad_x)
+        emit = functools.partial(self._encode_grad, msg.hop)
+        loss, out = self._loss_and_grad(x, ids, targets, emit, accumulate=True)
         header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
         return self._apply(key, batch, Response(to_header(header), out))
 
     def _loss_and_grad(
-        self, x: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor, *,
+        self, x: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor, emit: Emit, *,
         accumulate: bool,
-    ) -> tuple[float, torch.Tensor | None]:
+    ) -> tuple[float, list[Sendable]]:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             with self.precision.autocast():
                 loss = self._run_loss(x, ids, targets)  # (), float32
             value = float(loss.detach())
             self._check(value, self.limits.max_loss, "the loss")  # before any gradient
-            grad_x = self._grads(loss, x, None, accumulate=accumulate)
-        return value, grad_x
+            grads = self._autograd(loss, x, None, accumulate=accumulate)
+        return value, self._finish(grads, emit, accumulate=accumulate)
 
-    def backward(self, msg: BackwardRequest, tensors: list[torch.Tensor]) -> Response:
+    def backward(
+        self, msg: BackwardRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
+    ) -> Response:
         started = time.perf_counter()
         hop = msg.hop
         ref = (hop.trainer, hop.micro_batch)
@@ -333,7 +382,7 @@ class StageJobs:
         if msg.input_carried:
             n_in = self.contract.n_inputs
             self.contract.check_count(tensors, n_in + 1, "backward with its input")
-            x = self._input(tensors[0])
+            x = self._input(tensors[0], _peak(peaks, 0))
             ids = self._ids(tensors, x)
         else:
             self.contract.check_count(tensors, 1, "backward by reference")
@@ -349,8 +398,9 @@ class StageJobs:
                 )
             x = cached
         batch, length = int(x.shape[0]), int(x.shape[1])
+        grad_peak = _peak(peaks, len(tensors) - 1)
         with self._counting():
-            self.contract.check_output_grad(_as_float32(tensors[-1]), batch, length)
+            self.contract.check_output_grad(_as_float32(tensors[-1]), batch, length, grad_peak)
         grad_y = self._to_device(_as_float32(tensors[-1]))
         self.counters.backward += 1
         graph = None
@@ -361,74 +411,84 @@ class StageJobs:
         if hop.key in self._applied:
             return self._duplicate(
                 hop.key, started,
-                lambda: (None, self._recompute(x, ids, grad_y, accumulate=False)),
+                lambda: (
+                    None, self._recompute(x, ids, grad_y, self._emit_plain, accumulate=False)
+                ),
             )
-        served, grad_x = (False, None) if graph is None else self._from_graph(graph, grad_y)
-        if not served:
-            grad_x = self._recompute(x, ids, grad_y, accumulate=True)
+        emit = functools.partial(self._encode_grad, hop)
+        out = None if graph is None else self._from_graph(graph, grad_y, emit)
+        if out is None:
+            out = self._recompute(x, ids, grad_y, emit, accumulate=True)
         self._cache.pop(ref)
         self._ids_cache.pop(ref)
-        out = self._encode_grad(hop, grad_x)
         header = BackwardReply(duplicate=False, **self._reply_fields(started))
         return self._apply(hop.key, batch, Response(to_header(header), out))
 
     def _from_graph(
-        self, graph: tuple[torch.Tensor, torch.Tensor], grad_y: torch.Tensor
-    ) -> tuple[bool, torch.Tensor | None]:
-        """``(True, dL/dx)``, accumulating dL/dtheta, through the graph the forward kept;
-        ``(False, None)`` when it cannot serve (its parameters were changed in place since:
-        an optimizer step that did not move the epoch yet), and the forward is recomputed."""
+        self, graph: tuple[torch.Tensor, torch.Tensor], grad_y: torch.Tensor, emit: Emit
+    ) -> list[Sendable] | None:
+        """dL/dx as sent, accumulating dL/dtheta, through the graph the forward kept; None
+        when it cannot serve (its parameters were changed in place since: an optimizer
+        step that did not move the epoch yet), and the forward is recomputed."""
         y, leaf = graph
         try:
             with torch.enable_grad():
-                return True, self._grads(y, leaf, grad_y.to(y.dtype), accumulate=True)
-        except RemoteError:
-            raise
+                grads = self._autograd(y, leaf, grad_y.to(y.dtype), accumulate=True)
         except RuntimeError as exc:  # autograd's check of the saved tensors' versions
             log.debug("stage %d: kept graph unusable (%s); recomputing", self.stage, exc)
-            return False, None
+            return None
+        return self._finish(grads, emit, accumulate=True)
 
     def _recompute(
-        self, x: torch.Tensor, ids: torch.Tensor | None, grad_y: torch.Tensor, *,
+        self, x: torch.Tensor, ids: torch.Tensor | None, grad_y: torch.Tensor, emit: Emit, *,
         accumulate: bool,
-    ) -> torch.Tensor | None:
+    ) -> list[Sendable]:
         x = x if self.contract.first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             with self.precision.autocast():
                 y = self._run(x, ids)  # (B, T, C) or (B, T, k), in the compute dtype
-            return self._grads(y, x, grad_y.to(y.dtype), accumulate=accumulate)
+            grads = self._autograd(y, x, grad_y.to(y.dtype), accumulate=accumulate)
+        return self._finish(grads, emit, accumulate=accumulate)
 
-    def _grads(
+    def _autograd(
         self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
-    ) -> torch.Tensor | None:
-        """dL/dx, checked; with ``accumulate`` also dL/dtheta, added to the parameters'
-        ``.grad`` only once dL/dx and the parameter-gradient norm passed their checks."""
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        """``(dL/dx, *dL/dtheta)`` (no dL/dx on stage 0; dL/dtheta only with
+        ``accumulate``) into scratch tensors, not ``.grad``: a refused micro-batch must
+        leave no trace there. None when there is nothing to compute (stage 0's
+        duplicate)."""
         inputs = [] if self.contract.first else [x]
         params = self._params if accumulate else []
         if not inputs and not params:
-            return None  # stage 0's duplicate: nothing to return and nothing to accumulate
-        # into scratch tensors, not .grad: a refused micro-batch must leave no trace there
-        grads: tuple[torch.Tensor | None, ...]
+            return None
         if self.precision.scaler is None:
-            grads = torch.autograd.grad(out, [*inputs, *params], grad_out, allow_unused=True)
-        else:
-            grads = self._scaled_grads(out, [*inputs, *params], grad_out)
-        grad_x = grads[0] if inputs else None
-        if grad_x is not None:
-            self._check(max_abs(grad_x), self.limits.max_gradient, "dL/dx")
+            return torch.autograd.grad(out, [*inputs, *params], grad_out, allow_unused=True)
+        return self._scaled_grads(out, [*inputs, *params], grad_out)
+
+    def _finish(
+        self, grads: tuple[torch.Tensor | None, ...] | None, emit: Emit, *, accumulate: bool
+    ) -> list[Sendable]:
+        """dL/dx as sent (``emit`` encodes and checks it), and with ``accumulate`` dL/dtheta
+        added to the parameters' ``.grad``, only once the parameter-gradient norm and then
+        dL/dx passed their checks (error feedback keeps dL/dx's residual only then)."""
+        if grads is None:
+            return []
+        n_in = 0 if self.contract.first else 1
+        param_grads = grads[n_in:]
         if accumulate:
-            param_grads = grads[len(inputs) :]
             norm = _global_norm(param_grads)
             self._check(norm, self.limits.max_grad_norm, "the parameter-gradient norm")
+        out = emit(grads[0] if n_in else None)
+        if accumulate:
             with torch.no_grad():
-                for p, g in zip(params, param_grads, strict=True):
+                for p, g in zip(self._params, param_grads, strict=True):
                     if g is None:
                         continue  # not on this micro-batch's path
                     if p.grad is None:
                         p.grad = g
                     else:
                         p.grad.add_(g)  # in place: an averager may hold .grad's buffers
-        return grad_x
+        return out
 
     def _scaled_grads(
         self, out: torch.Tensor, wrt: list[torch.Tensor], grad_out: torch.Tensor | None
@@ -451,15 +511,18 @@ class StageJobs:
             if not found_inf or last:
                 return tuple(None if g is None else g.float().div_(scale) for g in grads)
 
-    def eval_loss(self, msg: EvalLossRequest, tensors: list[torch.Tensor]) -> Response:
+    def eval_loss(
+        self, msg: EvalLossRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
+    ) -> Response:
         started = time.perf_counter()
         n_in = self.contract.n_inputs
         self.contract.check_count(tensors, n_in + 1, "eval_loss")
-        x = self._input(tensors[0])
+        x = self._input(tensors[0], _peak(peaks, 0))
         ids = self._ids(tensors, x)
         self.contract.check_targets(tensors[n_in], int(x.shape[0]), int(x.shape[1]))
+        targets = self._on_device(tensors[n_in])
         with torch.no_grad(), self.precision.autocast():
-            loss = float(self._run_loss(x, ids, tensors[n_in].to(self.device)))
+            loss = float(self._run_loss(x, ids, targets))
         self._check(loss, self.limits.max_loss, "the loss")
         self.counters.eval_loss += 1
         return Response(to_header(EvalReply(loss=loss, **self._reply_fields(started))))
@@ -470,7 +533,7 @@ class StageJobs:
         self,
         key: Hashable,
         started: float,
-        recompute: Callable[[], tuple[float | None, torch.Tensor | None]],
+        recompute: Callable[[], tuple[float | None, list[Sendable]]],
     ) -> Response:
         """A retried hop we already applied: the same answer, no second accumulation."""
         self.counters.duplicates += 1
@@ -478,22 +541,28 @@ class StageJobs:
         if cached is not None:
             header = dict(cached.header, **self._reply_fields(started), duplicate=True)
             return Response(header, cached.tensors)
-        loss, grad_x = recompute()
-        out = (  # not through error feedback
-            [] if grad_x is None else [encode(grad_x, self.backward_codec, dtype=WIRE_DTYPE)]
-        )
+        loss, out = recompute()  # dL/dx not through error feedback (_emit_plain)
         fields = self._reply_fields(started)
         if loss is not None:
-            return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), list(out))
-        return Response(to_header(BackwardReply(duplicate=True, **fields)), list(out))
+            return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), out)
+        return Response(to_header(BackwardReply(duplicate=True, **fields)), out)
 
     def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[Sendable]:
+        """dL/dx as sent for an applied hop: through error feedback (its residual
+        arithmetic is float32 anyway) unless the server turned it off; checked."""
         if grad_x is None:
             return []
-        if self.config.error_feedback:  # its residual arithmetic is float32 anyway
-            key = (hop.trainer, self.stage, "grad_input")
-            return [self._ef.encode(key, grad_x.to(WIRE_DTYPE), self.backward_codec)]
-        return [encode(grad_x, self.backward_codec, dtype=WIRE_DTYPE)]
+        key = (hop.trainer, self.stage, "grad_input") if self.config.error_feedback else None
+        bound = self.limits.max_gradient
+        return [self._encode_checked(grad_x, self.backward_codec, bound, "dL/dx", key)]
+
+    def _emit_plain(self, grad_x: torch.Tensor | None) -> list[Sendable]:
+        """dL/dx as sent for a duplicate: checked, not through error feedback."""
+        if grad_x is None:
+            return []
+        return [
+            self._encode_checked(grad_x, self.backward_codec, self.limits.max_gradient, "dL/dx")
+        ]
 
     def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:
         """Record the micro-batch as applied, then let the optimizer take its gradients."""
@@ -552,6 +621,11 @@ class StageJobs:
         Replicas of a stage at the same epoch hold equal digests when averaging leaves them
         bit-identical."""
         return tensors_digest(self.module.state_dict().items())
+
+
+def _peak(peaks: Peaks, i: int) -> float | None:
+    """The ``i``-th tensor's peak, None when the request did not tell it."""
+    return peaks[i] if 0 <= i < len(peaks) else None
 
 
 def _as_float32(t: torch.Tensor) -> torch.Tensor:

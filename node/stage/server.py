@@ -400,7 +400,8 @@ class StageServer:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage answers forward_loss and eval_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.forward(msg, request.tensors)
+            request.peer_id, msg.budget_s,
+            lambda: self._jobs.forward(msg, request.tensors, request.peaks()),
         )
 
     async def _on_forward_loss(self, request: Request) -> Response:
@@ -408,7 +409,8 @@ class StageServer:
         self._admit(msg.hop, request.peer_id, Lane.FINISH)
         self._require_last("forward_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.forward_loss(msg, request.tensors),
+            request.peer_id, msg.budget_s,
+            lambda: self._jobs.forward_loss(msg, request.tensors, request.peaks()),
             Lane.FINISH,
         )
 
@@ -419,7 +421,8 @@ class StageServer:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage's backward is forward_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.backward(msg, request.tensors),
+            request.peer_id, msg.budget_s,
+            lambda: self._jobs.backward(msg, request.tensors, request.peaks()),
             Lane.FINISH,
         )
 
@@ -428,7 +431,8 @@ class StageServer:
         self._admit(msg.hop, request.peer_id)
         self._require_last("eval_loss")
         return await self._queue.run(
-            request.peer_id, msg.budget_s, lambda: self._jobs.eval_loss(msg, request.tensors)
+            request.peer_id, msg.budget_s,
+            lambda: self._jobs.eval_loss(msg, request.tensors, request.peaks()),
         )
 
     async def _on_info(self, request: Request) -> Response:

@@ -74,7 +74,6 @@ from ..protocol import (
     boundary_widths,
     check_relayed,
     describe_excess,
-    max_abs,
     parse_reply,
     within,
 )
@@ -351,15 +350,20 @@ class Pipeline:
         t = check_relayed(response.tensors, shape, torch.float32, what)
         keep = t.codec != codec
 
-        def peak() -> float:
-            # a relayed payload is decoded into a scratch copy, dropped after the check:
-            # kept, it would hold 4x the payload's bytes for the micro-batch's lifetime
-            return max_abs(t.tensor() if keep or t.is_decoded else decode(t.encoded))
+        def peak() -> float | None:
+            if keep:  # decoded for good: _relay re-encodes it
+                t.tensor()
+                return t.peak
+            # a relayed payload is not kept decoded (it would hold 4x the payload's bytes for
+            # the micro-batch's lifetime): an int8/int4 one is checked from its scales alone,
+            # others through a scratch copy
+            return t.checked_peak()
 
         try:
             value = await off_loop(t.decoded_nbytes, peak)
         except ProtocolError as exc:
             raise BadValues(f"{what}: {exc}") from None
+        assert value is not None  # a float32 tensor, by check_relayed
         if not within(value, bound):
             raise BadValues(f"{what}: " + describe_excess(value, bound, "the output's |value|"))
         return t

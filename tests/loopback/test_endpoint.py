@@ -82,6 +82,33 @@ def test_codecs_and_preencoded_tensors() -> None:
     run(main())
 
 
+def test_a_handler_gets_each_tensors_peak_from_its_payload() -> None:
+    """Request.peaks: the largest |value| of every float tensor, read from its payload on
+    the host (int8's scales, a raw payload's values), equal to the decoded tensor's; None
+    for token ids, which stay on the CPU whatever device the handler decodes on."""
+
+    async def main() -> None:
+        async with endpoint() as server, endpoint() as client:
+            seen: list[tuple[list[float | None], list[float]]] = []
+
+            async def peaks(request: Request) -> Response:
+                maxima = [float(t.abs().max()) for t in request.tensors]
+                seen.append((request.peaks(), maxima))
+                return Response(header={})
+
+            server.register("k", peaks)
+            x = torch.randn(16, 384) * 3
+            ids = encode(torch.randint(0, 256, (4, 8)), CodecSpec("none"))
+            raw = encode(torch.randn(40), CodecSpec("none"))
+            codec = CodecSpec.from_wire("int8/b64/f16")
+            await client.request(address(server), "k", {}, [x, ids, raw], codec=codec, timeout=20)
+            (got, maxima), = seen
+            assert got[1] is None
+            assert got[0] == maxima[0] and got[2] == maxima[2]
+
+    run(main())
+
+
 @pytest.mark.parametrize("use_fec", [False, True], ids=["stream", "fec-datagrams"])
 def test_lazy_responses_relay_payloads_undecoded(use_fec: bool) -> None:
     """A stage's reply taken lazily and relayed to the next one: the same payload bytes

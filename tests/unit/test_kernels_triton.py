@@ -175,6 +175,28 @@ def test_fp8_nan_codes_rejected() -> None:
         Q.dequantize(codes, scales, "fp8", 16, 64)
 
 
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("sd", SCALES)
+@pytest.mark.parametrize(("fmt", "code", "value"), [("int8", 0x80, -127.0), ("int4", 0x00, -7.0)])
+def test_codes_no_encoder_emits_decode_as_minus_qmax(
+    fmt: R.Format, code: int, value: float, out_dtype: torch.dtype, sd: torch.dtype
+) -> None:
+    """int8 -128 and int4 -8, at the largest scale the decoder accepts, would overflow to
+    -Inf; they decode as -QMAX times the scale, finite, in both implementations."""
+    n, bs = 64, 32
+    codes, scales = R.quantize(torch.randn(n), fmt, bs, sd)
+    codes.view(torch.uint8)[0] = code  # int8: -128; int4: both nibbles of byte 0 are 0
+    limit = R.scale_limit_for(R.QMAX[fmt], out_dtype, sd)
+    scales[0] = limit
+    R.check_scale_range(scales, R.QMAX[fmt], out_dtype, fmt)  # the payload's scales pass
+    d_ref = R.dequantize(codes, scales, fmt, bs, n, out_dtype)
+    d_tri = Q.dequantize(codes, scales, fmt, bs, n, out_dtype)
+    assert torch.equal(_bits(d_tri), _bits(d_ref))
+    assert bool(torch.isfinite(d_ref).all())
+    expected = torch.tensor(value * limit, dtype=torch.float32).to(out_dtype)
+    assert _bits(d_ref[:1]).item() == _bits(expected.reshape(1)).item()
+
+
 def test_launcher_checks() -> None:
     x = torch.randn(128)
     with pytest.raises(UnsupportedInput):

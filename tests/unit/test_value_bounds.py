@@ -46,21 +46,23 @@ from wanswarm.node.protocol import (
 from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
+from wanswarm.transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
 from wanswarm.transport.endpoint import Handler, Request, Response
 from wanswarm.transport.errors import RemoteError
+from wanswarm.transport.tensors import ReceivedTensor
 
 T_ = TypeVar("T_")
 TRAINER = "trainerA"
 B, T, C = 2, 8, 16
 
 
-def _spec(**limits: float) -> RunSpec:
+def _spec(codec: str = "none", **limits: float) -> RunSpec:
     return RunSpec(
         name="boundstest",
         model=ModelSpec(d_model=C, n_heads=2, n_layers=3, seq_len=T),
         stages=StagesSpec(blocks_per_stage=(1, 1, 1)),
         batch=BatchSpec(micro_batch_size=B, target_batch_size=1024),
-        codecs=CodecsSpec(forward_activations="none", backward_gradients="none"),
+        codecs=CodecsSpec(forward_activations=codec, backward_gradients=codec),
         limits=LimitsSpec(**limits),
     )
 
@@ -172,6 +174,23 @@ class Registry:
 
     async def call(self, kind: str, header: Any, tensors: list[torch.Tensor]) -> Response:
         return await self.handlers[kind](Request(TRAINER, kind, to_header(header), tensors))
+
+    async def call_encoded(
+        self, kind: str, header: Any, tensors: list[torch.Tensor | EncodedTensor]
+    ) -> Response:
+        """As the endpoint hands a request over: every tensor through its payload (floats
+        as int8), decoded and checked, with the payloads beside them (Request.peaks)."""
+        received = [
+            ReceivedTensor.of(t if isinstance(t, EncodedTensor) else encode(t, _wire_codec(t)))
+            for t in tensors
+        ]
+        decoded = [r.tensor() for r in received]
+        request = Request(TRAINER, kind, to_header(header), decoded, received=received)
+        return await self.handlers[kind](request)
+
+
+def _wire_codec(t: torch.Tensor) -> CodecSpec:
+    return parse_codec("int8") if t.is_floating_point() else CodecSpec("none")
 
 
 def _run(coro: Coroutine[Any, Any, T_]) -> T_:
@@ -349,5 +368,90 @@ def test_a_non_finite_gradient_norm_is_refused_never_clipped() -> None:
             assert middle.server.counters.applied == 1 and _finite(middle.server)
         finally:
             await middle.server.close()
+
+    _run(main())
+
+
+def test_values_are_checked_from_the_payloads_never_by_reducing_a_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests as the endpoint hands them over (int8 payloads): every bound is checked from
+    the payloads' scales on the host, the requests' and the replies' alike. On a GPU, each
+    max |value| of a tensor would be a synchronization; here, none is taken at all."""
+    spec = _spec("int8")
+
+    def no_reduction(t: torch.Tensor) -> float:
+        raise AssertionError("max_abs of a tensor: a device synchronization on a GPU")
+
+    monkeypatch.setattr("wanswarm.node.protocol.max_abs", no_reduction)
+
+    async def main() -> None:
+        middle, last = _Stage(spec, 1), _Stage(spec, 2)
+        for s in (middle, last):
+            await s.server.open()
+        try:
+            x = torch.randn(B, T, C)
+            hop = middle.hop()
+            reply = await middle.reg.call_encoded(
+                Kind.FORWARD, ForwardRequest(hop=hop, budget_s=30, keep_input=True), [x]
+            )
+            y = reply.tensors[0]
+            assert isinstance(y, EncodedTensor)
+            loss = await last.reg.call_encoded(
+                Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
+                [ReceivedTensor.of(y).tensor(), _targets()],
+            )
+            assert 4.0 < loss.header["loss"] < 7.0
+            grad = loss.tensors[0]
+            assert isinstance(grad, EncodedTensor)
+            await middle.reg.call_encoded(
+                Kind.BACKWARD, BackwardRequest(hop=hop, budget_s=30, input_carried=False),
+                [grad],
+            )
+            await last.reg.call_encoded(
+                Kind.EVAL_LOSS, EvalLossRequest(hop=last.hop(), budget_s=30), [x, _targets()]
+            )
+            assert middle.server.counters.applied == 1 and last.server.counters.applied == 1
+            # a payload beyond the bound is refused from its scales alone
+            huge = torch.full((B, T, C), 1e6)
+            with pytest.raises(RemoteError) as err:
+                await middle.reg.call_encoded(
+                    Kind.FORWARD, ForwardRequest(hop=middle.hop(), budget_s=30), [huge]
+                )
+            assert err.value.code == "out_of_range" and "input reaches" in err.value.message
+        finally:
+            for s in (middle, last):
+                await s.server.close()
+
+    _run(main())
+
+
+def test_a_refused_gradient_leaves_its_error_feedback_residual() -> None:
+    """dL/dx beyond its bound: refused, nothing accumulated, and the error-feedback residual
+    for that trainer exactly as the last micro-batch sent left it."""
+    spec = _spec("int8")
+
+    async def main() -> None:
+        last = _Stage(spec, 2)
+        await last.server.open()
+        try:
+            await last.reg.call(
+                Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
+                [torch.randn(B, T, C), _targets()],
+            )
+            jobs = last.server._jobs
+            key = (TRAINER, 2, "grad_input")
+            residual = jobs._ef.residual(key)
+            assert residual is not None
+            kept = residual.clone()
+            jobs.limits = spec.limits.model_copy(update={"max_gradient": 1e-12})
+            code = await last.refused(
+                Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
+                [torch.randn(B, T, C), _targets()],
+            )
+            assert code == "out_of_range"
+            assert jobs._ef.residual(key) is residual and torch.equal(residual, kept)
+        finally:
+            await last.server.close()
 
     _run(main())
