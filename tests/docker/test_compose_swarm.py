@@ -159,6 +159,19 @@ def _completed(status: Status) -> int:
     return int((trainer.get("micro_batches") or {}).get("completed", 0))
 
 
+def _restarted_and_training(status: Status | None, killed: float) -> bool:
+    """Whether a node's status comes from after it was killed (monotonic ``killed``) and
+    shows it online, serving its stage and having trained since."""
+    if not status:
+        return False
+    server = status.get("components", {}).get("stage_server") or {}
+    return bool(
+        status["uptime_s"] < time.monotonic() - killed
+        and status["state"] == "online" and server.get("state") == "online"
+        and _completed(status) > 0
+    )
+
+
 def test_compose_swarm_trains_averages_rejoins_and_leaves(compose: Compose) -> None:
     names = compose.containers()
     assert len(names) == N_NODES, names
@@ -198,11 +211,7 @@ def test_compose_swarm_trains_averages_rejoins_and_leaves(compose: Compose) -> N
     _run(["docker", "start", joiner], 120)
 
     def back(statuses: dict[str, Status]) -> bool:
-        s = statuses.get(joiner)
-        server = (s or {}).get("components", {}).get("stage_server") or {}
-        return bool(s and s["uptime_s"] < time.monotonic() - killed
-                    and s["state"] == "online" and server.get("state") == "online"
-                    and _completed(s) > 0)
+        return _restarted_and_training(statuses.get(joiner), killed)
 
     after = _until(compose, f"{joiner} serves and trains again after SIGKILL", back, 240)
     assert after[joiner]["peer_id"] == before["peer_id"]
@@ -217,10 +226,7 @@ def test_compose_swarm_trains_averages_rejoins_and_leaves(compose: Compose) -> N
 
     def boot_back(statuses: dict[str, Status]) -> bool:
         s = statuses.get(boot)
-        server = (s or {}).get("components", {}).get("stage_server") or {}
-        return bool(s and s["uptime_s"] < time.monotonic() - killed
-                    and s["state"] == "online" and server.get("state") == "online"
-                    and len(s["peers"]) >= N_NODES - 1 and _completed(s) > 0)
+        return _restarted_and_training(s, killed) and len((s or {})["peers"]) >= N_NODES - 1
 
     again = _until(compose, "the bootstrap knows the swarm, serves and trains after SIGKILL",
                    boot_back, 240)

@@ -63,6 +63,16 @@ def _summary(status: dict[str, Any] | None) -> str:
             f"failed={batches.get('failed')} hops={trainer.get('hops')}")
 
 
+def _serving_and_training(status: dict[str, Any] | None) -> bool:
+    """Whether a node's status shows it online, serving its stage, and its trainer through
+    every stage."""
+    return bool(
+        status and status["state"] == "online"
+        and status["components"].get("stage_server", {}).get("state") == "online"
+        and through_every_stage(status, N_STAGES)
+    )
+
+
 def _paths(statuses: list[dict[str, Any]]) -> set[str]:
     return {p["path"] for s in statuses for p in s["peers"] if p.get("path")}
 
@@ -123,12 +133,7 @@ def test_volunteers_behind_nat_train_together(lab: LabFactory, tmp_path: Path) -
             swarm.start(bob)
 
             def back(st: list[Any]) -> bool:
-                status = bob.status
-                return bool(
-                    status and status["state"] == "online"
-                    and status["components"].get("stage_server", {}).get("state") == "online"
-                    and through_every_stage(status, N_STAGES) and all_serving(st, N_STAGES)
-                )
+                return _serving_and_training(bob.status) and all_serving(st, N_STAGES)
 
             await _until(swarm, "bob back after SIGKILL", back, 150)
 
@@ -142,12 +147,7 @@ def test_volunteers_behind_nat_train_together(lab: LabFactory, tmp_path: Path) -
 
             def boot_back(st: list[Any]) -> bool:
                 status = boot.status
-                return bool(
-                    status and status["state"] == "online"
-                    and status["components"].get("stage_server", {}).get("state") == "online"
-                    and len(status["peers"]) >= len(HOSTS) - 1
-                    and through_every_stage(status, N_STAGES)
-                )
+                return _serving_and_training(status) and len(status["peers"]) >= len(HOSTS) - 1
 
             await _until(swarm, "the bootstrap knows the homes and trains after SIGKILL",
                          boot_back, 180)
