@@ -409,7 +409,7 @@ def _encode_to_buffer(
     t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole payload of ``t`` as a ``dtype`` payload, as a uint8 tensor: (on ``t``'s
-    device, on the host).
+    device, on the host); on a GPU the device buffer's header bytes are left unwritten.
 
     The codec writes its scales and codes straight into the payload buffer, on the
     tensor's device (Triton there when the codec has kernels and ``t`` is on CUDA); on
@@ -447,10 +447,14 @@ def _encode_to_buffer(
         raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
     except KernelError as exc:
         raise CodecError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
-    buf[:HEADER_NBYTES].copy_(header)
     if buf.device.type == "cpu":
+        buf[:HEADER_NBYTES].copy_(header)
         return buf, buf
+    # the header goes into the host copy only: a copy from pageable host memory into the
+    # device buffer would synchronize (torch waits for such a copy), and nothing reads the
+    # device buffer's header (the body's views start after it)
     host = staging.to_host(buf)
+    host[:HEADER_NBYTES].copy_(header)
     if not layout.blockwise:
         return buf, host
     try:  # a device kernel marked NaN/Inf blocks with NaN scales: check the host copy

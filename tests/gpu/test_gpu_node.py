@@ -10,6 +10,7 @@ Triton kernels skip under it):
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,13 +157,18 @@ class _Registry:
         self.devices[kind] = device
 
     async def call(self, kind: str, header: Any, tensors: list[Any]) -> Response:
-        # decoded where the server asked (its GPU), as the endpoint does
+        # as the endpoint does: float payloads decoded where the server asked (its GPU),
+        # integer ones on the host, and the payloads handed over beside them
         device = self.devices[kind]
-        decoded = [
-            ReceivedTensor.of(t).tensor(device) if isinstance(t, EncodedTensor) else t
+        received = [
+            t if isinstance(t, ReceivedTensor) else ReceivedTensor.of(
+                t if isinstance(t, EncodedTensor) else encode(t, CodecSpec("none"))
+            )
             for t in tensors
         ]
-        return await self.handlers[kind](Request(TRAINER, kind, to_header(header), decoded))
+        decoded = [r.tensor(device if r.dtype.is_floating_point else None) for r in received]
+        request = Request(TRAINER, kind, to_header(header), decoded, received=received)
+        return await self.handlers[kind](request)
 
 
 def _spec(compute: str) -> RunSpec:
@@ -227,6 +233,67 @@ def test_a_mixed_precision_pipeline_trains_on_the_gpu(compute: str) -> None:
     )
     assert servers[0].precision.mode == expected
     assert all(p.dtype == torch.float32 for p in servers[0].module.parameters())
+
+
+@compiled
+def test_a_middle_stage_synchronizes_once_a_forward_and_twice_a_backward() -> None:
+    """The value checks read the payloads' scales on the host, not the device: a forward
+    waits for the device only for its reply's copy to the host, a backward also for the
+    parameter-gradient norm (docs/gpu.md, "Checks without synchronizing"). Counted with
+    CUDA's synchronization debug mode, the request's decode included; before, 6 and 7."""
+    spec = RunSpec(
+        name="gpusyncs",
+        model=ModelSpec(d_model=128, n_heads=4, n_layers=3, seq_len=64),
+        stages=StagesSpec(blocks_per_stage=(1, 1, 1)),
+        batch=BatchSpec(micro_batch_size=4, target_batch_size=4096),  # no step in between
+        codecs=CodecsSpec(forward_activations="int8", backward_gradients="int8"),
+    )
+    config = StageServerConfig(device="cuda", benchmark_iterations=1)
+    registry = _Registry()
+    server = StageServer(
+        spec, 1, config, endpoint=registry, make_optimizer=lambda m: LocalOptimizer(m, spec)
+    )
+    codec = CodecSpec("int8")
+    g = torch.Generator().manual_seed(5)
+
+    async def micro_batch(mb: int, counts: dict[str, list[str]] | None) -> None:
+        hop = HopId(run_id=spec.run_id, trainer=TRAINER, micro_batch=mb, stage=1)
+        x = encode(torch.randn(4, 64, 128, generator=g), codec)
+        grad = encode(torch.randn(4, 64, 128, generator=g) * 1e-3, codec)
+        for kind, header, tensors in (
+            (Kind.FORWARD, ForwardRequest(budget_s=60.0, hop=hop, keep_input=True), [x]),
+            (Kind.BACKWARD, BackwardRequest(budget_s=60.0, hop=hop, input_carried=False),
+             [grad]),
+        ):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    await registry.call(str(kind), header, tensors)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if counts is not None:
+                counts[str(kind)].extend(
+                    f"{w.filename}:{w.lineno}" for w in caught
+                    if "called a synchronizing" in str(w.message)
+                )
+
+    async def main() -> dict[str, list[str]]:
+        await server.open()
+        try:
+            await micro_batch(0, None)  # kernels compiled, cuBLAS and the allocator warm
+            counts: dict[str, list[str]] = {str(Kind.FORWARD): [], str(Kind.BACKWARD): []}
+            for mb in range(1, 4):
+                await micro_batch(mb, counts)
+            return counts
+        finally:
+            await server.close()
+
+    counts = asyncio.run(main())
+    assert server.counters.applied == 4
+    forward, backward = counts[str(Kind.FORWARD)], counts[str(Kind.BACKWARD)]
+    assert len(forward) <= 3 * 2, forward  # at most 2 a forward (1 by the count in the docs)
+    assert len(backward) <= 3 * 3, backward  # at most 3 a backward (2 by the count)
 
 
 def test_the_memory_check_counts_the_device_limit() -> None:
