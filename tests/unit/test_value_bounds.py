@@ -10,9 +10,10 @@ after. Over real sockets: tests/loopback/test_hostile_values.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import pydantic
@@ -56,7 +57,7 @@ TRAINER = "trainerA"
 B, T, C = 2, 8, 16
 
 
-def _spec(codec: str = "none", **limits: float) -> RunSpec:
+def _spec(codec: str = "none", /, **limits: float) -> RunSpec:
     return RunSpec(
         name="boundstest",
         model=ModelSpec(d_model=C, n_heads=2, n_layers=3, seq_len=T),
@@ -260,6 +261,20 @@ class _Stage:
         return _hop(self.spec, self.stage, self.mb)
 
 
+@contextlib.asynccontextmanager
+async def _opened(spec: RunSpec, *stages: int) -> AsyncIterator[list[_Stage]]:
+    """One opened stage server per stage in ``stages``; closed on the way out."""
+    opened: list[_Stage] = []
+    try:
+        for stage in stages:
+            opened.append(_Stage(spec, stage))
+            await opened[-1].server.open()
+        yield opened
+    finally:
+        for s in opened:
+            await s.server.close()
+
+
 def _targets() -> torch.Tensor:
     return torch.randint(0, 256, (B, T))
 
@@ -268,10 +283,7 @@ def test_hostile_gradient_and_activation_leave_no_trace() -> None:
     spec = _spec()
 
     async def main() -> None:
-        middle, last = _Stage(spec, 1), _Stage(spec, 2)
-        for s in (middle, last):
-            await s.server.open()
-        try:
+        async with _opened(spec, 1, 2) as (middle, last):
             x = torch.randn(B, T, C)
             # an honest micro-batch first, so that .grad holds something to protect
             await middle.reg.call(
@@ -304,9 +316,6 @@ def test_hostile_gradient_and_activation_leave_no_trace() -> None:
             assert last.server.counters.applied == 1
             assert middle.server.counters.out_of_range == 2
             assert last.server.counters.out_of_range == 2
-        finally:
-            for s in (middle, last):
-                await s.server.close()
 
     _run(main())
 
@@ -327,9 +336,7 @@ def test_a_result_beyond_its_bound_is_refused_before_accumulating(
     spec = _spec(**limits)
 
     async def main() -> None:
-        last = _Stage(spec, 2)
-        await last.server.open()
-        try:
+        async with _opened(spec, 2) as (last,):
             x = torch.randn(B, T, C)
             request = ForwardLossRequest(hop=last.hop(), budget_s=30)
             with pytest.raises(RemoteError) as err:
@@ -337,8 +344,6 @@ def test_a_result_beyond_its_bound_is_refused_before_accumulating(
             assert err.value.code == "out_of_range" and what in str(err.value)
             assert all(p.grad is None for p in last.server.module.parameters())
             assert last.server.counters.applied == 0 and last.optimizers[0].handed == []
-        finally:
-            await last.server.close()
 
     _run(main())
 
@@ -349,9 +354,7 @@ def test_a_non_finite_gradient_norm_is_refused_never_clipped() -> None:
     spec = _spec(max_activation=1e30, max_gradient=1e30, max_grad_norm=1e30)
 
     async def main() -> None:
-        middle = _Stage(spec, 1)
-        await middle.server.open()
-        try:
+        async with _opened(spec, 1) as (middle,):
             x = torch.randn(B, T, C) * 1e20
             code = await middle.refused(
                 Kind.BACKWARD,
@@ -366,8 +369,6 @@ def test_a_non_finite_gradient_norm_is_refused_never_clipped() -> None:
                 [torch.randn(B, T, C), torch.randn(B, T, C) * 1e-3],
             )
             assert middle.server.counters.applied == 1 and _finite(middle.server)
-        finally:
-            await middle.server.close()
 
     _run(main())
 
@@ -386,10 +387,7 @@ def test_values_are_checked_from_the_payloads_never_by_reducing_a_tensor(
     monkeypatch.setattr("wanswarm.node.protocol.max_abs", no_reduction)
 
     async def main() -> None:
-        middle, last = _Stage(spec, 1), _Stage(spec, 2)
-        for s in (middle, last):
-            await s.server.open()
-        try:
+        async with _opened(spec, 1, 2) as (middle, last):
             x = torch.randn(B, T, C)
             hop = middle.hop()
             reply = await middle.reg.call_encoded(
@@ -419,9 +417,6 @@ def test_values_are_checked_from_the_payloads_never_by_reducing_a_tensor(
                     Kind.FORWARD, ForwardRequest(hop=middle.hop(), budget_s=30), [huge]
                 )
             assert err.value.code == "out_of_range" and "input reaches" in err.value.message
-        finally:
-            for s in (middle, last):
-                await s.server.close()
 
     _run(main())
 
@@ -432,9 +427,7 @@ def test_a_refused_gradient_leaves_its_error_feedback_residual() -> None:
     spec = _spec("int8")
 
     async def main() -> None:
-        last = _Stage(spec, 2)
-        await last.server.open()
-        try:
+        async with _opened(spec, 2) as (last,):
             await last.reg.call(
                 Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
                 [torch.randn(B, T, C), _targets()],
@@ -451,7 +444,5 @@ def test_a_refused_gradient_leaves_its_error_feedback_residual() -> None:
             )
             assert code == "out_of_range"
             assert jobs._ef.residual(key) is residual and torch.equal(residual, kept)
-        finally:
-            await last.server.close()
 
     _run(main())
