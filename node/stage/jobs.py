@@ -350,11 +350,12 @@ class StageJobs:
         key = msg.hop.key
         self.counters.forward_loss += 1
         if key in self._applied:
+            plain = functools.partial(self._emit_grad, None)
             return self._duplicate(
                 key, started,
-                lambda: self._loss_and_grad(x, ids, targets, self._emit_plain, accumulate=False),
+                lambda: self._loss_and_grad(x, ids, targets, plain, accumulate=False),
             )
-        emit = functools.partial(self._encode_grad, msg.hop)
+        emit = functools.partial(self._emit_grad, self._ef_key(msg.hop))
         loss, out = self._loss_and_grad(x, ids, targets, emit, accumulate=True)
         header = LossReply(loss=loss, duplicate=False, **self._reply_fields(started))
         return self._apply(key, batch, Response(to_header(header), out))
@@ -409,13 +410,14 @@ class StageJobs:
         else:
             self._graphs.pop(ref)
         if hop.key in self._applied:
+            plain = functools.partial(self._emit_grad, None)
             return self._duplicate(
                 hop.key, started,
                 lambda: (
-                    None, self._recompute(x, ids, grad_y, self._emit_plain, accumulate=False)
+                    None, self._recompute(x, ids, grad_y, plain, accumulate=False)
                 ),
             )
-        emit = functools.partial(self._encode_grad, hop)
+        emit = functools.partial(self._emit_grad, self._ef_key(hop))
         out = None if graph is None else self._from_graph(graph, grad_y, emit)
         if out is None:
             out = self._recompute(x, ids, grad_y, emit, accumulate=True)
@@ -541,28 +543,24 @@ class StageJobs:
         if cached is not None:
             header = dict(cached.header, **self._reply_fields(started), duplicate=True)
             return Response(header, cached.tensors)
-        loss, out = recompute()  # dL/dx not through error feedback (_emit_plain)
+        loss, out = recompute()  # dL/dx not through error feedback
         fields = self._reply_fields(started)
         if loss is not None:
             return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), out)
         return Response(to_header(BackwardReply(duplicate=True, **fields)), out)
 
-    def _encode_grad(self, hop: HopId, grad_x: torch.Tensor | None) -> list[Sendable]:
-        """dL/dx as sent for an applied hop: through error feedback (its residual
-        arithmetic is float32 anyway) unless the server turned it off; checked."""
+    def _emit_grad(self, ef_key: Hashable | None, grad_x: torch.Tensor | None) -> list[Sendable]:
+        """dL/dx as sent, checked: through error feedback under ``ef_key`` (an applied hop's,
+        :meth:`_ef_key`), or not (None: a duplicate's recomputed dL/dx)."""
         if grad_x is None:
             return []
-        key = (hop.trainer, self.stage, "grad_input") if self.config.error_feedback else None
         bound = self.limits.max_gradient
-        return [self._encode_checked(grad_x, self.backward_codec, bound, "dL/dx", key)]
+        return [self._encode_checked(grad_x, self.backward_codec, bound, "dL/dx", ef_key)]
 
-    def _emit_plain(self, grad_x: torch.Tensor | None) -> list[Sendable]:
-        """dL/dx as sent for a duplicate: checked, not through error feedback."""
-        if grad_x is None:
-            return []
-        return [
-            self._encode_checked(grad_x, self.backward_codec, self.limits.max_gradient, "dL/dx")
-        ]
+    def _ef_key(self, hop: HopId) -> Hashable | None:
+        """The error-feedback key of an applied hop's dL/dx (its residual arithmetic is
+        float32 anyway); None when the server turned error feedback off."""
+        return (hop.trainer, self.stage, "grad_input") if self.config.error_feedback else None
 
     def _apply(self, key: Hashable, batch: int, reply: Response) -> Response:
         """Record the micro-batch as applied, then let the optimizer take its gradients."""

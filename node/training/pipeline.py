@@ -353,7 +353,6 @@ class Pipeline:
         def peak() -> float | None:
             if keep:  # decoded for good: _relay re-encodes it
                 t.tensor()
-                return t.peak
             # a relayed payload is not kept decoded (it would hold 4x the payload's bytes for
             # the micro-batch's lifetime): an int8/int4 one is checked from its scales alone,
             # others through a scratch copy
