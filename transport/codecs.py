@@ -375,15 +375,17 @@ def check_scales(e: EncodedTensor) -> None:
     """PayloadError for a blockwise payload's scales that decoding would refuse (NaN,
     infinite, negative, above the codec's limit for the payload's dtype); nothing to
     check for other codecs. The payload's length and header must have been checked."""
-    layout = e.spec.codec.layout
-    n = math.prod(e.shape)
-    if not layout.blockwise or n == 0:
-        return
-    scales = _split_payload(_view_payload(cast(Any, e.payload)), e.spec, layout, n, e.dtype)[0]
     try:
-        ops.validate_scales(scales, e.spec.name, e.dtype)
+        _check_scales(_view_payload(cast(Any, e.payload)), e.spec, math.prod(e.shape), e.dtype)
     except KernelError as exc:
         raise PayloadError(f"{e.spec.to_wire()} payload: {exc}") from exc
+
+
+def _check_scales(buf: torch.Tensor, spec: CodecSpec, n: int, dtype: torch.dtype) -> None:
+    """KernelError for the scales of a payload buffer on the host that decoding refuses."""
+    layout = spec.codec.layout
+    if layout.blockwise:
+        ops.validate_scales(_split_payload(buf, spec, layout, n, dtype)[0], spec.name, dtype)
 
 
 def encodes_directly(spec: CodecSpec, source: torch.dtype, wire: torch.dtype) -> bool:
@@ -579,9 +581,8 @@ def _decode_buffer(
     n = math.prod(shape)
     layout = spec.codec.layout
     try:
-        if untrusted and layout.blockwise:  # on the host, before anything moves to the device
-            scales = _split_payload(buf, spec, layout, n, dtype)[0]
-            ops.validate_scales(scales, spec.name, dtype)
+        if untrusted:  # on the host, before anything moves to the device
+            _check_scales(buf, spec, n, dtype)
         if buf.device != target:
             buf = staging.to_device(buf, target)
         scales, codes = _split_payload(buf, spec, layout, n, dtype)
