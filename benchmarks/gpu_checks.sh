@@ -11,7 +11,8 @@
 #   tests     TRITON_INTERPRET=0 pytest tests/gpu (compiled kernels, the stage on CUDA)
 #   kernels   benchmarks/kernels.py: GB/s of every codec at 16-256 MiB against peak and a copy
 #   stage     benchmarks/stage.py on CUDA, bf16 and fp32, at the default size (d384, 8x128)
-#             and at the small run's stage size (d768, 3 blocks, 16x1024)
+#             and at the small run's stage size (d768, 3 blocks, 16x1024); then bf16 at the
+#             default size with 2 micro-batches in flight (the overlap of a reply's copy)
 #   profile   benchmarks/stage.py --profile in bf16 at both sizes: cProfile per thread, CUDA
 #             synchronizations by line, torch.profiler (OUTDIR/profile_{default,small}/)
 #   swarm     benchmarks/swarm.py: the small model (configs/runs/small.toml with
@@ -64,6 +65,8 @@ torch.cuda.mem_get_info(0))'"
             run_step stage 90 "$py" benchmarks/stage.py --device cuda --precision "$precision" \
                 --d-model 768 --blocks 3 --seq-len 1024 --batch 16 --json
         done
+        run_step stage 60 "$py" benchmarks/stage.py --device cuda --precision bf16 \
+            --in-flight 2 --json
         ;;
     profile)
         run_step profile 90 "$py" benchmarks/stage.py --device cuda --precision bf16 \

@@ -19,6 +19,13 @@ sockets:
   error feedback and hands the gradients to the stage's optimizer (``LocalOptimizer``,
   the solo AdamW with accumulation to ``target_batch_size``).
 
+``--in-flight N`` keeps N micro-batches under way at once on the server's path, as a
+server of a swarm holds several trainers' micro-batches (the default, 1, sends each
+request once the previous one is answered). With more than one, the device thread has the
+next job queued when a forward returns: on a GPU the forward's output then crosses to the
+host while the next job computes (its reply finishes on the queue's finishing thread,
+device_queue.Deferred), and the figures with 1 and with 2 in flight measure that overlap.
+
 The reference trains a bit-identical copy of the module: ``y = module(x)`` under the same
 autocast, ``y.backward(grad_y)``, the same AdamW (torch's, clipped as the spec says) every
 ``target_batch_size / micro_batch_size`` micro-batches, on device tensors it already
@@ -158,25 +165,38 @@ class _ServerPath:
         self.grads = [encode(g, bwd, dtype=torch.float32) for g in grads]
         self.micro_batch = 0
 
-    async def round(self, n: int) -> tuple[float, float]:
+    async def round(self, n: int, in_flight: int = 1) -> tuple[float, float]:
+        """``n`` micro-batches (forward, then backward by reference), ``in_flight`` of them
+        under way at once; (wall seconds, CPU seconds)."""
         started, cpu = time.perf_counter(), time.process_time()
-        for _ in range(n):
-            i = self.micro_batch % len(self.inputs)
-            hop = HopId(run_id=self.spec.run_id, trainer=TRAINER, micro_batch=self.micro_batch,
-                        stage=STAGE, attempt=0)
-            self.micro_batch += 1
-            fwd = ForwardRequest(hop=hop, keep_input=True, budget_s=60.0)
-            reply = await self.handlers.call(
-                str(Kind.FORWARD), to_header(fwd), [ReceivedTensor.of(self.inputs[i])]
-            )
-            assert reply.tensors, "the forward returns the stage's output"
-            bwd = BackwardRequest(hop=hop, input_carried=False, budget_s=60.0)
-            reply = await self.handlers.call(
-                str(Kind.BACKWARD), to_header(bwd), [ReceivedTensor.of(self.grads[i])]
-            )
-            assert reply.tensors, "the backward returns dL/dx"
+        first = self.micro_batch
+        self.micro_batch += n
+        numbers = iter(range(first, first + n))
+
+        async def lane() -> None:
+            for mb in numbers:  # one shared iterator: each micro-batch once
+                await self._one(mb)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(in_flight, n)):
+                group.create_task(lane())
         _sync(self.device)
         return time.perf_counter() - started, time.process_time() - cpu
+
+    async def _one(self, mb: int) -> None:
+        i = mb % len(self.inputs)
+        hop = HopId(run_id=self.spec.run_id, trainer=TRAINER, micro_batch=mb, stage=STAGE,
+                    attempt=0)
+        fwd = ForwardRequest(hop=hop, keep_input=True, budget_s=60.0)
+        reply = await self.handlers.call(
+            str(Kind.FORWARD), to_header(fwd), [ReceivedTensor.of(self.inputs[i])]
+        )
+        assert reply.tensors, "the forward returns the stage's output"
+        bwd = BackwardRequest(hop=hop, input_carried=False, budget_s=60.0)
+        reply = await self.handlers.call(
+            str(Kind.BACKWARD), to_header(bwd), [ReceivedTensor.of(self.grads[i])]
+        )
+        assert reply.tensors, "the backward returns dL/dx"
 
 
 class _ReferencePath:
@@ -226,7 +246,7 @@ def _stats(prof: cProfile.Profile, title: str, top: int = 45) -> str:
     return out.getvalue()
 
 
-async def _profile(server_path: _ServerPath, n: int, folder: str) -> None:
+async def _profile(server_path: _ServerPath, n: int, in_flight: int, folder: str) -> None:
     """The server's path profiled three ways (see the module docstring); untimed."""
     os.makedirs(folder, exist_ok=True)
     device = server_path.device
@@ -250,7 +270,7 @@ async def _profile(server_path: _ServerPath, n: int, folder: str) -> None:
         DeviceQueue._device = profiled  # type: ignore[method-assign]
     try:
         loop_prof.enable()
-        took, _ = await server_path.round(n)
+        took, _ = await server_path.round(n, in_flight)
         loop_prof.disable()
     finally:
         DeviceQueue._device = original  # type: ignore[method-assign]
@@ -266,7 +286,7 @@ async def _profile(server_path: _ServerPath, n: int, folder: str) -> None:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                await server_path.round(n)
+                await server_path.round(n, in_flight)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         where = collections.Counter(
@@ -280,7 +300,7 @@ async def _profile(server_path: _ServerPath, n: int, folder: str) -> None:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, with_stack=True) as prof:
-        await server_path.round(n)
+        await server_path.round(n, in_flight)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     parts.append("\n===== torch.profiler, by own host time =====")
     parts.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
@@ -308,18 +328,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await server_path.server.open()
     reference = _ReferencePath(spec, device, inputs, grads, server_path.server)
     try:
-        await server_path.round(args.micro_batches)  # warm-up: allocator, caches, kernels
+        # warm-up: allocator, caches, kernels
+        await server_path.round(args.micro_batches, args.in_flight)
         reference.round(args.micro_batches)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         server_s: list[tuple[float, float]] = []
         reference_s: list[tuple[float, float]] = []
         for _ in range(args.rounds):
-            server_s.append(await server_path.round(args.micro_batches))
+            server_s.append(await server_path.round(args.micro_batches, args.in_flight))
             reference_s.append(reference.round(args.micro_batches))
         peak = _peak_memory_mb(device)
         if args.profile:
-            await _profile(server_path, args.micro_batches, args.profile)
+            await _profile(server_path, args.micro_batches, args.in_flight, args.profile)
     finally:
         await server_path.server.close()
     tokens = args.micro_batches * args.batch * args.seq_len
@@ -341,6 +362,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "micro_batches_per_round": args.micro_batches,
+        "in_flight": args.in_flight,
         "tokens_per_s": round(tps, 1),
         "reference_tokens_per_s": round(ref_tps, 1),
         "ratio": round(tps / ref_tps, 3),
@@ -351,7 +373,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -362,6 +384,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="micro-batch size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=4, help="per round")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="micro-batches under way at once on the server's path (default 1: each "
+        "request sent once the last is answered); the reference is one process's loop",
+    )
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -383,7 +412,9 @@ def main() -> None:
         "synchronizations by line, torch.profiler) into DIR/stage_profile.txt",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.in_flight < 1:
+        parser.error("--in-flight: at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     threads = args.threads or (1 if args.device == "cpu" else None)
@@ -396,6 +427,7 @@ def main() -> None:
               f"ratio {result['ratio']:.3f}   peak memory {result['peak_memory_mb']:.0f} MB "
               f"({result['precision']}, {result['codec']})")
     print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

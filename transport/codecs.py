@@ -317,9 +317,23 @@ def encode(
     torch's global RNG). Raises CodecError if the codec cannot carry the dtype and
     PayloadError if a quantizing codec meets NaN/Inf.
     """
+    return encode_start(t, spec, generator=generator, dtype=dtype).result()
+
+
+def encode_start(
+    t: torch.Tensor,
+    spec: CodecSpec,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> PendingEncode:
+    """:func:`encode`, launched: on CUDA the payload's copy to the host is left under way,
+    and :meth:`PendingEncode.result` waits for it (from any thread). Elsewhere the payload
+    is complete on return. CodecError and the CPU quantizer's PayloadError are raised here;
+    on CUDA a NaN/Inf is found on the host copy, by ``result``."""
     wire = t.dtype if dtype is None else dtype
-    _, host = _encode_to_buffer(t, spec, generator, wire)
-    return EncodedTensor(spec=spec, shape=_shape_of(t), dtype=wire, payload=_to_bytes(host))
+    _, pending = _launch_encode(t, spec, generator, wire)
+    return pending
 
 
 def encode_roundtrip(
@@ -335,8 +349,8 @@ def encode_roundtrip(
     the round trip through host bytes (error feedback needs it for its residual).
     """
     wire = t.dtype if dtype is None else dtype
-    buf, host = _encode_to_buffer(t, spec, generator, wire)
-    encoded = EncodedTensor(spec=spec, shape=_shape_of(t), dtype=wire, payload=_to_bytes(host))
+    buf, pending = _launch_encode(t, spec, generator, wire)
+    encoded = pending.result()
     return encoded, _decode_buffer(buf, spec, encoded.shape, wire, t.device, untrusted=False)
 
 
@@ -407,11 +421,55 @@ def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape)
 
 
-def _encode_to_buffer(
+class PendingEncode:
+    """An encoded payload whose copy to the host may still be under way (CUDA)."""
+
+    def __init__(
+        self, spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype,
+        copy: staging.HostCopy, *, header: torch.Tensor | None,
+    ) -> None:
+        self.spec = spec
+        self.shape = shape
+        self.dtype = dtype  # the payload's (decoded) dtype
+        self._copy = copy
+        self._header = header  # written into the host copy once it is there
+        self._done: EncodedTensor | None = None
+
+    @property
+    def copying(self) -> bool:
+        """Whether :meth:`result` waits for a device-to-host copy."""
+        return self._done is None and self._copy.pending
+
+    def result(self) -> EncodedTensor:
+        """The payload, once on the host. PayloadError if a device kernel found NaN/Inf
+        (it marks such blocks with NaN scales, checked here on the host copy). Call from
+        one thread at a time."""
+        if self._done is not None:
+            return self._done
+        host = self._copy.wait()
+        if self._header is not None:
+            # the header goes into the host copy only: a copy from pageable host memory
+            # into the device buffer would synchronize (torch waits for such a copy), and
+            # nothing reads the device buffer's header (the body's views start after it)
+            host[:HEADER_NBYTES].copy_(self._header)
+            layout = self.spec.codec.layout
+            if layout.blockwise:
+                n = math.prod(self.shape)
+                try:
+                    scales = _split_payload(host, self.spec, layout, n, self.dtype)[0]
+                    ops.check_scales_finite(scales, self.spec.block_size)
+                except NonFiniteInput as exc:
+                    raise PayloadError(f"cannot encode with {self.spec.to_wire()}: {exc}") from exc
+            self._header = None
+        self._done = EncodedTensor(self.spec, self.shape, self.dtype, _to_bytes(host))
+        return self._done
+
+
+def _launch_encode(
     t: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole payload of ``t`` as a ``dtype`` payload, as a uint8 tensor: (on ``t``'s
-    device, on the host); on a GPU the device buffer's header bytes are left unwritten.
+) -> tuple[torch.Tensor, PendingEncode]:
+    """The whole payload of ``t`` as a ``dtype`` payload, as a uint8 tensor on ``t``'s
+    device (on a GPU its header bytes are left unwritten), and its host copy, launched.
 
     The codec writes its scales and codes straight into the payload buffer, on the
     tensor's device (Triton there when the codec has kernels and ``t`` is on CUDA); on
@@ -419,6 +477,7 @@ def _encode_to_buffer(
     """
     layout = spec.codec.layout
     spec.check_dtype(dtype)
+    shape = _shape_of(t)
     if not encodes_directly(spec, t.dtype, dtype):
         t = t.to(dtype)
     flat = t.detach().reshape(-1)
@@ -451,20 +510,8 @@ def _encode_to_buffer(
         raise CodecError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
     if buf.device.type == "cpu":
         buf[:HEADER_NBYTES].copy_(header)
-        return buf, buf
-    # the header goes into the host copy only: a copy from pageable host memory into the
-    # device buffer would synchronize (torch waits for such a copy), and nothing reads the
-    # device buffer's header (the body's views start after it)
-    host = staging.to_host(buf)
-    host[:HEADER_NBYTES].copy_(header)
-    if not layout.blockwise:
-        return buf, host
-    try:  # a device kernel marked NaN/Inf blocks with NaN scales: check the host copy
-        scales = _split_payload(host, spec, layout, n, dtype)[0]
-        ops.check_scales_finite(scales, spec.block_size)
-    except NonFiniteInput as exc:
-        raise PayloadError(f"cannot encode with {spec.to_wire()}: {exc}") from exc
-    return buf, host
+        return buf, PendingEncode(spec, shape, dtype, staging.HostCopy(buf, None), header=None)
+    return buf, PendingEncode(spec, shape, dtype, staging.start_to_host(buf), header=header)
 
 
 def _split_payload(

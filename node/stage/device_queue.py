@@ -30,6 +30,13 @@ running several identities gets several shares (docs/hostile.md).
 
 A job that fails answers its error: a ``RemoteError`` as raised, anything else (a bug, a
 torch failure) as ``internal``; the device thread goes on serving.
+
+A job may return its reply :class:`Deferred`: on a GPU, a forward launches its kernels and
+its output's copy to the host, and the rest (waiting for the copy, checking the payload,
+building the reply) runs on the queue's finishing thread, while the device thread starts
+the next job. So one micro-batch's reply crosses the bus while the next one computes,
+instead of the device thread waiting for every copy (docs/gpu.md). The job's slot is held
+until its reply is finished.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ...transport.endpoint import Response
 from ...transport.errors import RemoteError
@@ -62,6 +69,8 @@ class QueueCounts(Protocol):
     compute_s: float  # device thread: time spent running jobs
 
 
+_R = TypeVar("_R")
+
 MAX_PEER_SHARE = 0.5  # of the capacity, one peer's at most
 FINISH_RESERVE = 0.25  # of the capacity, the slots only finishing jobs may take
 
@@ -73,12 +82,24 @@ class Lane(enum.IntEnum):
     START = 1  # forward, eval_loss
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A job's reply still on its way to the host: ``finish`` waits for it and returns the
+    response (or raises the refusal). It runs on the finishing thread, beside the device
+    thread, so it must not touch what only the device thread may (caches, the optimizer)."""
+
+    finish: Callable[[], Response]
+
+
+Work = Callable[[], "Response | Deferred"]
+
+
 @dataclass
 class _Job:
     peer: str
     lane: Lane
     deadline: float  # time.monotonic()
-    work: Callable[[], Response]
+    work: Work
     future: asyncio.Future[Response] = field(repr=False)
     cancelled: bool = False  # the requester gave up (set from the event loop)
 
@@ -155,6 +176,11 @@ class DeviceQueue:
         # other device-thread work (state transfer, checkpoints, the optimizer's flush and
         # shutdown) runs on this executor directly, outside the queue's bound
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-device")
+        # deferred replies: waits for their copies to the host and finishes them, in order
+        self._finisher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"stage{stage}-finish"
+        )
+        self._failed_lock = threading.Lock()  # counters.failed: both threads write it
         self._on_change = on_change
         self._pending = 0
         self._per_peer: dict[str, int] = {}  # jobs queued or running, by peer
@@ -187,7 +213,7 @@ class DeviceQueue:
             raise refuse(ErrorCode.BUSY, f"you hold {share} of the {self.capacity} slots")
 
     async def run(
-        self, peer: str, budget_s: float, work: Callable[[], Response], lane: Lane = Lane.START
+        self, peer: str, budget_s: float, work: Work, lane: Lane = Lane.START
     ) -> Response:
         """Queue ``peer``'s ``work`` for the device thread (``FINISH`` jobs first, each lane
         taken round-robin by peer); the slot is held until it really finishes."""
@@ -222,6 +248,8 @@ class DeviceQueue:
         """Stop the device thread; queued work is refused (``draining``), a running job
         finishes. Call on the event loop."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        # a deferred reply's work is done: it is finished and answered, not dropped
+        self._finisher.shutdown(wait=False)
         with self._lock:
             jobs = [job for lane in self._lanes for job in lane.drain()]
         for job in jobs:
@@ -260,31 +288,63 @@ class DeviceQueue:
         if job is None:
             return
         try:
-            result: Response | BaseException = self._device(job)
+            result: Response | Deferred | BaseException = self._device(job)
         except BaseException as exc:  # settled on the loop; nothing escapes the thread
             result = exc
-        try:
-            loop.call_soon_threadsafe(_settle, job.future, result)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+        if isinstance(result, Deferred):
+            try:
+                self._finisher.submit(self._finish, job, result.finish, loop)
+            except RuntimeError:  # shut down while this job ran: finish it here
+                self._finish(job, result.finish, loop)
+            return
+        _answer(loop, job, result)
 
-    def _device(self, job: _Job) -> Response:
+    def _device(self, job: _Job) -> Response | Deferred:
         """Runs on the device thread."""
         if job.cancelled or self.clock() > job.deadline:
             self.counters.expired += 1
             raise refuse(ErrorCode.EXPIRED, "the request's budget ran out in the queue")
         started = time.perf_counter()
         try:
-            return job.work()
-        except RemoteError:
-            self.counters.failed += 1
-            raise
-        except Exception as exc:  # a bug or a torch failure: answer 'internal', keep serving
-            self.counters.failed += 1
-            log.exception("stage %d: job failed", self.stage)
-            raise refuse(ErrorCode.INTERNAL, type(exc).__name__) from exc
+            return self._guarded(job.work)
         finally:
             self.counters.compute_s += time.perf_counter() - started
+
+    def _finish(
+        self, job: _Job, finish: Callable[[], Response], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Runs on the finishing thread: a deferred reply, finished and answered."""
+        try:
+            result: Response | BaseException = self._guarded(finish)
+        except BaseException as exc:
+            result = exc
+        _answer(loop, job, result)
+
+    def _guarded(self, call: Callable[[], _R]) -> _R:
+        """``call()``; a failure counted, a bug or a torch failure answered ``internal``."""
+        try:
+            return call()
+        except RemoteError:
+            self._count_failed()
+            raise
+        except Exception as exc:  # a bug or a torch failure: answer 'internal', keep serving
+            self._count_failed()
+            log.exception("stage %d: job failed", self.stage)
+            raise refuse(ErrorCode.INTERNAL, type(exc).__name__) from exc
+
+    def _count_failed(self) -> None:
+        with self._failed_lock:
+            self.counters.failed += 1
+
+
+def _answer(
+    loop: asyncio.AbstractEventLoop, job: _Job, result: Response | BaseException
+) -> None:
+    """Settle ``job``'s future with ``result`` on the event loop (from another thread)."""
+    try:
+        loop.call_soon_threadsafe(_settle, job.future, result)
+    except RuntimeError:  # the loop is closed: nobody waits any more
+        pass
 
 
 def _settle(future: asyncio.Future[Response], result: Response | BaseException) -> None:

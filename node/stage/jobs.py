@@ -4,7 +4,10 @@ One method per request kind, each run as one job of the device queue (device_que
 
 - ``forward`` (no grad): runs the stage on ``x`` and, unless asked not to, keeps ``x`` in a
   bounded cache keyed by ``(trainer, micro_batch)`` so that the backward can reference it
-  instead of resending it;
+  instead of resending it. On a GPU its reply is deferred (device_queue.Deferred): the
+  output's copy to the host, and the check of its payload, finish off the device thread
+  while the next job computes; a refused output's cache entries are forgotten by the
+  device thread before its next forward or backward;
 - ``forward_loss`` (last stage): loss and ``dL/dx`` in one round trip, accumulating the
   parameter gradients;
 - ``backward``: runs from the autograd graph the forward kept (up to ``max_in_flight``
@@ -50,7 +53,9 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -60,7 +65,14 @@ from typing import Any
 import torch
 
 from ...transport import staging
-from ...transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec, payload_peak
+from ...transport.codecs import (
+    CodecSpec,
+    EncodedTensor,
+    PendingEncode,
+    encode_start,
+    parse_codec,
+    payload_peak,
+)
 from ...transport.endpoint import Response
 from ...transport.error_feedback import ErrorFeedback
 from ...transport.errors import PayloadError, RemoteError
@@ -85,6 +97,7 @@ from ..protocol import (
 )
 from ..training.model import StageModule
 from .checkpointer import Checkpointer
+from .device_queue import Deferred
 from .fingerprint import Fingerprinter
 from .memory import AppliedLog, GraphCache, InputCache
 from .optimizer import StageOptimizer
@@ -110,7 +123,7 @@ class StageServerCounters:
     """What the server did since start (the device thread and the event loop write disjoint
     fields)."""
 
-    forward: int = 0
+    forward: int = 0  # computed (an output refused after its copy included)
     forward_loss: int = 0
     backward: int = 0
     eval_loss: int = 0
@@ -121,7 +134,9 @@ class StageServerCounters:
     cache_misses: int = 0
     expired: int = 0  # dropped before running: out of budget or abandoned
     failed: int = 0  # refused (bad_request) or failed (internal) on the device
-    out_of_range: int = 0  # of those: a value beyond the run's limits; nothing was accumulated
+    # of those: a value beyond the run's limits; nothing was accumulated (the device thread
+    # and the finishing thread write it, under StageJobs' lock)
+    out_of_range: int = 0
     busy: int = 0  # event loop: refused because the queue was full
     refused: int = 0  # event loop: wrong run/stage, malformed header, not ready, draining
     compute_s: float = 0.0
@@ -179,6 +194,10 @@ class StageJobs:
         self._graphs = GraphCache(config.max_in_flight, config.cache_ttl_s)
         self._applied = AppliedLog(config.applied_entries, config.reply_cache_entries)
         self._ef = ErrorFeedback(max_entries=1 << 16, max_bytes=config.error_feedback_bytes)
+        # forwards whose deferred output was refused: their cache entries, to forget (the
+        # finishing thread appends, the device thread takes)
+        self._refused: deque[tuple[str, int]] = deque()
+        self._count_lock = threading.Lock()
 
     @property
     def cached_inputs(self) -> int:
@@ -210,7 +229,8 @@ class StageJobs:
             yield
         except RemoteError as exc:
             if exc.code == ErrorCode.OUT_OF_RANGE:
-                self.counters.out_of_range += 1
+                with self._count_lock:
+                    self.counters.out_of_range += 1
             raise
 
     def _input(self, x: torch.Tensor, peak: float | None) -> torch.Tensor:
@@ -298,18 +318,34 @@ class StageJobs:
         accept = functools.partial(self._accept, bound=bound, what=what)
         try:
             if ef_key is None:
-                out = encode(t, codec, dtype=WIRE_DTYPE)  # quantized from t's dtype
-                accept(out)
-                return out
+                return self._finish_checked(encode_start(t, codec, dtype=WIRE_DTYPE), bound, what)
             return self._ef.encode(ef_key, t.to(WIRE_DTYPE), codec, accept=accept)
         except PayloadError:  # the quantizer met NaN/Inf
-            with self._counting():
-                raise refuse(ErrorCode.OUT_OF_RANGE, f"{what} is not finite") from None
+            raise self._not_finite(what) from None
+
+    def _finish_checked(self, pending: PendingEncode, bound: float, what: str) -> EncodedTensor:
+        """A launched encoding's payload, once on the host, checked as ``_encode_checked``
+        checks it. Safe on the finishing thread: it reads only the payload."""
+        try:
+            out = pending.result()
+        except PayloadError:  # a device quantizer met NaN/Inf
+            raise self._not_finite(what) from None
+        self._accept(out, bound, what)
+        return out
+
+    def _not_finite(self, what: str) -> RemoteError:
+        """The ``out_of_range`` refusal of a result that holds NaN/Inf, counted."""
+        with self._count_lock:
+            self.counters.out_of_range += 1
+        return refuse(ErrorCode.OUT_OF_RANGE, f"{what} is not finite")
 
     def forward(
         self, msg: ForwardRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
-    ) -> Response:
+    ) -> Response | Deferred:
+        """The stage's output; deferred (its copy and check finish off the device thread)
+        when encoding left a copy to the host under way."""
         started = time.perf_counter()
+        self._forget_refused()
         self.contract.check_count(tensors, self.contract.n_inputs, "forward")
         x = self._input(tensors[0], _peak(peaks, 0))
         ids = self._ids(tensors, x)
@@ -318,9 +354,11 @@ class StageJobs:
         leaf = x if self.contract.first or not keep_graph else x.detach().requires_grad_(True)
         with torch.set_grad_enabled(keep_graph), self.precision.autocast():
             y = self._run(leaf, ids)  # (B, T, C) or (B, T, k), in the compute dtype
-        out = self._encode_checked(
-            y, self.forward_codec, self.limits.max_activation, f"stage {self.stage}'s output"
-        )
+        what = f"stage {self.stage}'s output"
+        try:
+            pending = encode_start(y, self.forward_codec, dtype=WIRE_DTYPE)
+        except PayloadError:  # the CPU quantizer met NaN/Inf
+            raise self._not_finite(what) from None
         now = self.clock()
         cached = msg.keep_input and self._cache.put(ref, x, now)
         if cached and ids is not None:
@@ -332,9 +370,33 @@ class StageJobs:
         else:
             self._graphs.pop(ref)
         self.counters.forward += 1
-        return Response(
-            to_header(ForwardReply(cached=cached, **self._reply_fields(started))), [out]
-        )
+        header = to_header(ForwardReply(cached=cached, **self._reply_fields(started)))
+
+        def finish(deferred: bool) -> Response:
+            try:
+                out = self._finish_checked(pending, self.limits.max_activation, what)
+            except RemoteError:  # nothing of a refused forward is kept
+                if deferred:
+                    self._refused.append(ref)
+                else:
+                    self._forget(ref)
+                raise
+            return Response(header, [out])
+
+        if pending.copying:
+            return Deferred(functools.partial(finish, True))
+        return finish(False)
+
+    def _forget(self, ref: tuple[str, int]) -> None:
+        """Drop what a forward kept for its backward."""
+        self._cache.pop(ref)
+        self._ids_cache.pop(ref)
+        self._graphs.pop(ref)
+
+    def _forget_refused(self) -> None:
+        """Forget what the forwards refused after their copy had kept (device thread)."""
+        while self._refused:
+            self._forget(self._refused.popleft())
 
     def forward_loss(
         self, msg: ForwardLossRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
@@ -377,6 +439,7 @@ class StageJobs:
         self, msg: BackwardRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
     ) -> Response:
         started = time.perf_counter()
+        self._forget_refused()
         hop = msg.hop
         ref = (hop.trainer, hop.micro_batch)
         ids: torch.Tensor | None = None

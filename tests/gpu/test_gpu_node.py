@@ -34,6 +34,7 @@ from wanswarm.node.protocol import (
     Kind,
     to_header,
 )
+from wanswarm.node.stage.device_queue import Deferred
 from wanswarm.node.stage.memory import StageMemoryError, free_device_memory
 from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.stage.server import StageServer
@@ -131,8 +132,9 @@ def test_copies_go_through_pinned_memory_on_their_own_stream() -> None:
     y = a @ a  # still running when the copy is queued
     host = staging.to_host(y)
     assert host.is_pinned() and torch.equal(host, y.cpu())
-    stream = staging.copy_stream(CUDA)
-    assert stream != torch.cuda.current_stream(CUDA)
+    out_stream = staging.copy_stream(CUDA, to_host=True)
+    in_stream = staging.copy_stream(CUDA, to_host=False)
+    assert len({out_stream, in_stream, torch.cuda.current_stream(CUDA)}) == 3
     back = staging.to_device(host, CUDA)
     assert torch.equal(back, y)
 
@@ -294,6 +296,29 @@ def test_a_middle_stage_synchronizes_once_a_forward_and_twice_a_backward() -> No
     forward, backward = counts[str(Kind.FORWARD)], counts[str(Kind.BACKWARD)]
     assert len(forward) <= 3 * 2, forward  # at most 2 a forward (1 by the count in the docs)
     assert len(backward) <= 3 * 3, backward  # at most 3 a backward (2 by the count)
+
+
+def test_a_forward_on_the_gpu_leaves_its_reply_to_the_finishing_thread() -> None:
+    """On CUDA a forward returns with its output's copy to the host under way (the device
+    thread goes on to the next job); finished, its payload decodes to the stage's output."""
+    spec = _spec("fp32")
+    server = StageServer(
+        spec, 0, StageServerConfig(device="cuda", benchmark_iterations=1),
+        endpoint=_Registry(), make_optimizer=lambda m: LocalOptimizer(m, spec),
+    )
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(2))
+    hop = HopId(run_id=spec.run_id, trainer=TRAINER, micro_batch=0, stage=0)
+    result = server._jobs.forward(ForwardRequest(budget_s=60.0, hop=hop), [ids])
+    assert isinstance(result, Deferred)
+    reply = result.finish()
+    sent = reply.tensors[0]
+    assert isinstance(sent, EncodedTensor)
+    with torch.no_grad():
+        y = server.module(ids.to(CUDA))
+    got, want = decode(sent), y.float().cpu()
+    assert got.shape == want.shape
+    # int8 in blocks of 64: within half a step of each block's scale, the largest |value|/127
+    assert float((got - want).abs().max()) <= float(want.abs().max()) / 127
 
 
 def test_the_memory_check_counts_the_device_limit() -> None:
