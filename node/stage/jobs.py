@@ -114,8 +114,9 @@ WIRE_DTYPE = torch.float32
 # Each request tensor's largest |value| as its payload told it on the host (Request.peaks),
 # None where unknown; empty for a request built in-process.
 Peaks = Sequence[float | None]
-# Encodes and checks dL/dx (None on stage 0) into the reply's tensors.
-Emit = Callable[[torch.Tensor | None], list[Sendable]]
+# Encodes and checks dL/dx (None on stage 0) into the reply's tensors; the callable is
+# the micro-batch's other checks, run first once dL/dx's payload is on the host.
+Emit = Callable[[torch.Tensor | None, Callable[[], None]], list[Sendable]]
 
 
 @dataclass
@@ -310,26 +311,40 @@ class StageJobs:
 
     def _encode_checked(
         self, t: torch.Tensor, codec: CodecSpec, bound: float, what: str,
-        ef_key: Hashable | None = None,
+        ef_key: Hashable | None = None, before: Callable[[], None] | None = None,
     ) -> EncodedTensor:
         """``t`` encoded as a float32 payload (through error feedback under ``ef_key``),
         refused as ``out_of_range`` when it holds NaN/Inf or decodes beyond ``bound``;
-        a refused tensor leaves its error-feedback residual as it was."""
-        accept = functools.partial(self._accept, bound=bound, what=what)
+        a refused tensor leaves its error-feedback residual as it was. ``before`` (other
+        checks of the same micro-batch) runs first, once the payload is on the host: on a
+        GPU one wait serves them all."""
         try:
             if ef_key is None:
-                return self._finish_checked(encode_start(t, codec, dtype=WIRE_DTYPE), bound, what)
+                pending = encode_start(t, codec, dtype=WIRE_DTYPE)
+                return self._finish_checked(pending, bound, what, before)
+
+            def accept(payload: EncodedTensor) -> None:
+                if before is not None:
+                    before()
+                self._accept(payload, bound, what)
+
             return self._ef.encode(ef_key, t.to(WIRE_DTYPE), codec, accept=accept)
         except PayloadError:  # the quantizer met NaN/Inf
             raise self._not_finite(what) from None
 
-    def _finish_checked(self, pending: PendingEncode, bound: float, what: str) -> EncodedTensor:
+    def _finish_checked(
+        self, pending: PendingEncode, bound: float, what: str,
+        before: Callable[[], None] | None = None,
+    ) -> EncodedTensor:
         """A launched encoding's payload, once on the host, checked as ``_encode_checked``
-        checks it. Safe on the finishing thread: it reads only the payload."""
+        checks it. Safe on the finishing thread (without ``before``): it reads only the
+        payload."""
         try:
             out = pending.result()
         except PayloadError:  # a device quantizer met NaN/Inf
             raise self._not_finite(what) from None
+        if before is not None:
+            before()
         self._accept(out, bound, what)
         return out
 
@@ -430,10 +445,10 @@ class StageJobs:
         with torch.enable_grad():
             with self.precision.autocast():
                 loss = self._run_loss(x, ids, targets)  # (), float32
-            value = float(loss.detach())
-            self._check(value, self.limits.max_loss, "the loss")  # before any gradient
             grads = self._autograd(loss, x, None, accumulate=accumulate)
-        return value, self._finish(grads, emit, accumulate=accumulate)
+        value, out = self._finish(grads, emit, accumulate=accumulate, loss=loss.detach())
+        assert value is not None  # read with the loss given
+        return value, out
 
     def backward(
         self, msg: BackwardRequest, tensors: list[torch.Tensor], peaks: Peaks = ()
@@ -502,7 +517,7 @@ class StageJobs:
         except RuntimeError as exc:  # autograd's check of the saved tensors' versions
             log.debug("stage %d: kept graph unusable (%s); recomputing", self.stage, exc)
             return None
-        return self._finish(grads, emit, accumulate=True)
+        return self._finish(grads, emit, accumulate=True)[1]
 
     def _recompute(
         self, x: torch.Tensor, ids: torch.Tensor | None, grad_y: torch.Tensor, emit: Emit, *,
@@ -513,7 +528,7 @@ class StageJobs:
             with self.precision.autocast():
                 y = self._run(x, ids)  # (B, T, C) or (B, T, k), in the compute dtype
             grads = self._autograd(y, x, grad_y.to(y.dtype), accumulate=accumulate)
-        return self._finish(grads, emit, accumulate=accumulate)
+        return self._finish(grads, emit, accumulate=accumulate)[1]
 
     def _autograd(
         self, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor | None, *, accumulate: bool
@@ -531,20 +546,43 @@ class StageJobs:
         return self._scaled_grads(out, [*inputs, *params], grad_out)
 
     def _finish(
-        self, grads: tuple[torch.Tensor | None, ...] | None, emit: Emit, *, accumulate: bool
-    ) -> list[Sendable]:
-        """dL/dx as sent (``emit`` encodes and checks it), and with ``accumulate`` dL/dtheta
-        added to the parameters' ``.grad``, only once the parameter-gradient norm and then
-        dL/dx passed their checks (error feedback keeps dL/dx's residual only then)."""
-        if grads is None:
-            return []
+        self, grads: tuple[torch.Tensor | None, ...] | None, emit: Emit, *, accumulate: bool,
+        loss: torch.Tensor | None = None,
+    ) -> tuple[float | None, list[Sendable]]:
+        """(the loss, dL/dx as sent): ``emit`` encodes and checks dL/dx, and with
+        ``accumulate`` dL/dtheta is added to the parameters' ``.grad``, only once the loss,
+        the parameter-gradient norm and then dL/dx passed their checks (error feedback
+        keeps dL/dx's residual only then). The loss (given on the last stage) and the norm
+        are copied to the host with dL/dx's payload: on a GPU the micro-batch waits for
+        the device once, not once for each."""
         n_in = 0 if self.contract.first else 1
-        param_grads = grads[n_in:]
-        if accumulate:
-            norm = _global_norm(param_grads)
-            self._check(norm, self.limits.max_grad_norm, "the parameter-gradient norm")
-        out = emit(grads[0] if n_in else None)
-        if accumulate:
+        param_grads = () if grads is None else grads[n_in:]
+        scalars: list[torch.Tensor] = []  # (), float32 each, still on the device
+        if loss is not None:
+            scalars.append(loss.float().reshape(()))
+        norm_at = len(scalars)
+        if accumulate and any(g is not None for g in param_grads):
+            scalars.append(_norm32(param_grads))
+        copy = staging.start_to_host(torch.stack(scalars)) if scalars else None
+        read: list[float] = []
+
+        def check() -> None:
+            """The loss and the norm against their bounds (once; first, the loss)."""
+            if read or copy is None:
+                return
+            read.extend(float(v) for v in copy.wait())
+            if loss is not None:
+                self._check(read[0], self.limits.max_loss, "the loss")
+            if norm_at < len(read):
+                norm = read[norm_at]
+                if not math.isfinite(norm):  # overflowed float32, or Inf/NaN: in float64
+                    norm = _norm64(param_grads)
+                self._check(norm, self.limits.max_grad_norm, "the parameter-gradient norm")
+
+        grad_x = grads[0] if grads is not None and n_in else None
+        out = emit(grad_x, check)
+        check()  # when there was no dL/dx to emit
+        if accumulate and grads is not None:
             with torch.no_grad():
                 for p, g in zip(self._params, param_grads, strict=True):
                     if g is None:
@@ -553,7 +591,7 @@ class StageJobs:
                         p.grad = g
                     else:
                         p.grad.add_(g)  # in place: an averager may hold .grad's buffers
-        return out
+        return (read[0] if loss is not None else None), out
 
     def _scaled_grads(
         self, out: torch.Tensor, wrt: list[torch.Tensor], grad_out: torch.Tensor | None
@@ -612,13 +650,17 @@ class StageJobs:
             return Response(to_header(LossReply(loss=loss, duplicate=True, **fields)), out)
         return Response(to_header(BackwardReply(duplicate=True, **fields)), out)
 
-    def _emit_grad(self, ef_key: Hashable | None, grad_x: torch.Tensor | None) -> list[Sendable]:
-        """dL/dx as sent, checked: through error feedback under ``ef_key`` (an applied hop's,
-        :meth:`_ef_key`), or not (None: a duplicate's recomputed dL/dx)."""
+    def _emit_grad(
+        self, ef_key: Hashable | None, grad_x: torch.Tensor | None,
+        before: Callable[[], None] = lambda: None,
+    ) -> list[Sendable]:
+        """dL/dx as sent, checked after ``before``: through error feedback under ``ef_key``
+        (an applied hop's, :meth:`_ef_key`), or not (None: a duplicate's recomputed
+        dL/dx)."""
         if grad_x is None:
             return []
         bound = self.limits.max_gradient
-        return [self._encode_checked(grad_x, self.backward_codec, bound, "dL/dx", ef_key)]
+        return [self._encode_checked(grad_x, self.backward_codec, bound, "dL/dx", ef_key, before)]
 
     def _ef_key(self, hop: HopId) -> Hashable | None:
         """The error-feedback key of an applied hop's dL/dx (its residual arithmetic is
@@ -697,17 +739,21 @@ def _as_float32(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _global_norm(grads: Sequence[torch.Tensor | None]) -> float:
-    """L2 norm of all the gradients together; inf or NaN when one of them holds an Inf or a
-    NaN. Computed in float32, which is exact enough for a bound and needs no float64 copy
-    of every gradient; only when that overflows (a norm beyond ~1e19, or a non-finite
-    value) is it recomputed in float64, so that no bound a run spec allows is misjudged."""
+def _norm32(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """L2 norm of all the gradients together, a float32 scalar on their device (not read
+    back: the caller copies it to the host with the reply). inf or NaN when one of them
+    holds an Inf or a NaN, or when float32 overflows (a norm beyond ~1e19): then
+    :func:`_norm64` decides. float32 is exact enough for a bound and needs no float64
+    copy of every gradient."""
+    per_tensor = [torch.linalg.vector_norm(g) for g in grads if g is not None]  # float32
+    return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
+
+
+def _norm64(grads: Sequence[torch.Tensor | None]) -> float:
+    """The norm of :func:`_norm32` computed in float64, so that no bound a run spec allows is
+    misjudged by a float32 overflow."""
     present = [g for g in grads if g is not None]
     if not present:
         return 0.0
-    per_tensor = [torch.linalg.vector_norm(g) for g in present]  # float32
-    fast = float(torch.linalg.vector_norm(torch.stack(per_tensor)))
-    if math.isfinite(fast):
-        return fast
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in present]
     return float(torch.linalg.vector_norm(torch.stack(norms)))

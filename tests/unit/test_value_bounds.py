@@ -47,6 +47,7 @@ from wanswarm.node.protocol import (
 from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
+from wanswarm.transport import codecs, staging
 from wanswarm.transport.codecs import CodecSpec, EncodedTensor, encode, parse_codec
 from wanswarm.transport.endpoint import Handler, Request, Response
 from wanswarm.transport.errors import RemoteError
@@ -243,6 +244,7 @@ class _Stage:
         cfg = StageServerConfig(device="cpu", benchmark_iterations=1)
         self.server = StageServer(spec, stage, cfg, endpoint=self.reg, make_optimizer=make)
         self.mb = 0
+        self.refusals: list[RemoteError] = []
 
     async def refused(self, kind: Kind, header: Any, tensors: list[torch.Tensor]) -> str:
         """The code of a request that must be refused, checking that it left no trace."""
@@ -254,6 +256,7 @@ class _Stage:
         assert _finite(self.server)
         assert self.server.counters.applied == applied
         assert len(self.optimizers[0].handed) == handed
+        self.refusals.append(err.value)
         return err.value.code
 
     def hop(self) -> HopId:
@@ -421,9 +424,16 @@ def test_values_are_checked_from_the_payloads_never_by_reducing_a_tensor(
     _run(main())
 
 
-def test_a_refused_gradient_leaves_its_error_feedback_residual() -> None:
-    """dL/dx beyond its bound: refused, nothing accumulated, and the error-feedback residual
-    for that trainer exactly as the last micro-batch sent left it."""
+@pytest.mark.parametrize(
+    ("limit", "what"),
+    [("max_gradient", "dL/dx"), ("max_grad_norm", "parameter-gradient norm"),
+     ("max_loss", "the loss")],
+)
+def test_a_refused_gradient_leaves_its_error_feedback_residual(limit: str, what: str) -> None:
+    """dL/dx, the norm or the loss beyond its bound: refused, nothing accumulated, and the
+    error-feedback residual for that trainer exactly as the last micro-batch sent left it.
+    The loss and the norm are read with dL/dx's payload, after it was encoded through
+    error feedback: their refusal must leave the residual too."""
     spec = _spec("int8")
 
     async def main() -> None:
@@ -437,12 +447,50 @@ def test_a_refused_gradient_leaves_its_error_feedback_residual() -> None:
             residual = jobs._ef.residual(key)
             assert residual is not None
             kept = residual.clone()
-            jobs.limits = spec.limits.model_copy(update={"max_gradient": 1e-12})
+            jobs.limits = spec.limits.model_copy(update={limit: 1e-12})
             code = await last.refused(
                 Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
                 [torch.randn(B, T, C), _targets()],
             )
-            assert code == "out_of_range"
+            assert code == "out_of_range" and what in last.refusals[-1].message
             assert jobs._ef.residual(key) is residual and torch.equal(residual, kept)
 
     _run(main())
+
+
+def test_the_loss_and_the_norm_reach_the_host_in_one_copy_read_after_dl_dx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last stage's loss and parameter-gradient norm are launched to the host as one
+    copy and read only once dL/dx's payload is there: on a GPU the micro-batch waits for
+    the device once (docs/gpu.md). On the CPU the order of the reads shows it."""
+    spec = _spec("int8")
+    log: list[str] = []
+    start, result = staging.start_to_host, codecs.PendingEncode.result
+
+    class Logged(staging.HostCopy):
+        def wait(self) -> torch.Tensor:
+            log.append(f"scalars {tuple(self.host.shape)}")
+            return super().wait()
+
+    def logged_start(t: torch.Tensor) -> staging.HostCopy:
+        copy = start(t)
+        return Logged(copy.host, copy.done)
+
+    def logged_result(self: codecs.PendingEncode) -> EncodedTensor:
+        log.append("payload")
+        return result(self)
+
+    monkeypatch.setattr(staging, "start_to_host", logged_start)
+    monkeypatch.setattr(codecs.PendingEncode, "result", logged_result)
+
+    async def main() -> None:
+        async with _opened(spec, 2) as (last,):
+            reply = await last.reg.call(
+                Kind.FORWARD_LOSS, ForwardLossRequest(hop=last.hop(), budget_s=30),
+                [torch.randn(B, T, C), _targets()],
+            )
+            assert 4.0 < reply.header["loss"] < 7.0 and last.server.counters.applied == 1
+
+    _run(main())
+    assert log == ["payload", "scalars (2,)"]  # dL/dx's payload, then the loss and the norm
