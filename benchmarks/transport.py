@@ -47,8 +47,11 @@ Loopback (no emulator, after the emulated cells): the wanswarm variant with 16 M
 payloads, client and server endpoints in this one process and event loop (so both ends
 share one core), its goodput and CPU seconds (``time.process_time``, all threads) per GB
 (10^9 payload bytes) moved; then aioquic_tuned measured the same way, as a reference for
-what plain QUIC costs on the same machine at the same time. Packets are at most
-``max_udp_payload_bytes`` = 1452 bytes (1500-byte path MTU), 1452 for aioquic_tuned too.
+what plain QUIC costs on the same machine at the same time, and the wanswarm variant again
+with path MTU probing off. On loopback wanswarm's connections find that 16448-byte
+datagrams pass and use them (transport/path_mtu.py); with probing off, and always for
+aioquic_tuned, packets are at most 1452 bytes (a 1500-byte path MTU), which is all the
+emulated paths (a 1500-byte MTU each) and the internet carry.
 
 Output: a table, target checks and, as the last line of stdout, one JSON object
 ``{"results": [...], "loopback": {...}, "targets": [...], "diagnostics": [...], "meta":
@@ -786,6 +789,12 @@ async def run_loopback(
         out = await _loopback_variant("wanswarm", servers, payload, repeats, timeout, budget,
                                       config)
         if reference:
+            # the same transport with path MTU probing off: 1452-byte datagrams, as on
+            # the internet (the client's direction carries the payload)
+            unprobed = config.model_copy(update={"mtu_probe_bytes": ()})
+            out["reference_wanswarm_1452"] = await _loopback_variant(
+                "wanswarm", servers, payload, repeats, timeout, budget, unprobed
+            )
             out["reference_aioquic_tuned"] = await _loopback_variant(
                 "aioquic_tuned", servers, payload, repeats, timeout, budget, config
             )
@@ -974,14 +983,18 @@ def write_report(report: dict[str, Any], cells: list[Cell]) -> None:
             f"{loop['cpu_utilization']}, run-queue wait {loop['runqueue_wait_s']} s of "
             f"{loop['wall_s']} s, {loop['completed']}/{loop['attempted']} completed"
         )
-        ref = loop.get("reference_aioquic_tuned")
-        if ref and ref["attempted"]:
-            lines.append(
-                f"loopback reference, aioquic_tuned the same way: goodput {ref['goodput_mbps']} "
-                f"Mb/s, {ref['cpu_s_per_gb']} CPU s/GB (= {ref['one_core_mbps']} Mb/s on a "
-                f"whole core), CPU utilization {ref['cpu_utilization']}, "
-                f"{ref['completed']}/{ref['attempted']} completed"
-            )
+        for key, what in (
+            ("reference_wanswarm_1452", "wanswarm with 1452-byte datagrams (probing off)"),
+            ("reference_aioquic_tuned", "aioquic_tuned"),
+        ):
+            ref = loop.get(key)
+            if ref and ref["attempted"]:
+                lines.append(
+                    f"loopback reference, {what} the same way: goodput {ref['goodput_mbps']} "
+                    f"Mb/s, {ref['cpu_s_per_gb']} CPU s/GB (= {ref['one_core_mbps']} Mb/s on a "
+                    f"whole core), CPU utilization {ref['cpu_utilization']}, "
+                    f"{ref['completed']}/{ref['attempted']} completed"
+                )
     meta = report["meta"]
     lines.append("rq wait: the largest share of the cell's wall time that client, server or "
                  "emulator spent runnable but waiting for a CPU (0% on an idle machine)")

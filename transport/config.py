@@ -546,6 +546,16 @@ class TransportConfig(_Section):
         description="Largest UDP payload we send (aioquic's max_datagram_size): a 1500-byte "
         "path MTU minus 40 bytes of IPv6 and 8 of UDP header. RFC 9000 requires >= 1200.",
     )
+    mtu_probe_bytes: tuple[int, ...] = Field(
+        default=(16448, 8952),
+        max_length=4,
+        description="Larger UDP payloads each connection probes its path for once "
+        "authenticated, largest first (path_mtu.py): 16448 carries the largest FEC symbol "
+        "(16 KiB) in one packet on loopback, 8952 a 9000-byte jumbo-frame LAN. A size is "
+        "used only once a probe of it, sent with fragmentation forbidden, was acknowledged; "
+        "internet paths carry neither. Sizes not above max_udp_payload_bytes are ignored; "
+        "() turns probing off.",
+    )
     socket_buffer_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=64 * 1024,
@@ -639,3 +649,13 @@ class TransportConfig(_Section):
         description="Fraction of max_unauthenticated in use from which retry='pressure' "
         "answers new connections with a Retry.",
     )
+
+    @field_validator("mtu_probe_bytes")
+    @classmethod
+    def _probe_sizes(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        for size in sizes:
+            if not 1200 <= size <= 65527:
+                raise ValueError(
+                    f"mtu_probe_bytes: {size} is not a UDP payload of 1200-65527 bytes"
+                )
+        return sizes

@@ -600,6 +600,15 @@ class CongestionController:
         if self._filled_pipe or rate > self._pacing_rate:
             self._pacing_rate = rate
 
+    def set_max_datagram_size(self, size: int) -> None:
+        """Packets of up to ``size`` bytes from now on (a larger path MTU was found,
+        path_mtu.py): the windows counted in packets grow with it."""
+        if size <= self._mss:
+            return
+        self._mss = size
+        self._min_cwnd = self._cfg.min_window_packets * size
+        self._cwnd = max(self._cwnd, self._min_cwnd)
+
     def _set_cwnd(self, acked: int) -> None:
         if self.state is CongestionState.PROBE_RTT:
             self._cwnd = min(self._cwnd, self._probe_rtt_cwnd())

@@ -166,6 +166,11 @@ class ControllerPacer(QuicPacketPacer):
     def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
         """Ignored: the rate is read from the controller at each send, not from cwnd/srtt."""
 
+    def set_max_datagram_size(self, size: int) -> None:
+        """Packets of up to ``size`` bytes from now on (each send is charged this much)."""
+        self._mss = size
+        self._bucket.set_max_datagram_size(size)
+
 
 def install_pacer(quic: QuicConnection, max_datagram_size: int) -> None:
     """Pace ``quic`` at its controller's rate if the controller sets one (ours does);
@@ -173,3 +178,23 @@ def install_pacer(quic: QuicConnection, max_datagram_size: int) -> None:
     cc = quic._loss._cc
     if isinstance(cc, Meter) and isinstance(cc.inner, PacingRate):
         quic._loss._pacer = ControllerPacer(max_datagram_size=max_datagram_size, adapter=cc.inner)
+
+
+def raise_max_datagram_size(quic: QuicConnection, size: int) -> bool:
+    """Let ``quic`` send datagrams of up to ``size`` bytes (a path MTU probe of that size
+    was acknowledged, path_mtu.py): aioquic's packet builder limit, our controller's segment
+    size (its windows in packets) and our pacer's. Only with our controller (False, and
+    nothing changed, with aioquic's Reno or CUBIC, which are for diagnosis). aioquic
+    internals, pinned in tests/unit/test_aioquic_internals.py: ``_max_datagram_size``,
+    ``_loss._cc``, ``_loss._pacer``."""
+    cc = quic._loss._cc
+    inner = cc.inner if isinstance(cc, Meter) else None
+    pacer = quic._loss._pacer
+    if not isinstance(inner, ControllerAdapter) or not isinstance(pacer, ControllerPacer):
+        return False
+    if size <= quic._max_datagram_size:
+        return True
+    quic._max_datagram_size = size
+    inner.controller.set_max_datagram_size(size)
+    pacer.set_max_datagram_size(size)
+    return True

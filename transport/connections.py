@@ -40,9 +40,11 @@ from .errors import (
 from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
 from .handshake import ClientHandshake, ServerHandshake
 from .identity import Identity
+from .path_mtu import MtuSearch
 from .peer_address import PeerAddress
 from .quic_link import Address, CloseCode, QuicLink
 from .quic_socket import QuicSocket
+from .relay import is_virtual
 from .stream import QuicStream, StreamCode
 
 logger = logging.getLogger(__name__)
@@ -287,10 +289,26 @@ class Connections:
                 self._by_peer.pop(peer_id, None)
 
         link.on_closed.append(forget)
+        if self.config.mtu_probe_bytes and not is_virtual(link.remote_address):
+            self._spawn(self._search_mtu(link))
         self._on_link(link)
         for waiter in self._arrivals.pop(peer_id, []):
             if not waiter.done():
                 waiter.set_result(link)
+
+    async def _search_mtu(self, link: QuicLink) -> None:
+        """Probe ``link``'s path for larger datagrams, once (path_mtu.py); adopt the largest
+        size acknowledged. Each probe waits four smoothed RTTs, between 0.1 and 1 s."""
+        search = MtuSearch(link.max_udp_payload, self.config.mtu_probe_bytes)
+        while (size := search.next_probe()) is not None and not link.is_closed:
+            timeout = min(1.0, max(0.1, 4 * link.stats().smoothed_rtt))
+            if await self.socket.probe_mtu(link.remote_address, size, timeout):
+                search.on_acked(size)
+            else:
+                search.on_lost(size)
+        if link.raise_max_udp_payload(search.size):
+            logger.info("the path to %s at %s carries %d-byte datagrams",
+                        link.peer_id, link.remote_address, search.size)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

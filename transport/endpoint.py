@@ -143,6 +143,7 @@ class PathStats:
     bytes_sent: int
     bytes_received: int
     connected: bool
+    max_udp_payload: int = 0  # largest datagram we send it (raised by path MTU probing)
 
 
 @dataclass(frozen=True)
@@ -679,6 +680,7 @@ class Endpoint:
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
             connected=stats.connected,
+            max_udp_payload=stats.max_udp_payload,
         )
 
     def totals(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ class Pacer:
     ) -> None:
         self._mss = max_datagram_size
         self._burst_time_s = burst_time_s
+        self._max_burst_packets = max_burst_packets
         self._max_burst = max_burst_packets * max_datagram_size
         self._min_burst = 2 * max_datagram_size
         self._rate = math.inf
@@ -56,6 +57,13 @@ class Pacer:
     def burst(self) -> float:
         """Bytes that may go back to back after an idle period."""
         return self._burst
+
+    def set_max_datagram_size(self, size: int) -> None:
+        """Packets of up to ``size`` bytes from now on: the burst bounds scale with it."""
+        self._mss = size
+        self._max_burst = self._max_burst_packets * size
+        self._min_burst = 2 * size
+        self._burst = min(max(self._burst, self._min_burst), self._max_burst)
 
     def set_rate(self, rate: float, now: float) -> None:
         """Pace at ``rate`` bytes per second from ``now`` on (credit earned so far at

@@ -29,7 +29,7 @@ from aioquic.quic.connection import QuicConnection, QuicConnectionState
 
 from .config import TransportConfig
 from .congestion_adapter import Meter
-from .congestion_control import install_pacer
+from .congestion_control import install_pacer, raise_max_datagram_size
 from .errors import AuthenticationError, ConnectError, IdentityError
 from .handshake import ChannelBinding
 from .quic_config import ALPN, certificate_peer_id, channel_binding, window_bytes
@@ -93,6 +93,7 @@ class LinkStats:
     bytes_sent: int
     bytes_received: int
     connected: bool
+    max_udp_payload: int = 0  # largest datagram it sends (path_mtu.py may raise it)
 
     @property
     def loss_rate(self) -> float:
@@ -195,6 +196,7 @@ class QuicLink:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             connected=not self.is_closed,
+            max_udp_payload=self._max_udp_payload,
         )
 
     # streams, datagrams, pings
@@ -216,6 +218,24 @@ class QuicLink:
         frame_header = 1 + 2  # type, 2-byte length varint
         capacity = self._max_udp_payload - short_header - AEAD_TAG_BYTES - frame_header
         return min(capacity, remote - frame_header)
+
+    @property
+    def max_udp_payload(self) -> int:
+        """Largest UDP payload this connection sends."""
+        return self._max_udp_payload
+
+    def raise_max_udp_payload(self, size: int) -> bool:
+        """Send datagrams of up to ``size`` bytes from now on: a path MTU probe of that
+        size was acknowledged (path_mtu.py). DATAGRAM frames and FEC symbols of transfers
+        planned from now on grow with it. False when the congestion controller cannot
+        follow (aioquic's own), the connection is closed, or ``size`` is not larger."""
+        if self.is_closed or size <= self._max_udp_payload:
+            return False
+        if not raise_max_datagram_size(self._quic, size):
+            return False
+        self._max_udp_payload = size
+        self.schedule_transmit()
+        return True
 
     def add_datagram_source(self, source: DatagramSource) -> None:
         if source not in self._sources:

@@ -16,6 +16,9 @@ packets go to the relay table when we relay for others (``relay``), else to the 
 we are an end of (``relay_ends``), whose inner packets reach QUIC as coming from the
 channel's virtual address; what QUIC sends to a virtual address is wrapped and sent to
 that channel's relay. Relayed connections send packets smaller by the relay header.
+Path MTU probes and their acknowledgements (path_mtu.py) share the port too: a probe is
+answered only toward the address of an authenticated connection, and is sent with
+fragmentation forbidden.
 
 :class:`ProbePort` is an observer's alternate port (traversal_wire.py): a second UDP socket
 on the same host that only records where probe packets come from and never sends.
@@ -44,6 +47,15 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 from .config import TransportConfig
 from .errors import AuthenticationError, ConnectError
 from .identity import Identity
+from .path_mtu import (
+    MTU_ACK_BYTE,
+    MTU_NONCE_BYTES,
+    MTU_PROBE_BYTE,
+    decode_mtu_ack,
+    decode_mtu_probe,
+    encode_mtu_ack,
+    encode_mtu_probe,
+)
 from .quic_config import CID_LENGTH, CreditedConnection, ServerConnection, build_configuration
 from .quic_link import Address, CloseCode, QuicLink
 from .relay import (
@@ -61,9 +73,17 @@ from .upload_limit import UploadLimiter
 
 __all__ = ["ProbePort", "QuicSocket"]
 
+_MTU_PROBE_PREFIX = bytes([MTU_PROBE_BYTE])
+
 logger = logging.getLogger(__name__)
 
 MIN_INITIAL_BYTES = 1200  # RFC 9000 §14.1: a client's Initial datagram is padded to this
+MAX_MTU_PROBES = 64  # our probes awaiting their acknowledgement, at most
+MTU_ACKS_PER_S = 20.0  # acknowledgements we send, at most (a burst of as many)
+# Linux: set DF and ignore the cached path MTU, for this socket's sends (<linux/in.h>)
+_IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+_IPV6_MTU_DISCOVER = getattr(socket, "IPV6_MTU_DISCOVER", 23)
+_PMTUDISC_PROBE = 3
 
 
 class _Receiver(Protocol):
@@ -125,6 +145,10 @@ class QuicSocket:
         # transport.upload_limit_mbps: every datagram we send goes through it (None: no limit)
         self._upload = UploadLimiter.from_mbps(config.upload_limit_mbps, self._send_now)
         self._warned = 0
+        # path MTU probes we sent: nonce -> (address, size, its acknowledgement)
+        self._mtu_probes: dict[bytes, tuple[Address, int, asyncio.Future[None]]] = {}
+        self._mtu_ack_credit = MTU_ACKS_PER_S
+        self._mtu_ack_at = 0.0
 
     @property
     def links(self) -> list[QuicLink]:
@@ -148,7 +172,63 @@ class QuicSocket:
 
     def _send_now(self, data: bytes, addr: Address) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.sendto(data, addr)
+            if data[:1] == _MTU_PROBE_PREFIX:
+                self._send_unfragmented(data, addr)
+            else:
+                self._transport.sendto(data, addr)
+
+    def _send_unfragmented(self, data: bytes, addr: Address) -> None:
+        """A path MTU probe, sent with fragmentation forbidden: it arrives whole or not at
+        all (too big for the outgoing interface: EMSGSIZE, reported to error_received).
+        Where the socket option is missing, or the datagram could not leave at once (the
+        option would be off again by the time it does), the probe is given up."""
+        transport = self._transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        levels = [(socket.IPPROTO_IP, _IP_MTU_DISCOVER)]
+        if self._family == socket.AF_INET6:
+            levels.append((socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER))
+        try:
+            before = [sock.getsockopt(level, option) for level, option in levels]
+            for level, option in levels:
+                sock.setsockopt(level, option, _PMTUDISC_PROBE)
+        except (OSError, AttributeError):
+            self._mtu_probe_failed(data)
+            return
+        try:
+            transport.sendto(data, addr)
+            # asyncio's and uvloop's datagram transports buffer what the kernel refused
+            buffered: Callable[[], int] = getattr(transport, "get_write_buffer_size", lambda: 0)
+            if buffered():
+                self._mtu_probe_failed(data)
+        finally:
+            for (level, option), value in zip(levels, before, strict=True):
+                sock.setsockopt(level, option, value)
+
+    async def probe_mtu(self, addr: Address, size: int, timeout: float) -> bool:
+        """Whether a probe of ``size`` bytes to ``addr`` is acknowledged within ``timeout``
+        (path_mtu.py)."""
+        if len(self._mtu_probes) >= MAX_MTU_PROBES or self._transport is None:
+            return False
+        nonce = os.urandom(MTU_NONCE_BYTES)
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._mtu_probes[nonce] = (addr, size, acked)
+        try:
+            self.sendto(encode_mtu_probe(nonce, size), addr)
+            self.counts["mtu_probe.sent"] += 1
+            async with asyncio.timeout(timeout):
+                await acked
+            self.counts["mtu_probe.acked"] += 1
+            return True
+        except (TimeoutError, ConnectionError):
+            return False
+        finally:
+            self._mtu_probes.pop(nonce, None)
+
+    def _mtu_probe_failed(self, data: bytes) -> None:
+        entry = self._mtu_probes.get(bytes(data[1 : 1 + MTU_NONCE_BYTES]))
+        if entry is not None and not entry[2].done():
+            entry[2].set_exception(ConnectionError("the probe could not be sent unfragmented"))
 
     def punch(self, addr: Address, count: int, interval: float, nonce: bytes) -> None:
         """Send ``count`` punch packets to ``addr``, ``interval`` s apart (the first now):
@@ -290,8 +370,43 @@ class QuicSocket:
                 self._quic_datagram(*unwrapped)
         elif kind == PUNCH_BYTE:
             self.counts["punch.received"] += 1
+        elif kind == MTU_PROBE_BYTE:
+            self._answer_mtu_probe(data, addr)
+        elif kind == MTU_ACK_BYTE:
+            self._take_mtu_ack(data, addr)
         else:
             self.counts["dropped.not_quic"] += 1
+
+    def _answer_mtu_probe(self, data: bytes, addr: Address) -> None:
+        """Acknowledge a path MTU probe: only toward an authenticated connection's address,
+        at most MTU_ACKS_PER_S a second; an acknowledgement is far smaller than a probe."""
+        now = asyncio.get_running_loop().time()
+        self._mtu_ack_credit = min(
+            MTU_ACKS_PER_S, self._mtu_ack_credit + (now - self._mtu_ack_at) * MTU_ACKS_PER_S
+        )
+        self._mtu_ack_at = now
+        if self._mtu_ack_credit < 1.0:  # every probe looked at is paid for: bounded work
+            self.counts["mtu_probe.ignored"] += 1
+            return
+        self._mtu_ack_credit -= 1.0
+        probe = decode_mtu_probe(data)
+        if probe is None or not any(
+            link.remote_address == addr and link.peer_id is not None and not link.is_closed
+            for link in self._links
+        ):
+            self.counts["mtu_probe.ignored"] += 1
+            return
+        self.counts["mtu_probe.answered"] += 1
+        self.sendto(encode_mtu_ack(*probe), addr)
+
+    def _take_mtu_ack(self, data: bytes, addr: Address) -> None:
+        ack = decode_mtu_ack(data)
+        entry = None if ack is None else self._mtu_probes.get(ack[0])
+        if ack is None or entry is None or entry[0] != addr or entry[1] != ack[1]:
+            self.counts["mtu_ack.ignored"] += 1
+            return
+        if not entry[2].done():
+            entry[2].set_result(None)
 
     def _accept(
         self, dcid: bytes, addr: Address, odcid: bytes, retry_scid: bytes | None

@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_IPV4_UDP_HEADER_BYTES = 28
 
 
 class _Model(BaseModel):
@@ -137,6 +138,14 @@ class LinkProfile(_Model):
         ge=1,
         description="Drop-tail bound on queued packets (packet on the wire included).",
     )
+    mtu_bytes: int = Field(
+        default=1500,
+        ge=1228,
+        le=65535,
+        description="Largest IP packet the link carries: a datagram whose UDP payload plus "
+        "28 bytes (IPv4 and UDP headers) is larger is dropped, as on a path where it may not "
+        "be fragmented (QUIC sets DF, RFC 9000 §14). 1500: Ethernet, the internet's usual.",
+    )
 
     @model_validator(mode="after")
     def _queue_bounded(self) -> LinkProfile:
@@ -191,12 +200,13 @@ class Verdict(enum.Enum):
     QUEUED = "queued"
     LOST = "lost"
     OVERFLOW = "overflow"
+    TOO_BIG = "too_big"  # beyond the link's MTU
 
 
 @dataclass
 class LinkCounters:
     """What one direction did. Invariant:
-    ``offered = delivered + lost + overflow + pending`` (packets and bytes alike)."""
+    ``offered = delivered + lost + overflow + too_big + pending`` (packets and bytes alike)."""
 
     offered_packets: int = 0
     offered_bytes: int = 0
@@ -206,6 +216,8 @@ class LinkCounters:
     lost_bytes: int = 0
     overflow_packets: int = 0
     overflow_bytes: int = 0
+    too_big_packets: int = 0  # beyond the link's MTU
+    too_big_bytes: int = 0
     queue_hwm_bytes: int = 0
     queue_hwm_packets: int = 0
     total_delay_s: float = 0.0
@@ -219,6 +231,7 @@ class LinkCounters:
             - self.delivered_packets
             - self.lost_packets
             - self.overflow_packets
+            - self.too_big_packets
         )
 
     @property
@@ -292,6 +305,10 @@ class LinkEmulator(Generic[T]):
         c = self.counters
         c.offered_packets += 1
         c.offered_bytes += size
+        if not stream and size + _IPV4_UDP_HEADER_BYTES > self.profile.mtu_bytes:
+            c.too_big_packets += 1
+            c.too_big_bytes += size
+            return Verdict.TOO_BIG
         if not stream and self._loss.lose(self._rng):
             c.lost_packets += 1
             c.lost_bytes += size

@@ -27,7 +27,11 @@ from aioquic.quic.packet import QuicStreamFrame, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer
 from wanswarm.transport.config import CongestionConfig, TransportConfig
 from wanswarm.transport.congestion_adapter import ControllerAdapter, Meter
-from wanswarm.transport.congestion_control import ControllerPacer, install_pacer
+from wanswarm.transport.congestion_control import (
+    ControllerPacer,
+    install_pacer,
+    raise_max_datagram_size,
+)
 from wanswarm.transport.handshake import ChannelBinding
 from wanswarm.transport.identity import Identity
 from wanswarm.transport.quic_config import (
@@ -231,6 +235,41 @@ def test_aioquic_controllers_keep_aioquic_pacer(congestion: str) -> None:
     cc = pair.client.quic._loss._cc
     assert isinstance(cc, Meter) and not isinstance(cc.inner, ControllerAdapter)
     assert type(pair.client.quic._loss._pacer) is QuicPacketPacer
+
+
+def test_a_larger_datagram_size_takes_effect_from_the_next_packets() -> None:
+    """congestion_control.raise_max_datagram_size sets ``_max_datagram_size`` after the
+    handshake (a path MTU probe succeeded, path_mtu.py): aioquic must build every later
+    datagram up to it, and a DATAGRAM frame that needs it must go out whole."""
+    pair = _connected_pair()
+    quic = pair.client.quic
+    assert _require(quic, "_max_datagram_size", "congestion_control.py") == MSS
+    big = 16448
+    assert raise_max_datagram_size(quic, big)
+    assert quic._max_datagram_size == big
+    assert quic._loss._cc.inner.controller.congestion_window >= 2 * big
+    sizes: list[int] = []
+    for _ in range(3):
+        quic.send_datagram_frame(bytes(big - 64))
+    stream_id = quic.get_next_available_stream_id()
+    quic.send_stream_data(stream_id, bytes(4 * big), end_stream=True)
+    for _ in range(20):
+        pair.now += 0.002
+        for data, _ in quic.datagrams_to_send(now=pair.now):
+            sizes.append(len(data))
+            pair.server.deliver(data, CLIENT_ADDR, pair.now)
+        for data, _ in pair.server.quic.datagrams_to_send(now=pair.now):
+            pair.client.deliver(data, SERVER_ADDR, pair.now)
+    assert max(sizes) > MSS and max(sizes) <= big, sizes
+    got = [e for e in pair.server.seen if isinstance(e, events.DatagramFrameReceived)]
+    assert len(got) == 3 and all(len(e.data) == big - 64 for e in got)
+
+
+@pytest.mark.parametrize("congestion", ["reno", "cubic"])
+def test_aioquic_controllers_keep_their_datagram_size(congestion: str) -> None:
+    quic = _connected_pair(congestion).client.quic
+    assert not raise_max_datagram_size(quic, 16448)
+    assert quic._max_datagram_size == MSS
 
 
 def test_link_stats_read_the_rtt_estimator() -> None:

@@ -161,12 +161,34 @@ def test_queue_bound_and_accounting_hold_for_any_arrivals(
     c = link.counters
     assert c.queue_hwm_bytes <= queue_bytes
     assert c.pending_packets == 0
-    assert c.offered_packets == c.delivered_packets + c.lost_packets + c.overflow_packets
-    assert c.offered_bytes == c.delivered_bytes + c.lost_bytes + c.overflow_bytes
+    assert c.offered_packets == (
+        c.delivered_packets + c.lost_packets + c.overflow_packets + c.too_big_packets
+    )
+    assert c.offered_bytes == (
+        c.delivered_bytes + c.lost_bytes + c.overflow_bytes + c.too_big_bytes
+    )
+    assert c.too_big_packets == sum(1 for _, size in arrivals if size > 1472)
     assert c.delivered_packets == len(delivered)
     # FIFO: without ``reorder`` jitter never reorders
     order = [p for _, p in delivered]
     assert order == sorted(order)
+
+
+def test_a_datagram_beyond_the_links_mtu_is_dropped() -> None:
+    """A 1500-byte MTU carries 1472 bytes of UDP payload over IPv4 (28 bytes of headers);
+    a larger datagram is dropped and counted, never lost at random or queued; a byte
+    stream's chunks are not datagrams and pass whatever their size."""
+    link: LinkEmulator[int] = LinkEmulator(LinkProfile(), random.Random(0))
+    assert link.submit(1, 1472, 0.0) is Verdict.QUEUED
+    assert link.submit(2, 1473, 0.0) is Verdict.TOO_BIG
+    assert link.submit(3, 16448, 0.0) is Verdict.TOO_BIG
+    assert link.submit(4, 65536, 0.0, stream=True) is Verdict.QUEUED
+    c = link.counters
+    assert (c.too_big_packets, c.too_big_bytes, c.lost_packets) == (2, 1473 + 16448, 0)
+    assert [p for _, p in _drain(link)] == [1, 4]
+    jumbo: LinkEmulator[int] = LinkEmulator(LinkProfile(mtu_bytes=9000), random.Random(0))
+    assert jumbo.submit(1, 8972, 0.0) is Verdict.QUEUED
+    assert jumbo.submit(2, 8973, 0.0) is Verdict.TOO_BIG
 
 
 def test_delay_and_jitter_added() -> None:
