@@ -4,16 +4,15 @@ thread waits for the copy, checks the payload and answers.
 
 On the CPU the copy is done at once, so the copy is made "under way" here by a gate the test
 opens: what is tested is the order of work across the two threads, the slots, the refusals
-and what a refused output leaves behind. Whether the copy really overlaps the next job's
-compute on a GPU is measured by benchmarks/stage.py (docs/gpu.md)."""
+and what a refused output leaves behind (the queue's side: tests/unit/test_device_queue.py).
+Whether the copy really overlaps the next job's compute on a GPU is measured by
+benchmarks/stage.py (docs/gpu.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
@@ -35,7 +34,6 @@ from wanswarm.node.protocol import (
     to_header,
 )
 from wanswarm.node.stage import jobs as jobs_module
-from wanswarm.node.stage.device_queue import Deferred, DeviceQueue
 from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
@@ -55,93 +53,6 @@ def _run(coro: Coroutine[Any, Any, T_]) -> T_:
             return await coro
 
     return asyncio.run(bounded())
-
-
-# ---- the queue --------------------------------------------------------------------------
-
-
-@dataclass
-class _Counts:
-    busy: int = 0
-    expired: int = 0
-    failed: int = 0
-    compute_s: float = 0.0
-
-
-def test_a_deferred_reply_finishes_off_the_device_thread_which_runs_the_next_job() -> None:
-    gate = threading.Event()
-    threads: dict[str, str] = {}
-    counts = _Counts()
-
-    def finish() -> Response:
-        assert gate.wait(WAIT_S)
-        threads["finish"] = threading.current_thread().name
-        return Response({"which": "first"})
-
-    def first() -> Deferred:
-        threads["first"] = threading.current_thread().name
-        return Deferred(finish)
-
-    def second() -> Response:
-        threads["second"] = threading.current_thread().name
-        return Response({"which": "second"})
-
-    def refused_later() -> Deferred:
-        def refuse() -> Response:
-            raise RemoteError(ErrorCode.OUT_OF_RANGE, "the output reaches 1e+38")
-
-        return Deferred(refuse)
-
-    def broken_later() -> Deferred:
-        def broken() -> Response:
-            raise ValueError("a bug in a finisher")
-
-        return Deferred(broken)
-
-    async def main() -> None:
-        queue = DeviceQueue(3, 4, counts, clock=time.monotonic, on_change=lambda _: None)
-        try:
-            one = asyncio.create_task(queue.run("a", WAIT_S, first))
-            two = asyncio.create_task(queue.run("b", WAIT_S, second))
-            assert (await two).header == {"which": "second"}  # while the first is unfinished
-            assert not one.done() and queue.pending == 1  # its slot is held
-            gate.set()
-            assert (await one).header == {"which": "first"}
-            assert threads["first"] == threads["second"]
-            assert threads["first"].startswith("stage3-device")
-            assert threads["finish"].startswith("stage3-finish")
-            with pytest.raises(RemoteError) as refused:
-                await queue.run("a", WAIT_S, refused_later)
-            assert refused.value.code == ErrorCode.OUT_OF_RANGE
-            with pytest.raises(RemoteError) as internal:
-                await queue.run("a", WAIT_S, broken_later)
-            assert internal.value.code == ErrorCode.INTERNAL
-            assert counts.failed == 2 and queue.pending == 0
-        finally:
-            queue.shutdown()
-
-    _run(main())
-
-
-def test_a_deferred_reply_launched_as_the_queue_shuts_down_is_still_answered() -> None:
-    entered, gate = threading.Event(), threading.Event()
-
-    def work() -> Deferred:
-        entered.set()
-        assert gate.wait(WAIT_S)
-        return Deferred(lambda: Response({"answered": True}))
-
-    async def main() -> None:
-        queue = DeviceQueue(0, 2, _Counts(), clock=time.monotonic, on_change=lambda _: None)
-        task = asyncio.create_task(queue.run("a", WAIT_S, work))
-        assert await asyncio.to_thread(entered.wait, WAIT_S)
-        queue.shutdown()  # the finishing thread takes no more work
-        gate.set()
-        assert (await task).header == {"answered": True}
-        async with asyncio.timeout(WAIT_S):
-            await queue.wait_idle()
-
-    _run(main())
 
 
 # ---- a stage's forwards -----------------------------------------------------------------

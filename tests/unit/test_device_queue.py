@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from wanswarm.node.protocol import ErrorCode
-from wanswarm.node.stage.device_queue import DeviceQueue, Lane
+from wanswarm.node.stage.device_queue import Deferred, DeviceQueue, Lane
 from wanswarm.transport.endpoint import Response
 from wanswarm.transport.errors import RemoteError
 
@@ -116,3 +116,81 @@ def test_a_lone_slot_serves_either_lane() -> None:
     queue.admit("a", Lane.START)
     queue.admit("a", Lane.FINISH)
     queue.shutdown()
+
+
+# ---- deferred replies (a forward's copy to the host under way, device_queue.Deferred) ----
+
+
+def test_a_deferred_reply_finishes_off_the_device_thread_which_runs_the_next_job() -> None:
+    gate = threading.Event()
+    threads: dict[str, str] = {}
+
+    def finish() -> Response:
+        assert gate.wait(30)
+        threads["finish"] = threading.current_thread().name
+        return Response({"which": "first"})
+
+    def first() -> Deferred:
+        threads["first"] = threading.current_thread().name
+        return Deferred(finish)
+
+    def second() -> Response:
+        threads["second"] = threading.current_thread().name
+        return Response({"which": "second"})
+
+    def refused_later() -> Deferred:
+        def refuse() -> Response:
+            raise RemoteError(ErrorCode.OUT_OF_RANGE, "the output reaches 1e+38")
+
+        return Deferred(refuse)
+
+    def broken_later() -> Deferred:
+        def broken() -> Response:
+            raise ValueError("a bug in a finisher")
+
+        return Deferred(broken)
+
+    async def main() -> None:
+        queue, counts = _queue(4)
+        try:
+            one = asyncio.create_task(queue.run("a", 30, first))
+            two = asyncio.create_task(queue.run("b", 30, second))
+            assert (await two).header == {"which": "second"}  # while the first is unfinished
+            assert not one.done() and queue.pending == 1  # its slot is held
+            gate.set()
+            assert (await one).header == {"which": "first"}
+            assert threads["first"] == threads["second"]
+            assert threads["first"].startswith("stage0-device")
+            assert threads["finish"].startswith("stage0-finish")
+            with pytest.raises(RemoteError) as refused:
+                await queue.run("a", 30, refused_later)
+            assert refused.value.code == ErrorCode.OUT_OF_RANGE
+            with pytest.raises(RemoteError) as internal:
+                await queue.run("a", 30, broken_later)
+            assert internal.value.code == ErrorCode.INTERNAL
+            assert counts.failed == 2 and queue.pending == 0
+        finally:
+            queue.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_deferred_reply_launched_as_the_queue_shuts_down_is_still_answered() -> None:
+    entered, gate = threading.Event(), threading.Event()
+
+    def work() -> Deferred:
+        entered.set()
+        assert gate.wait(30)
+        return Deferred(lambda: Response({"answered": True}))
+
+    async def main() -> None:
+        queue, _ = _queue(2)
+        task = asyncio.create_task(queue.run("a", 30, work))
+        assert await asyncio.to_thread(entered.wait, 30)
+        queue.shutdown()  # the finishing thread takes no more work
+        gate.set()
+        assert (await task).header == {"answered": True}
+        async with asyncio.timeout(30):
+            await queue.wait_idle()
+
+    asyncio.run(main())
