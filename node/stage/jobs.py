@@ -302,10 +302,16 @@ class StageJobs:
         with self._counting():
             check_result(value, bound, what)
 
-    def _accept(self, payload: EncodedTensor, bound: float, what: str) -> None:
+    def _accept(
+        self, payload: EncodedTensor, bound: float, what: str,
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """One of our results, encoded, against its bound (``out_of_range``): the largest
         |value| its receiver will decode, from the payload's scales on the host
-        (codecs.payload_peak), so the device is not asked for the tensor's maximum."""
+        (codecs.payload_peak), so the device is not asked for the tensor's maximum.
+        ``before`` (the micro-batch's other checks) runs first."""
+        if before is not None:
+            before()
         peak = payload_peak(payload)
         self._check(0.0 if peak is None else peak, bound, what)
 
@@ -322,12 +328,7 @@ class StageJobs:
             if ef_key is None:
                 pending = encode_start(t, codec, dtype=WIRE_DTYPE)
                 return self._finish_checked(pending, bound, what, before)
-
-            def accept(payload: EncodedTensor) -> None:
-                if before is not None:
-                    before()
-                self._accept(payload, bound, what)
-
+            accept = functools.partial(self._accept, bound=bound, what=what, before=before)
             return self._ef.encode(ef_key, t.to(WIRE_DTYPE), codec, accept=accept)
         except PayloadError:  # the quantizer met NaN/Inf
             raise self._not_finite(what) from None
@@ -343,9 +344,7 @@ class StageJobs:
             out = pending.result()
         except PayloadError:  # a device quantizer met NaN/Inf
             raise self._not_finite(what) from None
-        if before is not None:
-            before()
-        self._accept(out, bound, what)
+        self._accept(out, bound, what, before)
         return out
 
     def _not_finite(self, what: str) -> RemoteError:
@@ -652,7 +651,7 @@ class StageJobs:
 
     def _emit_grad(
         self, ef_key: Hashable | None, grad_x: torch.Tensor | None,
-        before: Callable[[], None] = lambda: None,
+        before: Callable[[], None] | None = None,
     ) -> list[Sendable]:
         """dL/dx as sent, checked after ``before``: through error feedback under ``ef_key``
         (an applied hop's, :meth:`_ef_key`), or not (None: a duplicate's recomputed
