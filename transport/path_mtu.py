@@ -64,13 +64,18 @@ MIN_PROBE_BYTES: Final[int] = 1200  # RFC 9000 §14: every path carries this muc
 MAX_PROBE_BYTES: Final[int] = 65527  # 65535 less the UDP header
 
 
-def encode_mtu_probe(nonce: bytes, size: int) -> bytes:
-    """A probe datagram of exactly ``size`` bytes (header, then zeros)."""
+def _fields(kind: int, nonce: bytes, size: int) -> bytes:
+    """The kind byte, nonce and size that start a probe and its acknowledgement."""
     if len(nonce) != MTU_NONCE_BYTES:
         raise ValueError(f"a probe nonce is {MTU_NONCE_BYTES} bytes")
     if not MIN_PROBE_BYTES <= size <= MAX_PROBE_BYTES:
         raise ValueError(f"a probe is {MIN_PROBE_BYTES}-{MAX_PROBE_BYTES} bytes, not {size}")
-    header = bytes([MTU_PROBE_BYTE]) + nonce + _SIZE.pack(size)
+    return bytes([kind]) + nonce + _SIZE.pack(size)
+
+
+def encode_mtu_probe(nonce: bytes, size: int) -> bytes:
+    """A probe datagram of exactly ``size`` bytes (header, then zeros)."""
+    header = _fields(MTU_PROBE_BYTE, nonce, size)
     return header + bytes(size - len(header))
 
 
@@ -87,11 +92,7 @@ def decode_mtu_probe(data: bytes) -> tuple[bytes, int] | None:
 
 def encode_mtu_ack(nonce: bytes, size: int) -> bytes:
     """The acknowledgement of the probe ``nonce`` of ``size`` bytes."""
-    if len(nonce) != MTU_NONCE_BYTES:
-        raise ValueError(f"a probe nonce is {MTU_NONCE_BYTES} bytes")
-    if not MIN_PROBE_BYTES <= size <= MAX_PROBE_BYTES:
-        raise ValueError(f"a probe is {MIN_PROBE_BYTES}-{MAX_PROBE_BYTES} bytes, not {size}")
-    body = bytes([MTU_ACK_BYTE]) + nonce + _SIZE.pack(size)
+    body = _fields(MTU_ACK_BYTE, nonce, size)
     return body + bytes(MTU_ACK_BYTES - len(body))
 
 
