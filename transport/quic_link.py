@@ -121,14 +121,14 @@ class QuicLink:
         addr: Address,
         *,
         is_client: bool,
-        max_udp_payload: int | None = None,
     ) -> None:
         config = owner.config
         self._owner = owner
         self._quic = quic
         self._loop = asyncio.get_running_loop()
-        udp_payload = max_udp_payload or config.max_udp_payload_bytes
-        install_pacer(quic, udp_payload)
+        # the packet size is aioquic's (its configuration's, smaller for a relayed
+        # connection; raised by raise_max_udp_payload): read there, never copied
+        install_pacer(quic, quic._max_datagram_size)
         self.remote_address = addr
         self.is_client = is_client
         # how the connection was made: "direct", "reversed", "punched" or "relayed"
@@ -158,7 +158,6 @@ class QuicLink:
         self._watchdog: asyncio.TimerHandle | None = None
         self._waiting = 0
         self._window = window_bytes(config)
-        self._max_udp_payload = udp_payload
         self._dead_after = config.dead_peer_timeout_s
         self.write_chunk = 256 * 1024
 
@@ -196,7 +195,7 @@ class QuicLink:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             connected=not self.is_closed,
-            max_udp_payload=self._max_udp_payload,
+            max_udp_payload=self.max_udp_payload,
         )
 
     # streams, datagrams, pings
@@ -216,24 +215,23 @@ class QuicLink:
             return None
         short_header = 1 + len(self._quic._peer_cid.cid) + 2  # aioquic sends 2-byte PNs
         frame_header = 1 + 2  # type, 2-byte length varint
-        capacity = self._max_udp_payload - short_header - AEAD_TAG_BYTES - frame_header
+        capacity = self.max_udp_payload - short_header - AEAD_TAG_BYTES - frame_header
         return min(capacity, remote - frame_header)
 
     @property
     def max_udp_payload(self) -> int:
         """Largest UDP payload this connection sends."""
-        return self._max_udp_payload
+        return self._quic._max_datagram_size
 
     def raise_max_udp_payload(self, size: int) -> bool:
         """Send datagrams of up to ``size`` bytes from now on: a path MTU probe of that
         size was acknowledged (path_mtu.py). DATAGRAM frames and FEC symbols of transfers
         planned from now on grow with it. False when the congestion controller cannot
         follow (aioquic's own), the connection is closed, or ``size`` is not larger."""
-        if self.is_closed or size <= self._max_udp_payload:
+        if self.is_closed or size <= self.max_udp_payload:
             return False
         if not raise_max_datagram_size(self._quic, size):
             return False
-        self._max_udp_payload = size
         self.schedule_transmit()
         return True
 
@@ -395,7 +393,7 @@ class QuicLink:
         if max_size is None or not self._quic._handshake_complete:
             return False
         cc = self._quic._loss._cc
-        overhead = self._max_udp_payload - max_size  # headers and AEAD tag of its packet
+        overhead = self.max_udp_payload - max_size  # headers and AEAD tag of its packet
         queued = self._quic._datagrams_pending
         room = cc.congestion_window - cc.bytes_in_flight
         # aioquic's queue holds what we fed and it has not packed yet; counting each entry as a

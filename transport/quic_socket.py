@@ -125,10 +125,10 @@ class QuicSocket:
         self._server_config = build_configuration(identity, config, is_client=False)
         self._client_config = build_configuration(identity, config, is_client=True)
         # relayed connections: the inner packet plus the relay header fits one datagram
-        self.relayed_udp_payload = max(
+        relayed_udp_payload = max(
             MIN_INITIAL_BYTES, config.max_udp_payload_bytes - RELAY_HEADER_BYTES
         )
-        relayed = config.model_copy(update={"max_udp_payload_bytes": self.relayed_udp_payload})
+        relayed = config.model_copy(update={"max_udp_payload_bytes": relayed_udp_payload})
         self._relayed_server_config = build_configuration(identity, relayed, is_client=False)
         self._relayed_client_config = build_configuration(identity, relayed, is_client=True)
         self.relay: RelayTable | None = None  # set when we relay for others
@@ -437,10 +437,7 @@ class QuicSocket:
             original_destination_connection_id=odcid,
             retry_source_connection_id=retry_scid,
         )
-        link = QuicLink(
-            self, quic, addr, is_client=False,
-            max_udp_payload=self.relayed_udp_payload if relayed else None,
-        )
+        link = QuicLink(self, quic, addr, is_client=False)
         if relayed:
             link.path = "relayed"
         self._links.add(link)
@@ -468,10 +465,7 @@ class QuicSocket:
         quic = CreditedConnection(
             configuration=self._relayed_client_config if relayed else self._client_config
         )
-        link = QuicLink(
-            self, quic, addr, is_client=True,
-            max_udp_payload=self.relayed_udp_payload if relayed else None,
-        )
+        link = QuicLink(self, quic, addr, is_client=True)
         self._links.add(link)
         self._by_cid[quic.host_cid] = link
         quic.connect(addr, now=asyncio.get_running_loop().time())

@@ -243,7 +243,7 @@ def test_a_larger_datagram_size_takes_effect_from_the_next_packets() -> None:
     datagram up to it, and a DATAGRAM frame that needs it must go out whole."""
     pair = _connected_pair()
     quic = pair.client.quic
-    assert _require(quic, "_max_datagram_size", "congestion_control.py") == MSS
+    assert _require(quic, "_max_datagram_size", "quic_link.py and congestion_control.py") == MSS
     big = 16448
     assert raise_max_datagram_size(quic, big)
     assert quic._max_datagram_size == big
