@@ -124,3 +124,31 @@ def test_probing_turned_off_keeps_the_configured_size() -> None:
             assert _probe_counts(client) == {} and _probe_counts(server) == {}
 
     run(main())
+
+
+def test_a_flood_of_probes_from_a_peer_gets_at_most_twenty_answers_a_second() -> None:
+    """An authenticated peer (the only kind answered) sending 200 probes at once gets the
+    acknowledgement budget's burst of 20, give or take what refills meanwhile, and the
+    connection serves on."""
+    async def main() -> None:
+        cfg = config(congestion=CongestionConfig(), mtu_probe_bytes=())
+        async with endpoint(cfg) as server, endpoint(cfg) as client:
+            server.register("echo", _echo)
+            await client.request(address(server), "echo", {}, [torch.ones(3)], timeout=30)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            flood = client._connections.socket
+            for _ in range(200):
+                flood.sendto(encode_mtu_probe(os.urandom(MTU_NONCE_BYTES), 1300), server.address)
+            await async_wait_for(
+                lambda: sum(_probe_counts(server).values()) == 200,
+                10, "the server to see all 200 probes",
+            )
+            took = loop.time() - started
+            counts = _probe_counts(server)
+            assert 20 <= counts["mtu_probe.answered"] <= 20 + 20 * took + 1, (counts, took)
+            assert counts["mtu_probe.ignored"] == 200 - counts["mtu_probe.answered"]
+            reply = await client.request(address(server), "echo", {}, [torch.ones(3)], timeout=30)
+            assert torch.equal(reply.tensors[0], torch.ones(3) * 2)  # type: ignore[arg-type]
+
+    run(main())
