@@ -513,14 +513,6 @@ class Daemon:
             self.dht_addrs = await self.dht.visible_maddrs()
         except DhtError as exc:
             log.warning("cannot read our DHT addresses: %s", exc)
-        except GeneratorExit:
-            # hivemind's DHT process can hand back a GeneratorExit as a request's outcome
-            # (Dht._call turns the ones it can tell apart into DhtError); one still came out
-            # of here in a demo and ended the daemon, 2 ms after a request the DHT process
-            # had dropped. This coroutine runs in the daemon's TaskGroup, which holds its
-            # task: nobody closes it, so the GeneratorExit is hivemind's. (A real close that
-            # reached here would end in "coroutine ignored GeneratorExit", not silently.)
-            log.warning("cannot read our DHT addresses: the DHT process dropped the request")
 
     async def _dial(
         self, why: str, candidates: list[tuple[str, tuple[str, ...]]], noun: str = "peer(s)"

@@ -501,27 +501,32 @@ class Dht:
             future = self._process.run_coroutine(fn, return_future=True)
         except (OSError, ValueError) as exc:
             raise DhtError(f"{what}: cannot reach the DHT process: {exc}") from None
+        # The outcome is read off the future, never raised into this task by the await:
+        # hivemind's DHT process can hand back a GeneratorExit as a request's outcome (it
+        # garbage-collects a pending task, asyncio holding tasks weakly, and sends back what
+        # was thrown into it). Raised by an await, a GeneratorExit reaches the task's own
+        # coroutine whatever its callees catch: CPython closes every coroutine the task is
+        # awaiting through and raises it in the outermost frame (test_hivemind_internals.py).
+        # That ended the daemon from its address refresh, under load.
+        outcome = asyncio.wrap_future(future)
         try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.wrap_future(future)
-        except TimeoutError:
-            future.cancel()
-            raise DhtTimeout(f"{what} took longer than {timeout:.1f}s") from None
-        except NodeError:
-            raise
-        except Exception as exc:
-            raise DhtError(f"{what} failed: {type(exc).__name__}: {exc}") from None
-        except GeneratorExit:
-            # hivemind's DHT process can garbage-collect the task running our request while
-            # it is pending (asyncio keeps tasks weakly); the GeneratorExit thrown into it is
-            # sent back as the request's outcome, and would end our caller like a close of
-            # our own coroutine. Ours is re-raised; hivemind's is a failed request. A request
-            # whose future is already settled (hivemind's GeneratorExit as its outcome, or the
-            # future cancelled under it: seen once in a demo, where it ended the daemon from
-            # its address refresh) cannot be ours being closed, which happens while we wait.
-            if future.done():
-                raise DhtError(f"{what} failed: the DHT process dropped the request") from None
-            raise
+            done, _ = await asyncio.wait({outcome}, timeout=timeout)
+        finally:
+            if not outcome.done():  # timed out, or this call was cancelled
+                outcome.cancel()  # cancels ``future`` too
+        if not done:
+            raise DhtTimeout(f"{what} took longer than {timeout:.1f}s")
+        if outcome.cancelled():
+            raise DhtError(f"{what} failed: cancelled in the DHT process")
+        failure = outcome.exception()
+        if failure is None:
+            return outcome.result()
+        if isinstance(failure, NodeError):
+            raise failure
+        if isinstance(failure, Exception):
+            raise DhtError(f"{what} failed: {type(failure).__name__}: {failure}") from None
+        raise DhtError(f"{what} failed: the DHT process dropped the request "
+                       f"({type(failure).__name__})")
 
     async def visible_maddrs(self) -> list[str]:
         """Multiaddrs (ending in /p2p/<peer id>) another node can pass as --initial-peers.

@@ -10,8 +10,10 @@ here with a clear message. No DHT is started: the checks read the classes.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import hivemind
+import pytest
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils.timed_storage import ValueWithExpiration
 
@@ -41,36 +43,87 @@ def test_progress_record_fields() -> None:
     assert "value" in ValueWithExpiration.__dataclass_fields__
 
 
-def test_a_request_the_dht_process_dropped_is_a_dht_error_not_the_callers_end() -> None:
+class _DroppingProcess:
+    """A DHT process that answers every request with ``outcome`` as its exception, after
+    ``delay_s`` from another thread (as hivemind's MPFuture is settled), or at once."""
+
+    def __init__(self, outcome: BaseException, delay_s: float) -> None:
+        self.outcome, self.delay_s = outcome, delay_s
+
+    def is_alive(self) -> bool:
+        return True
+
+    def run_coroutine(self, fn: object, return_future: bool) -> Any:
+        import concurrent.futures
+        import threading
+
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def settle() -> None:
+            if future.set_running_or_notify_cancel():  # not if the caller gave up
+                future.set_exception(self.outcome)
+
+        if self.delay_s == 0:
+            settle()
+        else:
+            threading.Timer(self.delay_s, settle).start()
+        return future
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05], ids=["settled", "settled-while-awaited"])
+def test_a_request_the_dht_process_dropped_is_a_dht_error_not_the_callers_end(
+    delay_s: float,
+) -> None:
     """hivemind's DHT process may garbage-collect the task that runs a request; the
-    GeneratorExit thrown into it comes back as the request's outcome (it ended a daemon's
-    housekeeping once). Dht._call turns it into DhtError."""
+    GeneratorExit thrown into it comes back as the request's outcome. Raised by an await
+    while the task waits, a GeneratorExit goes past every except of the coroutines in
+    between: CPython closes them and raises it in the task's outermost coroutine (it ended
+    a daemon's housekeeping twice). Dht._call reads the outcome instead of awaiting it: a
+    DhtError, and the callers' coroutines go on."""
     import asyncio
-    import concurrent.futures
 
     from wanswarm.node.errors import DhtError
     from wanswarm.node.membership.dht import Dht
 
-    class DroppingProcess:
-        def is_alive(self) -> bool:
-            return True
-
-        def run_coroutine(self, fn: object, return_future: bool) -> concurrent.futures.Future:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_exception(GeneratorExit())
-            return future
-
     dht = Dht.__new__(Dht)
-    dht._process = DroppingProcess()  # type: ignore[assignment]
+    dht._process = _DroppingProcess(GeneratorExit(), delay_s)  # type: ignore[assignment]
+    steps: list[str] = []
 
-    async def main() -> str:
+    async def caller() -> None:
         try:
             await dht._call(lambda *_: None, 5.0, "reading our addresses")
         except DhtError as exc:
-            return str(exc)
+            steps.append(str(exc))
+
+    async def housekeeping() -> None:  # the task's own coroutine, a caller further up
+        await caller()
+        steps.append("went on")
+
+    asyncio.run(asyncio.wait_for(housekeeping(), 5.0))
+    assert len(steps) == 2 and "dropped the request" in steps[0], steps
+    assert steps[1] == "went on"
+
+
+def test_a_dht_request_settled_with_an_error_or_too_late_is_a_dht_error() -> None:
+    import asyncio
+
+    from wanswarm.node.errors import DhtError, DhtTimeout
+    from wanswarm.node.membership.dht import Dht
+
+    dht = Dht.__new__(Dht)
+
+    async def outcome(process: Any, timeout: float) -> str:
+        dht._process = process
+        try:
+            await dht._call(lambda *_: None, timeout, "storing")
+        except DhtError as exc:
+            return f"{type(exc).__name__}: {exc}"
         return "no error"
 
-    assert "dropped the request" in asyncio.run(main())
+    failed = asyncio.run(outcome(_DroppingProcess(KeyError("x"), 0.05), 5.0))
+    assert failed.startswith("DhtError: storing failed: KeyError"), failed
+    late = asyncio.run(outcome(_DroppingProcess(KeyError("x"), 2.0), 0.1))
+    assert late.startswith(DhtTimeout.__name__) and "longer than 0.1s" in late, late
 
 
 def test_tracker_run_and_factory_used_by_the_dht_adapter() -> None:
@@ -129,18 +182,18 @@ def test_the_local_gradient_fallback_the_optimizer_counts() -> None:
 
 
 def test_a_dropped_address_request_does_not_end_the_daemons_housekeeping() -> None:
-    """A GeneratorExit that still comes out of the DHT adapter (hivemind's dropped request)
-    leaves the daemon's address refresh with a warning, its addresses as they were."""
+    """The daemon's address refresh, whose DHT request hivemind dropped while it waited,
+    logs a warning and keeps its addresses; the coroutine that called it goes on."""
     import asyncio
 
     from wanswarm.node.daemon import Daemon
+    from wanswarm.node.membership.dht import Dht
 
-    class DroppingDht:
-        async def visible_maddrs(self) -> list[str]:
-            raise GeneratorExit
-
+    dht = Dht.__new__(Dht)
+    dht._process = _DroppingProcess(GeneratorExit(), 0.05)  # type: ignore[assignment]
+    dht.config = type("Config", (), {"rpc_timeout": 5.0})()  # type: ignore[assignment]
     daemon = Daemon.__new__(Daemon)
-    daemon.dht = DroppingDht()  # type: ignore[assignment]
+    daemon.dht = dht
     daemon.dht_addrs = ["/ip4/192.0.2.1/tcp/1/p2p/x"]
 
     async def main() -> list[str]:
@@ -148,7 +201,7 @@ def test_a_dropped_address_request_does_not_end_the_daemons_housekeeping() -> No
         await asyncio.sleep(0)  # the coroutine goes on after it
         return daemon.dht_addrs
 
-    assert asyncio.run(main()) == ["/ip4/192.0.2.1/tcp/1/p2p/x"]
+    assert asyncio.run(asyncio.wait_for(main(), 5.0)) == ["/ip4/192.0.2.1/tcp/1/p2p/x"]
 
 
 def test_connect_list_peers_and_ping_used_by_the_address_book() -> None:
