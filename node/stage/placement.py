@@ -329,10 +329,18 @@ class ServerComponent:
             self._remember(ctx, move.to_stage)
             # until measured at the new stage, announce what the plan counted for us there
             ctx.membership.update(stage=move.to_stage, throughput=move.throughput, queue=0)
-            if not await self._announce_state(ctx, "draining", "joining"):
+            if not self._enter_state(ctx, "draining", "joining"):
                 return
             closed = loop.time()
-            await self._serve(ctx, move.to_stage)
+            # "joining" is published while the new stage loads: a store can take the DHT's
+            # whole request timeout under load, and the load does not need it to have landed.
+            # It is awaited before "online" is published, which must land last.
+            joining = asyncio.ensure_future(self._publish_state(ctx, "joining"))
+            try:
+                await self._serve(ctx, move.to_stage)
+                await joining
+            finally:
+                joining.cancel()
             if not await self._announce_state(ctx, "joining", "online"):
                 return
             online = loop.time()
@@ -362,15 +370,25 @@ class ServerComponent:
     ) -> bool:
         """Set our announced state and publish it, unless the node left ``expected`` meanwhile
         (the daemon announced ``draining`` for a leave): then the move stops here (False)."""
+        if not self._enter_state(ctx, expected, state):
+            return False
+        await self._publish_state(ctx, state)
+        return True
+
+    def _enter_state(self, ctx: ComponentContext, expected: ServerState,
+                     state: ServerState) -> bool:
+        """Set our announced state, unless the node left ``expected`` meanwhile."""
         if self._leaving or ctx.membership.state != expected:
             log.info("stage move stopped before announcing %s: the node is leaving", state)
             return False
         ctx.membership.set_state(state)
+        return True
+
+    async def _publish_state(self, ctx: ComponentContext, state: ServerState) -> None:
         try:
             await ctx.membership.announce()
         except (DhtError, RecordError) as exc:  # the announce loop retries on its own period
             log.warning("announcing %s failed: %s", state, exc)
-        return True
 
     # ---- component seam -------------------------------------------------------------
 
