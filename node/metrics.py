@@ -215,10 +215,12 @@ class _TrainingCollector(Collector):
         )
         donated = server.get("state_donated") or {}
         donations = CounterMetricFamily(
-            "wanswarm_state_donations", "State requests this server answered, by part.",
+            "wanswarm_state_donations",
+            "State requests this server answered, by part ('preparing': a manifest request "
+            "answered while a snapshot waited for the stage's averaging round).",
             labels=["part"],
         )
-        for part in ("manifests", "chunks"):
+        for part in ("manifests", "chunks", "preparing"):
             donations.add_metric([part], float(donated.get(part, 0) or 0))
         yield donations
         progress = server.get("state_download_progress") or {}

@@ -322,6 +322,8 @@ class StageServer:
             "state_donated": {
                 "manifests": self._sharing.donor.counts["manifests"],
                 "chunks": self._sharing.donor.counts["chunks"],
+                # manifest requests answered 'preparing' (a snapshot waited for a round)
+                "preparing": self._sharing.donor.counts["preparing"],
             },
             **(
                 Checkpointer.EMPTY_STATUS

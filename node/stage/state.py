@@ -4,7 +4,10 @@ Every stage server runs a :class:`~.state_donor.StateDonor` under its stage's re
 kinds. Its snapshot is the stage optimizer's ``export_state`` (parameters, optimizer
 buffers, epoch), taken on the server's device thread so that it never sees a half-applied
 step, and only while the server is ``online``: a server still loading answers
-``not_ready`` instead of handing out a fresh, untrained state.
+``not_ready`` instead of handing out a fresh, untrained state. It is never taken while an
+averaging round or delayed step runs in the background: the export would wait for it on
+the device thread and hold the stage's forwards and backwards meanwhile. The snapshot
+waits off that thread instead, and downloaders are told ``preparing`` and ask again.
 
 A server that opens (a join, a restart, a move to another stage) downloads the state from
 every online replica of its stage at once (``download_state``: chunks spread over the
@@ -34,6 +37,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import torch
+
 from ...transport.endpoint import PeerAddress
 from ..logs import get_logger
 from .averaging import AveragingError
@@ -58,6 +63,8 @@ from .state_transfer import (
 log = get_logger(__name__)
 
 DonorSource = Callable[[], Sequence[PeerAddress]]
+
+BUSY_POLL_S = 0.25  # how often a snapshot waiting for a background round asks again
 
 
 class StageStateSharing:
@@ -89,13 +96,34 @@ class StageStateSharing:
         self._layout: Any = None  # the stage's own state layout, once known
 
     async def _snapshot(self) -> Snapshot:
-        if not self._serving():
-            raise RuntimeError("this server is not online yet")
+        """The state for a downloader, exported on the device thread once no averaging round
+        or delayed step runs in the background. ``export_state`` waits for such work to
+        apply it (else the epoch would be counted and the parameters old), and on the
+        device thread that wait holds every forward and backward, up to
+        ``averaging_timeout`` when a partner vanished. So it is waited for here instead:
+        asked on the device thread (whether busy, and the export, in one job, so no step
+        slips in between), again every ``BUSY_POLL_S`` up to ``snapshot_prepare_timeout_s``.
+        """
         loop = asyncio.get_running_loop()
-        epoch, tensors, meta = await loop.run_in_executor(
-            self._executor, self._optimizer.export_state
-        )
-        return Snapshot(epoch, tensors, meta)
+        deadline = loop.time() + self._config.snapshot_prepare_timeout_s
+        while True:
+            if not self._serving():
+                raise RuntimeError("this server is not online")
+            exported = await loop.run_in_executor(self._executor, self._export_when_idle)
+            if exported is not None:
+                return Snapshot(*exported)
+            if loop.time() >= deadline:
+                raise TimeoutError(
+                    f"the stage's background round ran for over "
+                    f"{self._config.snapshot_prepare_timeout_s:g} s"
+                )
+            await asyncio.sleep(BUSY_POLL_S)
+
+    def _export_when_idle(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Device thread: the optimizer's export, or None while background work runs."""
+        if self._optimizer.background_busy():
+            return None
+        return self._optimizer.export_state()
 
     async def load(self) -> bool:
         """Install the stage's state from its replicas; True if some peer supplied it."""

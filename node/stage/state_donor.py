@@ -7,7 +7,13 @@ out of the fixed set of powers of two the wire accepts (a further size is answer
 ``busy`` rather than evicting a plan, so cycling sizes cannot make the donor re-hash); one
 manifest request per peer at a time (more are ``busy``); each peer may fetch at most
 ``max_bytes_per_peer`` snapshot sizes of one snapshot (a fair share of the donor's copying
-and bandwidth: asking for the same chunk over and over is ``busy`` past it)."""
+and bandwidth: asking for the same chunk over and over is ``busy`` past it).
+
+A snapshot can take long: the stage server exports its state only when no averaging round
+runs in the background (an export during one would wait for it on the device thread, which
+serves every forward and backward). So a request holds on for ``snapshot_wait_s`` at most
+and is then answered ``preparing``; the snapshot goes on being taken, one at a time, and
+the downloader asks again (``preparing_retry_s``)."""
 
 from __future__ import annotations
 
@@ -60,6 +66,13 @@ logger = logging.getLogger(__name__)
 # ---- donor -----------------------------------------------------------------------------------
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a snapshot task's failure as seen: every request that waited may have timed out
+    (and said ``preparing``) before it failed, and the next one starts a new task."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class _Retained:
     """A snapshot a donor hands out, kept while downloads of it may be under way."""
@@ -105,6 +118,7 @@ class StateDonor:
         self._lock = asyncio.Lock()
         self._active_chunks = 0
         self._manifest_peers: set[str] = set()  # peers with a manifest request in flight
+        self._taking: asyncio.Future[_Retained] | None = None  # a snapshot being taken
         self._closed = False
         self.counts: Counter[str] = Counter()  # manifests, chunks, chunk_bytes, snapshots, errors.*
         endpoint.register(manifest_kind(kind_prefix), self.handle_manifest)
@@ -114,6 +128,8 @@ class StateDonor:
         """Stop donating (requests answer ``gone``) and drop the retained snapshots."""
         self._closed = True
         self._retained.clear()
+        if self._taking is not None:
+            self._taking.cancel()
 
     @property
     def retained_epochs(self) -> list[int]:
@@ -140,8 +156,8 @@ class StateDonor:
             raise refuse_state(StateErrorCode.BUSY, "one manifest request per peer at a time")
         self._manifest_peers.add(request.peer_id)
         try:
+            retained = await self._current()
             async with self._lock:
-                retained = await self._current()
                 plan = retained.plans.get(req.chunk_bytes)
                 if plan is None:
                     if len(retained.plans) >= PLANS_PER_SNAPSHOT:
@@ -221,31 +237,58 @@ class StateDonor:
         ]
 
     async def _current(self) -> _Retained:
-        """The snapshot to hand a new downloader (called under the lock)."""
+        """The snapshot to hand a new downloader: the newest retained one while it is young
+        enough, else a new one. Taking one may wait for the stage's background round (the
+        server's ``snapshot`` never exports during one), so it runs as a task of its own: a
+        request waits ``snapshot_wait_s`` for it and is answered ``preparing`` past that,
+        and the snapshot, once taken, is retained for the requests that ask again."""
         cfg = self.config
-        now = self._clock()
-        self._prune(now)
-        if self._retained:
-            newest = self._retained[-1]
-            if now - newest.taken_at < cfg.snapshot_reuse_s:
-                return newest
-            if len(self._retained) >= cfg.max_retained and all(
-                now - r.last_used < cfg.snapshot_reuse_s for r in self._retained
-            ):
-                return newest  # every slot is being downloaded: do not evict one
+        async with self._lock:
+            now = self._clock()
+            self._prune(now)
+            if self._retained:
+                newest = self._retained[-1]
+                if now - newest.taken_at < cfg.snapshot_reuse_s:
+                    return newest
+                if len(self._retained) >= cfg.max_retained and all(
+                    now - r.last_used < cfg.snapshot_reuse_s for r in self._retained
+                ):
+                    return newest  # every slot is being downloaded: do not evict one
+            if self._taking is None:
+                self._taking = asyncio.ensure_future(self._take())
+                self._taking.add_done_callback(_retrieve)
+            taking = self._taking
         try:
-            snap = await self._snapshot()
-        except Exception as exc:
-            logger.warning("cannot snapshot %s for a downloader: %r", self.kind_prefix, exc)
+            return await asyncio.wait_for(asyncio.shield(taking), cfg.snapshot_wait_s)
+        except TimeoutError:
+            self.counts["preparing"] += 1
             raise refuse_state(
-                StateErrorCode.NOT_READY, f"no snapshot: {type(exc).__name__}"
-            ) from exc
-        retained = await asyncio.to_thread(self._retain, snap, now)
-        self.counts["snapshots"] += 1
-        if len(self._retained) >= cfg.max_retained:  # evict the least recently used
-            self._retained.remove(min(self._retained, key=lambda r: r.last_used))
-        self._retained.append(retained)
-        return retained
+                StateErrorCode.PREPARING,
+                "taking a snapshot of the state (waiting for the stage's averaging round "
+                f"to end): ask again in {cfg.preparing_retry_s:g} s",
+            ) from None
+
+    async def _take(self) -> _Retained:
+        """A new snapshot, retained (the least recently used one evicted past
+        ``max_retained``)."""
+        try:
+            try:
+                snap = await self._snapshot()
+            except Exception as exc:
+                logger.warning("cannot snapshot %s for a downloader: %r", self.kind_prefix, exc)
+                raise refuse_state(
+                    StateErrorCode.NOT_READY, f"no snapshot: {type(exc).__name__}"
+                ) from exc
+            retained = await asyncio.to_thread(self._retain, snap, self._clock())
+            if self._closed:
+                raise refuse_state(StateErrorCode.GONE, f"no longer donating {self.kind_prefix}")
+            self.counts["snapshots"] += 1
+            if len(self._retained) >= self.config.max_retained:  # evict the least recently used
+                self._retained.remove(min(self._retained, key=lambda r: r.last_used))
+            self._retained.append(retained)
+            return retained
+        finally:
+            self._taking = None
 
     def _retain(self, snap: Snapshot, now: float) -> _Retained:
         entries, views = [], []

@@ -61,6 +61,7 @@ class StateErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed header, index out of range, tensors attached
     BUSY = "busy"  # too many chunk requests at once: retry later or elsewhere
     NOT_READY = "not_ready"  # the donor could not take a snapshot (still loading itself)
+    PREPARING = "preparing"  # a snapshot is being taken (the stage's step is finishing): ask again
     UNKNOWN_SNAPSHOT = "unknown_snapshot"  # expired or evicted: fetch a new manifest
     GONE = "gone"  # the donor no longer serves this stage (it moved or is leaving)
     INTERNAL = "internal"  # the donor's own state cannot be sent (unsupported dtype, ...)
@@ -110,6 +111,26 @@ class StateTransferConfig(BaseModel):
     manifest_timeout_s: float = Field(
         default=30.0, gt=0.0, le=3600.0,
         description="Deadline of one manifest request (the donor snapshots and hashes its state).",
+    )
+    snapshot_wait_s: float = Field(
+        default=2.0, ge=0.0, le=60.0,
+        description="Donor: how long a manifest request waits for a snapshot being taken "
+        "before it is answered 'preparing' (the snapshot goes on for the next request).",
+    )
+    snapshot_prepare_timeout_s: float = Field(
+        default=300.0, gt=0.0, le=3600.0,
+        description="Donor: a snapshot waits this long at most for the stage's background "
+        "averaging round or delayed step to end (a snapshot is never taken during one).",
+    )
+    preparing_retry_s: float = Field(
+        default=1.0, gt=0.0, le=60.0,
+        description="Client: pause before asking again a donor that answered 'preparing'.",
+    )
+    preparing_patience_s: float = Field(
+        default=180.0, ge=0.0, le=3600.0,
+        description="Client: how long to keep asking a donor that answers 'preparing' (it "
+        "waits for its stage's averaging round: up to averaging.averaging_timeout, more for "
+        "a hung one). Donors whose answer can no longer change the quorum are not waited for.",
     )
     chunk_timeout_s: float = Field(
         default=60.0, gt=0.0, le=3600.0,

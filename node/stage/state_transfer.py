@@ -76,6 +76,7 @@ from .state_plan import (
     layout_mismatch,
     manifest_kind,
     plan_chunks,
+    quorum_size,
     scatter_chunk,
     state_digest,
 )
@@ -149,6 +150,7 @@ class StateDownload:
         self._tensors: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
         self._have: dict[int, str] = {}  # chunk index -> digest, for the current layout
+        self._preparing: set[str] = set()  # donors that answered 'preparing', asked again
 
     async def run(self) -> Snapshot:
         cfg = self.config
@@ -160,10 +162,7 @@ class StateDownload:
         decision: QuorumDecision | None = None
         try:
             async with asyncio.timeout_at(self._deadline):
-                results = await asyncio.gather(*(self._manifest(d) for d in self.donors))
-                usable = [
-                    (d, m) for d, m in zip(self.donors, results, strict=True) if m is not None
-                ]
+                usable = await self._manifests()
                 decision = self._decide(usable)
                 if decision.group is not None:
                     snapshot = await self._download(decision.group)
@@ -201,24 +200,87 @@ class StateDownload:
     def _timeout(self, limit: float) -> float:
         return max(0.001, min(limit, self._deadline - asyncio.get_running_loop().time()))
 
-    async def _manifest(self, donor: PeerAddress) -> Manifest | None:
-        """The donor's manifest, or None (the reason goes to the report)."""
-        cfg = self.config
+    async def _manifests(self) -> list[tuple[PeerAddress, Manifest]]:
+        """Every donor's manifest that fits, in donor order. A donor still ``preparing`` its
+        snapshot is waited for (``_manifest`` asks again) only while its answer could change
+        the quorum: once the largest group holds a quorum of all the donors that answered
+        or are still preparing, the rest are not waited for."""
+        tasks = {asyncio.ensure_future(self._manifest(d)): d for d in self.donors}
+        got: dict[PeerAddress, Manifest] = {}
+        pending = set(tasks)
         try:
-            reply = await self.endpoint.request(
-                donor, manifest_kind(self.kind_prefix),
-                to_header(ManifestRequest(chunk_bytes=cfg.chunk_bytes)),
-                timeout=self._timeout(cfg.manifest_timeout_s),
-            )
-            head = ManifestReply.model_validate(reply.header)
-            body = _single_uint8(reply.tensors, head.nbytes)
-            manifest = Manifest.model_validate_json(body.numpy().tobytes())
-        except TransportError as exc:
-            self.report.manifest_failures[donor.peer_id] = f"{type(exc).__name__}: {exc}"[:200]
-            return None
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=self.config.preparing_retry_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in done:
+                    if (manifest := task.result()) is not None:
+                        got[tasks[task]] = manifest
+                waiting = {tasks[t].peer_id for t in pending}
+                if waiting and waiting <= self._preparing and self._settled(got, len(waiting)):
+                    for peer in waiting:
+                        self.report.manifest_failures[peer] = (
+                            "still preparing its snapshot; a quorum had answered without it"
+                        )
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        return [(d, got[d]) for d in self.donors if d in got]
+
+    @staticmethod
+    def _settled(got: dict[PeerAddress, Manifest], waiting: int) -> bool:
+        """Whether the largest group of ``got`` wins even if all ``waiting`` donors answer."""
+        groups = group_manifests(got.items())
+        largest = max((len(g.members) for g in groups), default=0)
+        return largest > 0 and largest >= quorum_size(len(got) + waiting)
+
+    async def _manifest(self, donor: PeerAddress) -> Manifest | None:
+        """The donor's manifest, or None (the reason goes to the report). A donor that
+        answers ``preparing`` is asked again every ``preparing_retry_s`` for up to
+        ``preparing_patience_s``."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        since: float | None = None
+        try:
+            while True:
+                try:
+                    reply = await self.endpoint.request(
+                        donor, manifest_kind(self.kind_prefix),
+                        to_header(ManifestRequest(chunk_bytes=cfg.chunk_bytes)),
+                        timeout=self._timeout(cfg.manifest_timeout_s),
+                    )
+                    head = ManifestReply.model_validate(reply.header)
+                    body = _single_uint8(reply.tensors, head.nbytes)
+                    manifest = Manifest.model_validate_json(body.numpy().tobytes())
+                    break
+                except TransportError as exc:
+                    now = loop.time()
+                    if not (isinstance(exc, RemoteError) and exc.code == StateErrorCode.PREPARING
+                            and (since is None or now - since < cfg.preparing_patience_s)):
+                        self.report.manifest_failures[donor.peer_id] = (
+                            f"{type(exc).__name__}: {exc}"[:200]
+                        )
+                        return None
+                if since is None:
+                    since = now
+                    logger.info(
+                        "%s: %s is taking a snapshot of its state (its stage's averaging round "
+                        "runs); asking again every %g s for up to %g s", self.kind_prefix,
+                        donor.peer_id[:12], cfg.preparing_retry_s, cfg.preparing_patience_s,
+                    )
+                self._preparing.add(donor.peer_id)
+                await asyncio.sleep(cfg.preparing_retry_s)
         except (ValidationError, ValueError) as exc:
             self._refuse(donor, f"bad manifest: {str(exc)[:160]}")
             return None
+        finally:
+            self._preparing.discard(donor.peer_id)
+        if since is not None:
+            logger.info("%s: %s's snapshot was ready after %.1f s", self.kind_prefix,
+                        donor.peer_id[:12], loop.time() - since)
         if manifest.chunk_bytes != cfg.chunk_bytes or manifest.total_bytes > cfg.max_state_bytes:
             self._refuse(donor, (
                 f"manifest of {manifest.total_bytes} bytes in chunks of {manifest.chunk_bytes} "

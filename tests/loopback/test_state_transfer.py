@@ -348,3 +348,166 @@ def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread(
     assert all(torch.equal(a, b) for a, b in zip(ahead.parameters(), behind.parameters(),
                                                  strict=True))
     assert not again  # the donor is not ahead of us any more: nothing installed
+
+
+def _gated(epoch: int, state: dict[str, torch.Tensor], gate: asyncio.Event,
+           ) -> Callable[[], Awaitable[Snapshot]]:
+    """A snapshot that is taken only once ``gate`` is set (a stage's round runs until then)."""
+    async def take() -> Snapshot:
+        await gate.wait()
+        return Snapshot(epoch, state, {"epoch": epoch, "lr": 0.002, "names": list(state)})
+
+    return take
+
+
+PREPARING = {"snapshot_wait_s": 0.1, "preparing_retry_s": 0.2}
+
+
+def test_a_donor_still_taking_its_snapshot_says_preparing_and_is_asked_again() -> None:
+    """The manifest request does not hang on the snapshot: the donor answers ``preparing``
+    within snapshot_wait_s, the download asks again, and the one snapshot being taken
+    serves it once ready."""
+    state = _state(8, mib=0.1)
+
+    async def main() -> None:
+        async with _swarm(1) as (eps, client):
+            gate = asyncio.Event()
+            donor = StateDonor(eps[0], _gated(4, state, gate), kind_prefix=PREFIX,
+                               config=_config(**PREPARING))
+            job = StateDownload(client, [address(eps[0])], kind_prefix=PREFIX,
+                                config=_config(**PREPARING))
+            task = asyncio.ensure_future(job.run())
+            deadline = time.monotonic() + 15
+            while donor.counts["preparing"] < 3:
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.05)
+            gate.set()
+            _assert_identical(await task, 4, state)
+            assert donor.counts["snapshots"] == 1 and donor.counts["manifests"] == 1
+            assert donor.counts["errors.preparing"] == donor.counts["preparing"]
+            assert not job.report.manifest_failures and not job.report.bans
+
+    run(main(), timeout=30)
+
+
+def test_a_donor_preparing_past_the_patience_is_given_up_naming_why() -> None:
+    async def main() -> None:
+        async with _swarm(1) as (eps, client):
+            StateDonor(eps[0], _gated(4, _state(9, mib=0.05), asyncio.Event()),
+                       kind_prefix=PREFIX, config=_config(**PREPARING))
+            started = time.monotonic()
+            with pytest.raises(StateTransferError, match="preparing"):
+                await download_state(client, [address(eps[0])], kind_prefix=PREFIX,
+                                     config=_config(**PREPARING, preparing_patience_s=1.0))
+            assert 1.0 <= time.monotonic() - started < 6.0
+
+    run(main(), timeout=30)
+
+
+def test_a_preparing_donor_is_waited_for_only_while_it_could_change_the_quorum() -> None:
+    """Two donors agree and a third is preparing: the quorum holds whatever the third says,
+    so the download goes on without it. One donor answered and one is preparing: the second
+    could still disagree, so it is waited for, and then serves too."""
+    state = _state(10, mib=0.1)
+
+    async def main() -> None:
+        async with _swarm(3) as (eps, client):
+            for ep in eps[:2]:
+                StateDonor(ep, _snapshot(6, state), kind_prefix=PREFIX)
+            never = StateDonor(eps[2], _gated(7, state, asyncio.Event()), kind_prefix=PREFIX,
+                               config=_config(**PREPARING))
+            job = StateDownload(client, [address(ep) for ep in eps], kind_prefix=PREFIX,
+                                config=_config(**PREPARING, preparing_patience_s=60.0))
+            started = time.monotonic()
+            _assert_identical(await job.run(), 6, state)
+            assert time.monotonic() - started < 10.0
+            assert "still preparing" in job.report.manifest_failures[eps[2].peer_id]
+            assert never.counts["preparing"] >= 1 and never.counts["chunks"] == 0
+
+            gate = asyncio.Event()
+            late = StateDonor(eps[2], _gated(6, state, gate), kind_prefix="state.s5",
+                              config=_config(**PREPARING))
+            StateDonor(eps[0], _snapshot(6, state), kind_prefix="state.s5")
+            job = StateDownload(client, [address(eps[0]), address(eps[2])],
+                                kind_prefix="state.s5",
+                                config=_config(**PREPARING, preparing_patience_s=60.0))
+            task = asyncio.ensure_future(job.run())
+            deadline = time.monotonic() + 15
+            while late.counts["preparing"] < 3:
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.05)
+            gate.set()
+            _assert_identical(await task, 6, state)
+            assert job.report.quorum is not None and job.report.quorum.group is not None
+            assert len(job.report.quorum.group.members) == 2
+            assert not job.report.manifest_failures
+
+    run(main(), timeout=30)
+
+
+def test_a_stage_donor_never_exports_during_a_background_round_nor_holds_its_device_thread(
+) -> None:
+    """While the optimizer's averaging round runs in the background, ``export_state`` would
+    wait for it on the device thread (as hivemind's flush does), holding every forward and
+    backward. The donor's snapshot waits off that thread instead: jobs on the device thread
+    keep running, the downloader hears ``preparing``, and the state is exported, and
+    served, once the round is over."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wanswarm.node.config.runspec import RunSpec
+    from wanswarm.node.stage.optimizer import LocalOptimizer
+    from wanswarm.node.stage.state import StageStateSharing
+    from wanswarm.node.training.model import build_stage
+
+    spec = RunSpec.model_validate({
+        "name": "busy-donor", "model": {"d_model": 64, "n_heads": 2, "n_layers": 2, "seq_len": 16},
+        "stages": {"blocks_per_stage": [1, 1]},
+        "batch": {"micro_batch_size": 2, "target_batch_size": 4},
+    })
+    round_over = threading.Event()
+    exported_during_round: list[bool] = []
+
+    class RoundInBackground(LocalOptimizer):
+        def background_busy(self) -> bool:
+            return not round_over.is_set()
+
+        def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+            exported_during_round.append(not round_over.is_set())
+            return super().export_state()
+
+    donor_opt = RoundInBackground(build_stage(spec, 1), spec)
+    device = ThreadPoolExecutor(1, thread_name_prefix="donor-device")
+    cfg = _config(**PREPARING)
+
+    async def main() -> None:
+        async with _swarm(1) as (donors, client):
+            sharing = StageStateSharing(donors[0], 1, donor_opt, device, cfg, donors=None,
+                                        serving=lambda: True)
+            loop = asyncio.get_running_loop()
+            try:
+                job = StateDownload(client, [address(donors[0])], kind_prefix=sharing.prefix,
+                                    config=cfg)
+                task = asyncio.ensure_future(job.run())
+                deadline = time.monotonic() + 15
+                while sharing.donor.counts["preparing"] < 3:
+                    assert time.monotonic() < deadline and not task.done()
+                    # the device thread is free: a job submitted now runs at once
+                    started = time.monotonic()
+                    await asyncio.wait_for(loop.run_in_executor(device, lambda: None), 2.0)
+                    assert time.monotonic() - started < 1.0
+                    await asyncio.sleep(0.05)
+                round_over.set()
+                got = await task
+            finally:
+                sharing.close()
+            assert got.epoch == donor_opt.local_epoch
+            _, own, _ = donor_opt.export_state()
+            assert list(got.tensors) == list(own)
+            assert all(torch.equal(got.tensors[k], own[k]) for k in own)
+
+    try:
+        run(main(), timeout=30)
+    finally:
+        device.shutdown()
+    assert exported_during_round[0] is False and not any(exported_during_round)

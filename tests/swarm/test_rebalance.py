@@ -45,13 +45,14 @@ PERIOD_S = 8.0
 JITTER = 0.25
 RECORD_TTL_S = 6.0  # FAST's node.record_ttl
 THROUGHPUT = 10.0  # samples/s every server announces at every stage
+AVERAGING_TIMEOUT_S = 20.0
 
 TRAINING: tuple[str, ...] = (
     "--set", "stage_server.device=cpu",
     "--set", "trainer.request_timeout_s=8",
     "--set", "trainer.max_in_flight=2",
     "--set", "averaging.matchmaking_time=2",
-    "--set", "averaging.averaging_timeout=20",
+    "--set", f"averaging.averaging_timeout={AVERAGING_TIMEOUT_S:g}",
     "--set", "averaging.load_state_timeout=60",
     "--set", "node.shutdown_timeout=15",
     "--set", f"rebalance.period_s={PERIOD_S}",
@@ -157,8 +158,11 @@ def test_a_server_of_the_best_served_stage_fills_a_gap() -> None:
             return done[0] if len(done) == 1 else None
 
         # b1's record expires within record_ttl; then the next check of every stage-0 server
-        # (each at most period * (1 + jitter) away) names one of them; plus its load.
-        bound = RECORD_TTL_S + 2 * PERIOD_S * (1 + JITTER) + 30
+        # (each at most period * (1 + jitter) away) names one of them; plus its load. The
+        # donor, b0, takes its snapshot only once its background averaging round is over:
+        # the round that began with b1 still alive looks for b1 until averaging_timeout
+        # (the mover hears 'preparing' meanwhile; docs/state_transfer.md, "Snapshots").
+        bound = RECORD_TTL_S + 2 * PERIOD_S * (1 + JITTER) + AVERAGING_TIMEOUT_S + 30
         mover = wait_for(moved, bound, "a stage-0 server to serve stage 1", interval=0.5,
                          explain=swarm.explain)
         seen_at = time.time()
