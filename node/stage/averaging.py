@@ -448,6 +448,7 @@ class CollaborativeOptimizer:
         )
         # a round that outlives this is left to hivemind's own wait (which times out)
         self.hold_limit_s = 2 * config.averaging_timeout
+        self._snapshot_waiting_since: float | None = None  # hold_for_snapshot
         self._running_since: dict[int, float] = {}  # id of a running update -> first seen
         # epochs end at the samples the spec says, not at hivemind's estimate (module docstring)
         self._opt.tracker.exact_epochs = config.exact_epochs
@@ -740,14 +741,23 @@ class CollaborativeOptimizer:
     def flush(self) -> None:
         self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
+    def hold_for_snapshot(self, waiting: bool) -> None:
+        self._snapshot_waiting_since = time.monotonic() if waiting else None
+
     def _hold_epoch(self) -> bool:
         """Whether to hold the epoch open: a background round runs, and has run for less
-        than ``hold_limit_s`` (one that hangs past it is hivemind's to wait for and cancel)."""
+        than ``hold_limit_s`` (one that hangs past it is hivemind's to wait for and cancel);
+        or a state donor's snapshot waits for the round to end (``hold_for_snapshot``), for
+        as long: a new epoch's round would start before the snapshot's turn on the device
+        thread came, and the snapshot could wait through round after round."""
+        now = time.monotonic()
+        waiting = self._snapshot_waiting_since
+        if waiting is not None and now - waiting < self.hold_limit_s:
+            return True
         running = [u for u in self._opt.state_averager.pending_updates if not u.done()]
         if not running:
             self._running_since.clear()
             return False
-        now = time.monotonic()
         self._running_since = {id(u): self._running_since.get(id(u), now) for u in running}
         return now - min(self._running_since.values()) < self.hold_limit_s
 

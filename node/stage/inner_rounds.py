@@ -107,6 +107,9 @@ class InnerStepsOptimizer:
     def background_busy(self) -> bool:
         return False
 
+    def hold_for_snapshot(self, waiting: bool) -> None:
+        return None
+
     def shutdown(self) -> None:
         if not self._shut:
             self._shut = True

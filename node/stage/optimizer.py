@@ -92,6 +92,10 @@ class StageOptimizer(Protocol):
         """Whether a background averaging round or delayed step is still running (so that
         ``export_state`` would wait for it)."""
 
+    def hold_for_snapshot(self, waiting: bool) -> None:
+        """A state donor's snapshot waits (True) until ``background_busy`` is over, or no
+        longer (False): meanwhile no new epoch may start background work."""
+
     def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         """``(epoch, tensors, meta)``: the stage's state as private CPU copies (names as
         in state_tensors.py)."""
@@ -397,6 +401,9 @@ class LocalOptimizer:
 
     def background_busy(self) -> bool:
         return False
+
+    def hold_for_snapshot(self, waiting: bool) -> None:
+        return None
 
     def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         live = module_tensors(self._module) | optimizer_tensors(self._opt)

@@ -102,22 +102,30 @@ class StageStateSharing:
         device thread that wait holds every forward and backward, up to
         ``averaging_timeout`` when a partner vanished. So it is waited for here instead:
         asked on the device thread (whether busy, and the export, in one job, so no step
-        slips in between), again every ``BUSY_POLL_S`` up to ``snapshot_prepare_timeout_s``.
+        slips in between), again every ``BUSY_POLL_S`` up to ``snapshot_prepare_timeout_s``;
+        meanwhile the optimizer holds its epoch (``hold_for_snapshot``), so that the round
+        that ends is not followed by the next epoch's before this job's turn.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.snapshot_prepare_timeout_s
-        while True:
-            if not self._serving():
-                raise RuntimeError("this server is not online")
-            exported = await loop.run_in_executor(self._executor, self._export_when_idle)
-            if exported is not None:
-                return Snapshot(*exported)
-            if loop.time() >= deadline:
-                raise TimeoutError(
-                    f"the stage's background round ran for over "
-                    f"{self._config.snapshot_prepare_timeout_s:g} s"
-                )
-            await asyncio.sleep(BUSY_POLL_S)
+        try:
+            while True:
+                if not self._serving():
+                    raise RuntimeError("this server is not online")
+                exported = await loop.run_in_executor(self._executor, self._export_when_idle)
+                if exported is not None:
+                    return Snapshot(*exported)
+                if loop.time() >= deadline:
+                    raise TimeoutError(
+                        f"the stage's background round ran for over "
+                        f"{self._config.snapshot_prepare_timeout_s:g} s"
+                    )
+                # no new epoch's round may start meanwhile, or this could wait for round
+                # after round (the next step may come before this poll on the device thread)
+                self._optimizer.hold_for_snapshot(True)
+                await asyncio.sleep(BUSY_POLL_S)
+        finally:
+            self._optimizer.hold_for_snapshot(False)
 
     def _export_when_idle(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         """Device thread: the optimizer's export, or None while background work runs."""

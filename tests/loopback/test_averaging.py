@@ -314,6 +314,36 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
 @HIVEMIND_PATH_WARNING
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
+def test_an_epoch_is_held_while_a_state_donors_snapshot_waits_for_the_round() -> None:
+    """A donor's snapshot waits off the device thread until no round runs in the background
+    (state.py); meanwhile the epoch is held, so that no new round starts before the
+    snapshot's turn on the device thread comes. The hold ends when the snapshot stops
+    waiting."""
+    pytest.importorskip("hivemind")
+    config = AveragingConfig(
+        matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
+        grad_compression="none", state_compression="none",
+    )
+    with hivemind_dhts(1) as dhts:
+        module = build_stage(SPEC, STAGE)
+        opt = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
+        gen = torch.Generator().manual_seed(1)
+        opt.hold_for_snapshot(True)
+        for _ in range(3):  # the epoch's target (4 samples) and one micro-batch beyond
+            _accumulate(module, gen)
+            opt.step(B)
+        assert opt.local_epoch == 0 and opt.epochs_held >= 1
+        assert not opt.background_busy()  # held for the snapshot alone
+        opt.hold_for_snapshot(False)
+        _accumulate(module, gen)
+        opt.step(B)
+        assert opt.local_epoch == 1
+        opt.flush()
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
 def test_an_idle_replica_joins_a_synchronous_step_without_a_micro_batch() -> None:
     """Replica A gets every micro-batch of the epoch and blocks in the all-reduce; replica B
     gets none after its first, and only runs the stage server's periodic ``step_if_due``.
