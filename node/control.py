@@ -315,6 +315,8 @@ class ControlClient:
         """After ``leave``: report the daemon's progress until its socket closes and ``pid`` exits.
 
         Polls (status every 0.2 s, then the pid every 0.1 s) up to ``timeout``; True once gone.
+        A daemon that stops answering is closing its components (its control loop ends
+        with its drain): that is reported and its pid waited for, not taken for a failure.
         """
         deadline = time.monotonic() + timeout
         last = ""
@@ -323,6 +325,9 @@ class ControlClient:
                 report = self.status()
             except DaemonNotRunning:
                 break  # the socket closes at the end of the leave path
+            except ControlProtocolError as exc:
+                on_progress(f"not answering ({exc}); waiting for it to exit")
+                break
             line: str = report.state
             if report.drain_deadline_s is not None:
                 line += f", {report.drain_deadline_s:.0f}s of drain left"

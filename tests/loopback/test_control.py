@@ -154,6 +154,40 @@ def test_client_without_daemon() -> None:
         ControlClient(Path("/tmp/" + "x" * 120) / "control.sock").status()
 
 
+def test_leave_waits_for_a_daemon_that_stops_answering_while_it_closes() -> None:
+    """After ``leave`` the daemon closes its components; a status request it accepts but
+    does not answer then is reported and its process waited for: ``wanswarm leave`` succeeds
+    once it exits (it failed with "daemon did not answer" while the daemon went on to exit)."""
+    import subprocess
+    import sys
+
+    directory = _short_dir()
+    path = directory / "control.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)  # accepted by the kernel, never answered
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    lines: list[str] = []
+    try:
+        client = ControlClient(path, timeout=0.3)
+        assert client.wait_until_gone(daemon.pid, 20.0, lines.append)
+        assert len(lines) == 1 and "not answering" in lines[0], lines
+        assert "waiting for it to exit" in lines[0]
+        # a daemon that never exits is still reported as running at the deadline
+        stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert not client.wait_until_gone(stuck.pid, 1.0, lines.append)
+        finally:
+            stuck.kill()
+            stuck.wait()
+    finally:
+        daemon.kill()
+        daemon.wait()
+        listener.close()
+        path.unlink()
+        directory.rmdir()
+
+
 def test_stale_socket_is_replaced_and_a_live_one_refused() -> None:
     async def main() -> None:
         directory = _short_dir()
