@@ -314,7 +314,46 @@ class _DhtProcess(DHT):
         if os.getppid() != self._parent_pid:
             return  # the daemon died before prctl took effect
         _add_p2pd_flags(self._p2pd_flags)
+        self._inner_pipe = _RequestPipe(self._inner_pipe)  # type: ignore[has-type]
         super().run()
+
+    async def _dropped_request(self) -> None:
+        """What a request that could not be read runs (``_RequestPipe``): nothing."""
+
+
+class _RequestPipe:
+    """The DHT process's end of its request pipe, where a request that cannot be read is
+    dropped at once.
+
+    A request carries file descriptors (its MPFuture's pipe and shared state) that the
+    receiver fetches from the sender's ``multiprocessing.resource_sharer``; when the sender
+    has exited (a stage's averager processes, shut down when the server moves) its requests
+    still queued cannot be read. hivemind 1.1.12's loop (``DHT.run``) logs each such one and
+    then sleeps ``wait_timeout`` (3 s) before reading the next: after a move, a backlog of
+    them held every other DHT request of the node for minutes (announce and lookups timed
+    out, the moved server never came online). Here the unreadable request is logged and
+    replaced with one that does nothing, so the loop goes straight on. Its sender, gone or
+    not, hears nothing either way. ``EOFError`` (every writer closed) still ends the loop.
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self.dropped = 0
+
+    def fileno(self) -> int:
+        return int(self._pipe.fileno())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self._pipe.poll(timeout))
+
+    def recv(self) -> Any:
+        try:
+            return self._pipe.recv()
+        except (OSError, RuntimeError) as exc:  # the exceptions DHT.run sleeps on
+            self.dropped += 1
+            log.warning("dropped a DHT request that cannot be read (%d so far): %r",
+                        self.dropped, exc)
+            return "_dropped_request", [], {}
 
 
 def _add_p2pd_flags(flags: dict[str, Any]) -> None:

@@ -83,3 +83,38 @@ def test_unreachable_initial_peers_fail_the_join_clearly(tmp_path: Path) -> None
     finally:
         if node.is_alive():
             node.shutdown_blocking()
+
+
+def _fail_to_read() -> None:
+    raise FileNotFoundError("the sender's resource sharer is gone")
+
+
+class _Unreadable:
+    """A request whose unpickling fails as one does whose sender exited: its MPFuture's file
+    descriptors cannot be fetched from the sender's resource sharer any more."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return _fail_to_read, ()
+
+
+@pytest.mark.timeout(60)
+def test_unreadable_requests_are_dropped_without_holding_the_next_ones(tmp_path: Path) -> None:
+    """hivemind's DHT loop sleeps wait_timeout (the rpc timeout, 3 s here) after each request
+    it cannot read; a backlog of them, left by a stage's averager processes that exited
+    during a move, held every later request of the node for minutes. They are dropped at
+    once: a request sent behind five of them is answered within its own 3 s deadline."""
+    identity, key = load_identity(tmp_path)
+    node = dht_module.Dht.spawn(CONFIG, "demo", identity, key)
+    try:
+        async def scenario() -> list[str]:
+            await node.wait_ready()
+            for _ in range(5):
+                node._process._outer_pipe.send(("_run_coroutine", [], {"coro": _Unreadable()}))
+            return await node.visible_maddrs()
+
+        addrs = asyncio.run(scenario())
+        assert addrs and all(addr.endswith(f"/p2p/{identity.peer_id}") for addr in addrs)
+        assert node.is_alive()
+    finally:
+        if node.is_alive():
+            node.shutdown_blocking()

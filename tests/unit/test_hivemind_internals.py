@@ -223,3 +223,18 @@ def test_connect_list_peers_and_ping_used_by_the_address_book() -> None:
     assert "update_routing_table" in ping, f"{where}: call_ping no longer updates the table"
     assert "update_routing_table" in inspect.getsource(DHTProtocol.rpc_ping), where
     assert "queries" in inspect.signature(DHTNode.find_nearest_nodes).parameters, where
+
+
+def test_the_dht_loop_that_the_request_pipe_wraps() -> None:
+    """node/membership/dht.py's _RequestPipe replaces ``DHT._inner_pipe`` in the DHT process:
+    hivemind's loop must still read requests through it as (method, args, kwargs), run
+    ``getattr(self, method)`` and sleep after the errors it cannot read past."""
+    from hivemind.dht import DHT
+
+    where = "node/membership/dht.py (_RequestPipe)"
+    source = inspect.getsource(DHT.run)
+    assert "loop.add_reader(self._inner_pipe.fileno()" in source, where
+    assert "if not self._inner_pipe.poll():" in source, where
+    assert "method, args, kwargs = self._inner_pipe.recv()" in source, where
+    assert "except (OSError, ConnectionError, RuntimeError) as e:" in source, where
+    assert "asyncio.create_task(getattr(self, method)(*args, **kwargs))" in source, where
