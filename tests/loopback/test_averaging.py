@@ -42,7 +42,7 @@ from wanswarm.node.stage.exact_allreduce import EpochKeyedStateAverager
 from wanswarm.node.stage.optimizer import LocalOptimizer, make_adamw
 from wanswarm.node.training.model import build_stage, param_groups
 
-from tests.loopback.hivemind_dhts import hivemind_dhts
+from tests.loopback.hivemind_dhts import Dhts, hivemind_dhts
 from tests.waiting import wait_for
 
 SPEC = RunSpec(
@@ -251,6 +251,18 @@ class _RoundStillRunning(Future[Any]):
         return super().result(timeout)
 
 
+def _one_replica(dhts: Dhts) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+    """The stage and its collaborative optimizer (delayed updates, the default) alone on
+    the first DHT."""
+    pytest.importorskip("hivemind")
+    config = AveragingConfig(
+        matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
+        grad_compression="none", state_compression="none",
+    )
+    module = build_stage(SPEC, STAGE)
+    return module, dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
+
+
 @HIVEMIND_PATH_WARNING
 @HIVEMIND_UNRAISABLE_WARNING
 @pytest.mark.timeout(90)
@@ -262,13 +274,8 @@ def test_an_epoch_that_ends_while_the_last_round_runs_is_held_not_waited_for() -
     reported, not when hivemind's estimated arrival time has passed."""
     pytest.importorskip("hivemind")
     from hivemind.utils.timed_storage import get_dht_time
-    config = AveragingConfig(
-        matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
-        grad_compression="none", state_compression="none",
-    )
     with hivemind_dhts(1) as dhts:
-        module = build_stage(SPEC, STAGE)
-        opt = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
+        module, opt = _one_replica(dhts)
         running = _RoundStillRunning()
         opt._opt.state_averager.pending_updates.add(running)
         gen = torch.Generator().manual_seed(0)
@@ -319,14 +326,8 @@ def test_an_epoch_is_held_while_a_state_donors_snapshot_waits_for_the_round() ->
     (state.py); meanwhile the epoch is held, so that no new round starts before the
     snapshot's turn on the device thread comes. The hold ends when the snapshot stops
     waiting."""
-    pytest.importorskip("hivemind")
-    config = AveragingConfig(
-        matchmaking_time=2.0, averaging_timeout=15.0, load_state_timeout=15.0,
-        grad_compression="none", state_compression="none",
-    )
     with hivemind_dhts(1) as dhts:
-        module = build_stage(SPEC, STAGE)
-        opt = dhts.own(CollaborativeOptimizer(module, SPEC, STAGE, _Host(dhts[0]), config))
+        module, opt = _one_replica(dhts)
         gen = torch.Generator().manual_seed(1)
         opt.hold_for_snapshot(True)
         for _ in range(3):  # the epoch's target (4 samples) and one micro-batch beyond

@@ -363,6 +363,14 @@ def _gated(epoch: int, state: dict[str, torch.Tensor], gate: asyncio.Event,
 PREPARING = {"snapshot_wait_s": 0.1, "preparing_retry_s": 0.2}
 
 
+async def _answered_preparing(donor: StateDonor, download: asyncio.Future[Snapshot]) -> None:
+    """Until ``donor`` has answered ``preparing`` three times, the download still waiting."""
+    deadline = time.monotonic() + 15
+    while donor.counts["preparing"] < 3:
+        assert time.monotonic() < deadline and not download.done()
+        await asyncio.sleep(0.05)
+
+
 def test_a_donor_still_taking_its_snapshot_says_preparing_and_is_asked_again() -> None:
     """The manifest request does not hang on the snapshot: the donor answers ``preparing``
     within snapshot_wait_s, the download asks again, and the one snapshot being taken
@@ -377,10 +385,7 @@ def test_a_donor_still_taking_its_snapshot_says_preparing_and_is_asked_again() -
             job = StateDownload(client, [address(eps[0])], kind_prefix=PREFIX,
                                 config=_config(**PREPARING))
             task = asyncio.ensure_future(job.run())
-            deadline = time.monotonic() + 15
-            while donor.counts["preparing"] < 3:
-                assert time.monotonic() < deadline and not task.done()
-                await asyncio.sleep(0.05)
+            await _answered_preparing(donor, task)
             gate.set()
             _assert_identical(await task, 4, state)
             assert donor.counts["snapshots"] == 1 and donor.counts["manifests"] == 1
@@ -432,10 +437,7 @@ def test_a_preparing_donor_is_waited_for_only_while_it_could_change_the_quorum()
                                 kind_prefix="state.s5",
                                 config=_config(**PREPARING, preparing_patience_s=60.0))
             task = asyncio.ensure_future(job.run())
-            deadline = time.monotonic() + 15
-            while late.counts["preparing"] < 3:
-                assert time.monotonic() < deadline and not task.done()
-                await asyncio.sleep(0.05)
+            await _answered_preparing(late, task)
             gate.set()
             _assert_identical(await task, 6, state)
             assert job.report.quorum is not None and job.report.quorum.group is not None
