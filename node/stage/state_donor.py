@@ -260,6 +260,12 @@ class StateDonor:
             taking = self._taking
         try:
             return await asyncio.wait_for(asyncio.shield(taking), cfg.snapshot_wait_s)
+        except asyncio.CancelledError:
+            if self._closed and taking.cancelled():  # close() ended the snapshot, not us
+                raise refuse_state(
+                    StateErrorCode.GONE, f"no longer donating {self.kind_prefix}"
+                ) from None
+            raise
         except TimeoutError:
             self.counts["preparing"] += 1
             raise refuse_state(

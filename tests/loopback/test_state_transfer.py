@@ -513,3 +513,18 @@ def test_a_stage_donor_never_exports_during_a_background_round_nor_holds_its_dev
     finally:
         device.shutdown()
     assert exported_during_round[0] is False and not any(exported_during_round)
+
+
+def test_a_donor_closed_while_a_request_waits_for_its_snapshot_answers_gone() -> None:
+    async def main() -> None:
+        async with _swarm(1) as (eps, client):
+            donor = StateDonor(eps[0], _gated(4, _state(11, mib=0.05), asyncio.Event()),
+                               kind_prefix=PREFIX, config=_config(snapshot_wait_s=10.0))
+            job = StateDownload(client, [address(eps[0])], kind_prefix=PREFIX, config=_config())
+            task = asyncio.ensure_future(job.run())
+            await asyncio.sleep(0.5)  # the request waits for the snapshot
+            donor.close()
+            with pytest.raises(StateTransferError, match="gone"):
+                await asyncio.wait_for(task, 5.0)
+
+    run(main(), timeout=30)
