@@ -742,7 +742,10 @@ class CollaborativeOptimizer:
         self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
     def hold_for_snapshot(self, waiting: bool) -> None:
-        self._snapshot_waiting_since = time.monotonic() if waiting else None
+        if not waiting:
+            self._snapshot_waiting_since = None
+        elif self._snapshot_waiting_since is None:  # hold_limit_s runs from the first call
+            self._snapshot_waiting_since = time.monotonic()
 
     def _hold_epoch(self) -> bool:
         """Whether to hold the epoch open: a background round runs, and has run for less

@@ -93,8 +93,9 @@ class StageOptimizer(Protocol):
         ``export_state`` would wait for it)."""
 
     def hold_for_snapshot(self, waiting: bool) -> None:
-        """A state donor's snapshot waits (True) until ``background_busy`` is over, or no
-        longer (False): meanwhile no new epoch may start background work."""
+        """A state donor's snapshot waits (True, repeated while it polls) until
+        ``background_busy`` is over, or no longer (False): meanwhile no new epoch may start
+        background work."""
 
     def export_state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
         """``(epoch, tensors, meta)``: the stage's state as private CPU copies (names as

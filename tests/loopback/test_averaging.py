@@ -330,9 +330,12 @@ def test_an_epoch_is_held_while_a_state_donors_snapshot_waits_for_the_round() ->
         module, opt = _one_replica(dhts)
         gen = torch.Generator().manual_seed(1)
         opt.hold_for_snapshot(True)
+        since = opt._snapshot_waiting_since
         for _ in range(3):  # the epoch's target (4 samples) and one micro-batch beyond
             _accumulate(module, gen)
+            opt.hold_for_snapshot(True)  # the snapshot polls again: its bound still runs
             opt.step(B)
+        assert opt._snapshot_waiting_since == since
         assert opt.local_epoch == 0 and opt.epochs_held >= 1
         assert not opt.background_busy()  # held for the snapshot alone
         opt.hold_for_snapshot(False)
