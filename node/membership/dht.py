@@ -61,6 +61,7 @@ from ..errors import (
     UnsupportedRecordVersion,
 )
 from ..logs import get_logger
+from . import hivemind_loops
 from .records import (
     MembershipRead,
     RttRecord,
@@ -447,6 +448,9 @@ class Dht:
         """Fork the DHT process (call before starting the event loop: forking a process that
         runs threads and a loop is how hivemind's race reports begin). Does not wait for it."""
         validator = OwnedRecordValidator(run, identity)
+        # this DHT process's loop, and those of the averager processes forked after it,
+        # keep the tasks hivemind starts and drops (hivemind_loops.py says why)
+        hivemind_loops.install()
         # hivemind's MPFuture binds to asyncio.get_event_loop(), which outside a running loop
         # would create (and leak) a default loop: give it one that we close right after the fork
         scratch = None
@@ -879,6 +883,7 @@ def tidy_optimizer_class() -> type:
 
         def run(self) -> None:
             loop = asyncio.new_event_loop()
+            hivemind_loops.keep_tasks(loop)  # hivemind_loops.py: its store and get tasks
             asyncio.set_event_loop(loop)
             work = [self._progress_reporter(), self._progress_fetcher()]
             if self.push_book is not None:

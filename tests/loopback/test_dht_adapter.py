@@ -8,11 +8,13 @@ from this one test process; no wanswarm daemon runs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 from pathlib import Path
 
 import pytest
+from hivemind.utils.mpfuture import MPFuture
 from wanswarm.node.config.node_config import DhtConfig
 from wanswarm.node.errors import JoinError, ProbeError
 from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, ServerRecord
@@ -114,6 +116,53 @@ def test_unreadable_requests_are_dropped_without_holding_the_next_ones(tmp_path:
 
         addrs = asyncio.run(scenario())
         assert addrs and all(addr.endswith(f"/p2p/{identity.peer_id}") for addr in addrs)
+        assert node.is_alive()
+    finally:
+        if node.is_alive():
+            node.shutdown_blocking()
+
+
+# set in the DHT process by _park: the uid of the MPFuture its request waits on
+_PARKED: list[int] = []
+
+
+async def _park(_dht: object, _node: object) -> str:
+    """A DHT request that waits for an answer from another process (an MPFuture), held by
+    nothing but itself: hivemind's request loop drops the task that runs it."""
+    later: MPFuture[str] = MPFuture()
+    _PARKED.append(later._uid)
+    return await later
+
+
+async def _collect_and_answer(_dht: object, _node: object) -> bool:
+    """Collect garbage in the DHT process, then answer the parked request's future by its
+    uid, as hivemind's update thread does; False if the future was gone."""
+    await asyncio.sleep(0)
+    gc.collect()
+    ref = MPFuture._active_futures.get(_PARKED[-1]) if _PARKED else None
+    future = ref() if ref is not None else None
+    if future is None:
+        return False
+    future.set_result("answered")
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_request_waiting_on_another_process_survives_garbage_collection(tmp_path: Path) -> None:
+    """hivemind holds the DHT process's request tasks weakly: one waiting on an MPFuture was
+    destroyed by the collector, and its caller got GeneratorExit (it ended a daemon). The
+    process's loop keeps them (node/membership/hivemind_loops.py): the parked request gets
+    its answer after a collection."""
+    identity, key = load_identity(tmp_path)
+    node = dht_module.Dht.spawn(CONFIG, "demo", identity, key)
+    try:
+        asyncio.run(node.wait_ready())
+        process = node._process
+        # requests run in the order sent, and _collect_and_answer yields once first: the
+        # parked request is at its await when the collection runs
+        parked = process.run_coroutine(_park, return_future=True)
+        assert process.run_coroutine(_collect_and_answer, return_future=True).result(timeout=10)
+        assert parked.result(timeout=10) == "answered"
         assert node.is_alive()
     finally:
         if node.is_alive():

@@ -238,3 +238,18 @@ def test_the_dht_loop_that_the_request_pipe_wraps() -> None:
     assert "method, args, kwargs = self._inner_pipe.recv()" in source, where
     assert "except (OSError, ConnectionError, RuntimeError) as e:" in source, where
     assert "asyncio.create_task(getattr(self, method)(*args, **kwargs))" in source, where
+
+
+def test_the_loops_that_hivemind_loops_patches() -> None:
+    """node/membership/hivemind_loops.py replaces ``switch_to_uvloop`` in the modules whose
+    processes make their loop with it: the DHT's and the averagers'. ``MPFuture`` must still
+    hold its pending futures by weak reference only (the reason for the patch)."""
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.dht import DHT
+    from hivemind.utils.mpfuture import MPFuture
+
+    where = "node/membership/hivemind_loops.py"
+    for run in (DHT.run, DecentralizedAverager._run_internal):
+        assert "loop = switch_to_uvloop()" in inspect.getsource(run), where
+    weakly = "MPFuture._active_futures[self._uid] = ref(self)"
+    assert weakly in inspect.getsource(MPFuture.__init__), where

@@ -1,0 +1,80 @@
+"""Event loops of hivemind's processes keep every task they run until it is done.
+
+asyncio holds tasks weakly: a task that nobody references lives only through the future it
+awaits. hivemind starts many tasks and drops them (the DHT and averager processes start each
+request as ``asyncio.create_task(...)`` and overwrite the only name for it with the next
+request; the averagers' matchmaking starts its periodic declarations the same way). When
+such a task awaits an ``MPFuture`` (a DHT call made from an averager process, say), the task,
+its coroutine, the future and the future's asyncio event form a cycle that nothing outside
+holds, since ``MPFuture`` keeps its pending futures only in a dictionary of weak
+references. The garbage collector then destroys the task mid-wait ("Task was destroyed but
+it is pending") and the answer, when it comes back, finds no future. What follows depends
+on the task: a DHT request of the daemon is answered with ``GeneratorExit`` (it ended a
+daemon, see ``Dht._call``); a stage's gradient averager lost its matchmaking and waited out
+``averaging_timeout`` at every step from then on (a demo run stalled at 50k tokens).
+
+asyncio's documentation says to keep a reference to every task one starts. :func:`install`
+does it for hivemind: the loops that hivemind's processes make with ``switch_to_uvloop``
+(the DHT's, each averager's) get a task factory that holds each task in a set until it is
+done. A task that could have been woken (its future's answer still on its way) now is. A
+task that nothing can ever wake stays pending instead of being destroyed: hivemind's waits
+have timeouts, so none of its own tasks waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import hivemind.averaging.averager
+import hivemind.dht.dht
+
+# the modules whose `switch_to_uvloop` makes the loop a hivemind process runs on
+_LOOP_MAKERS = (hivemind.dht.dht, hivemind.averaging.averager)
+
+
+class TaskKeeper:
+    """A task factory that holds each task it makes until the task is done."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def __call__(
+        self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+    ) -> asyncio.Task[Any]:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+
+def keep_tasks(loop: asyncio.AbstractEventLoop) -> TaskKeeper:
+    """Make ``loop`` hold every task it creates from now on until the task is done."""
+    keeper = TaskKeeper()
+    loop.set_task_factory(keeper)  # type: ignore[arg-type]
+    return keeper
+
+
+LoopMaker = Callable[[], asyncio.AbstractEventLoop]
+
+
+def _keeping(make_loop: LoopMaker) -> LoopMaker:
+    def switch_to_uvloop() -> asyncio.AbstractEventLoop:
+        loop = make_loop()
+        keep_tasks(loop)
+        return loop
+
+    switch_to_uvloop.keeps_tasks = True  # type: ignore[attr-defined]
+    return switch_to_uvloop
+
+
+def install() -> None:
+    """Make the loops of hivemind processes started (forked) after this call keep their tasks.
+
+    Idempotent. Called before the daemon forks its DHT process; the averagers' processes,
+    which need a DHT, are forked later still."""
+    for module in _LOOP_MAKERS:
+        make_loop = module.switch_to_uvloop
+        if not getattr(make_loop, "keeps_tasks", False):
+            module.switch_to_uvloop = _keeping(make_loop)
