@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -163,6 +165,45 @@ def test_a_request_waiting_on_another_process_survives_garbage_collection(tmp_pa
         parked = process.run_coroutine(_park, return_future=True)
         assert process.run_coroutine(_collect_and_answer, return_future=True).result(timeout=10)
         assert parked.result(timeout=10) == "answered"
+        assert node.is_alive()
+    finally:
+        if node.is_alive():
+            node.shutdown_blocking()
+
+
+async def _log_to(_dht: object, _node: object, *, path: str) -> None:
+    """In the DHT process: hivemind's and asyncio's log records also go to ``path``."""
+    handler = logging.FileHandler(path)
+    for name in ("hivemind", "asyncio"):
+        logging.getLogger(name).addHandler(handler)
+
+
+async def _late(_dht: object, _node: object) -> str:
+    await asyncio.sleep(1.0)
+    return "late"
+
+
+@pytest.mark.timeout(60)
+def test_an_outcome_after_the_caller_gave_up_is_dropped_quietly(tmp_path: Path) -> None:
+    """The caller's deadline passes and it cancels the request's future; hivemind's DHT
+    process then logged two ERROR tracebacks when the outcome came (setting a cancelled
+    future's result, then its exception). The late outcome is dropped with a debug line,
+    and the process goes on answering."""
+    identity, key = load_identity(tmp_path)
+    node = dht_module.Dht.spawn(CONFIG, "demo", identity, key)
+    logged = tmp_path / "dht-process.log"
+    try:
+        async def scenario() -> list[str]:
+            await node.wait_ready()
+            await node._call(partial(_log_to, path=str(logged)), 5, "log to a file")
+            with pytest.raises(dht_module.DhtTimeout, match="took longer than 0.2s"):
+                await node._call(_late, 0.2, "late request")
+            await asyncio.sleep(1.5)  # the outcome comes, to a cancelled future
+            return await node.visible_maddrs()
+
+        assert asyncio.run(scenario())
+        text = logged.read_text()
+        assert "CANCELLED" not in text and "never retrieved" not in text, text
         assert node.is_alive()
     finally:
         if node.is_alive():

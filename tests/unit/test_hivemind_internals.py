@@ -253,3 +253,16 @@ def test_the_loops_that_hivemind_loops_patches() -> None:
         assert "loop = switch_to_uvloop()" in inspect.getsource(run), where
     weakly = "MPFuture._active_futures[self._uid] = ref(self)"
     assert weakly in inspect.getsource(MPFuture.__init__), where
+
+
+def test_the_request_runner_that_the_dht_process_replaces() -> None:
+    """node/membership/dht.py's _DhtProcess._run_coroutine replaces hivemind's: requests
+    reach it by that name with (coro, future), and hivemind's runs ``coro(self, node)``."""
+    from hivemind.dht import DHT
+
+    where = "node/membership/dht.py (_DhtProcess._run_coroutine)"
+    assert list(inspect.signature(DHT._run_coroutine).parameters) == ["self", "coro", "future"]
+    assert '("_run_coroutine", [], dict(coro=coro, future=future))' in inspect.getsource(
+        DHT.run_coroutine
+    ), where
+    assert "await coro(self, self._node)" in inspect.getsource(DHT._run_coroutine), where
