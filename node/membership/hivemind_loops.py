@@ -25,17 +25,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from concurrent.futures import InvalidStateError
 from typing import Any
 
 import hivemind.averaging.averager
 import hivemind.dht.dht
+
+from ..logs import get_logger
+
+log = get_logger(__name__)
+
+# how hivemind's MPFuture words the refusal to settle a future in that state
+_CANCELLED = "future that is CANCELLED"
 
 # the modules whose `switch_to_uvloop` makes the loop a hivemind process runs on
 _LOOP_MAKERS = (hivemind.dht.dht, hivemind.averaging.averager)
 
 
 class TaskKeeper:
-    """A task factory that holds each task it makes until the task is done."""
+    """A task factory that holds each task it makes until the task is done.
+
+    One failure of a dropped task is expected and is not logged as an error: setting the
+    outcome of an ``MPFuture`` that its caller already cancelled. hivemind's averager sets
+    a round's result on the step's control after the round; when the stage gave up on the
+    round first (its deadline, a leave), that raises ``InvalidStateError`` in a task nobody
+    awaits, which asyncio reported at ERROR with a traceback ("Task exception was never
+    retrieved") though the caller had already gone on. It is logged at debug instead; any
+    other failure of a task is left to asyncio, as before."""
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -45,8 +61,18 @@ class TaskKeeper:
     ) -> asyncio.Task[Any]:
         task = asyncio.Task(coro, loop=loop, **kwargs)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        # read without retrieving it (``exception()`` would mark every failure retrieved,
+        # silencing the ones nobody awaits too)
+        failure = getattr(task, "_exception", None)
+        if isinstance(failure, InvalidStateError) and _CANCELLED in str(failure):
+            task.exception()  # retrieved: asyncio does not log it
+            log.debug("%s: an outcome for a future its caller cancelled: %s",
+                      task.get_name(), failure)
 
 
 def keep_tasks(loop: asyncio.AbstractEventLoop) -> TaskKeeper:

@@ -253,6 +253,10 @@ def test_the_loops_that_hivemind_loops_patches() -> None:
         assert "loop = switch_to_uvloop()" in inspect.getsource(run), where
     weakly = "MPFuture._active_futures[self._uid] = ref(self)"
     assert weakly in inspect.getsource(MPFuture.__init__), where
+    # the late outcome a kept task may fail with, logged at debug (TaskKeeper._done)
+    refusal = 'raise InvalidStateError(f"Can\'t set_result to a future that is {self._state}'
+    assert refusal in inspect.getsource(MPFuture.set_result), where
+    assert "step.set_result(" in inspect.getsource(DecentralizedAverager._step), where
 
 
 def test_the_request_runner_that_the_dht_process_replaces() -> None:
