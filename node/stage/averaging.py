@@ -70,10 +70,12 @@ Rounds of one epoch. A gradient round meets only rounds of the same epoch (its g
 carries the epoch: exact_allreduce.py). With synchronous steps, a replica whose partners
 have all moved past its epoch (their pushes or records say so) steps on its own gradients
 without looking for a round (``rounds_skipped_behind``), and gives up a round still looking
-for its group once that happens while it waits: hivemind would retry matchmaking until
-``averaging_timeout``. (With delayed updates a partner moves to the next epoch as soon as
-its round starts in the background, so its later epoch says nothing about that round:
-there the epoch in the key alone applies, and ``hold_epoch`` bounds the wait.)
+for its group once that happens while it waits, or once no other replica has had a progress
+record for ``ALONE_GRACE_S`` (its partner died: ``rounds_abandoned_alone``): hivemind would
+retry matchmaking until ``averaging_timeout``. (With delayed updates a partner moves to the
+next epoch as soon as its round starts in the background, so its later epoch says nothing
+about that round: there the epoch in the key alone applies, and ``hold_epoch`` bounds the
+wait.)
 Without these, a replica one epoch ahead met the other's round of the epoch before, and the
 pair stayed one epoch apart, the one behind waiting in every step (docs/averaging.md).
 Every epoch's step is timed; one longer than ``matchmaking_time + SLOW_STEP_MARGIN_S`` is
@@ -158,6 +160,9 @@ SLOW_STEP_MARGIN_S = 5.0  # a step longer than matchmaking_time plus this is log
 # is left out: the round ends with half its parts on each side (seen in the swarm benchmark's
 # logs, "Reducer: received 50.0% of input tensors") and the replicas step apart.
 MAX_PROGRESS_REFRESH_S = 1.0
+# A round still looking for its group is given up once no other replica of the stage has
+# had a progress record (or push) for this long: five reads of the progress in a row.
+ALONE_GRACE_S = 5.0
 
 
 class AveragingError(NodeError):
@@ -437,6 +442,7 @@ class CollaborativeOptimizer:
         # partners have all moved past its epoch steps without a round
         self._opt.grad_averager.round_epoch = lambda: int(self._opt.local_epoch)
         self.rounds_skipped_behind = 0
+        self.rounds_abandoned_alone = 0
         self.state_rounds_abandoned = 0
         # the rules for a replica left behind hold with synchronous steps only: there a
         # partner at a later epoch has finished its round of ours (its step waited for it);
@@ -578,30 +584,51 @@ class CollaborativeOptimizer:
         self._round["round"] = "skipped (behind)"
         return False
 
-    def _wait_unless_left_behind(self, control: Any) -> bool:
+    def _wait_unless_left_behind(self, control: Any) -> str | None:
         """Wait for the epoch's round as hivemind would (up to ``averaging_timeout``), but
-        give up on a round still looking for its group once every partner has moved past
-        our epoch: hivemind retries matchmaking until its deadline, and no round of our
-        epoch can form any more (a partner whose side of the round failed under load and
-        stepped on). True if the round was abandoned (cancelled: hivemind then steps on
-        this replica's own gradients)."""
+        give up on a round still looking for its group once no partner can join it:
+        hivemind retries matchmaking until its deadline. Returns why the round was
+        abandoned (cancelled: hivemind then steps on this replica's own gradients), or None:
+
+        - ``behind``: every partner has moved past our epoch, and no round of our epoch can
+          form any more (a partner whose side of the round failed under load stepped on);
+        - ``alone``: no other replica has had a progress record or push for
+          ``ALONE_GRACE_S`` (the partner the round was formed with died: its record
+          expired). Without this the last replica of a stage whose partner was killed
+          waited out ``averaging_timeout`` (58 s in a ``demo --chaos`` run) in each of its
+          steps while the partner's record lived and one more with the parameter round,
+          refusing its trainers' micro-batches as busy all that time."""
         from hivemind.averaging.control import AveragingStage
 
         deadline = time.monotonic() + self.config.averaging_timeout
+        alone_since: float | None = None
         while time.monotonic() < deadline:
             try:
                 control.result(timeout=ROUND_POLL_S)
-                return False
+                return None
             except TimeoutError:
                 pass
             except Exception:  # the round failed or was cancelled: hivemind's wait says so
-                return False
-            if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and (
-                self._behind_every_partner()
-            ):
+                return None
+            if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                alone_since = None
+                continue  # the group formed: the round is hivemind's to finish
+            if self._behind_every_partner():
                 control.cancel()
-                return True
-        return False
+                return "behind"
+            if self._partners_known():
+                alone_since = None
+            elif alone_since is None:
+                alone_since = time.monotonic()
+            elif time.monotonic() - alone_since >= ALONE_GRACE_S:
+                control.cancel()
+                return "alone"
+        return None
+
+    def _partners_known(self) -> bool:
+        """Another replica of the stage has a progress record in the DHT or has pushed one."""
+        others = getattr(self._opt.tracker, "others_samples", None)
+        return not isinstance(others, dict) or bool(others)
 
     def _timed_epoch_step(self, update: Callable[[Any], None], grad_scaler: Any) -> None:
         """hivemind's ``_update_global_epoch``, timed: a step longer than
@@ -626,9 +653,10 @@ class CollaborativeOptimizer:
         # and given up while still matching once every partner has moved on
         state_round, self._state_round = self._state_round, None
         if self._sync and state_round is not None and not state_round.done():
-            if self._wait_unless_left_behind(state_round):
+            why = self._wait_unless_left_behind(state_round)
+            if why is not None:
                 self.state_rounds_abandoned += 1
-                self._round["state_round"] = "abandoned (behind)"
+                self._round["state_round"] = f"abandoned ({why})"
         state_averager = opt.state_averager
         before = getattr(state_averager, "last_round", None)
         try:
@@ -653,19 +681,22 @@ class CollaborativeOptimizer:
         start = time.monotonic()
         fallbacks = self.local_gradient_steps
         abandoned = (
-            self._sync and control is not None and self._wait_unless_left_behind(control)
+            self._wait_unless_left_behind(control) if self._sync and control is not None
+            else None
         )
-        if abandoned:
+        if abandoned == "behind":
             self.rounds_skipped_behind += 1
+        elif abandoned == "alone":
+            self.rounds_abandoned_alone += 1
         try:
             average(control)  # at once when the round is over (or abandoned)
         finally:
             # added to the step's account (which may already hold its parameter round's)
             self._round.update({
                 "round_s": round(time.monotonic() - start, 2),
-                "round": "none" if control is None else "abandoned (behind)" if abandoned else (
-                    "local" if self.local_gradient_steps > fallbacks else "averaged"
-                ),
+                "round": "none" if control is None
+                else f"abandoned ({abandoned})" if abandoned
+                else "local" if self.local_gradient_steps > fallbacks else "averaged",
             })
             if self._round["round"] == "averaged":
                 # hivemind's result: what each member of the group gathered, by peer
@@ -814,7 +845,10 @@ class CollaborativeOptimizer:
             # epochs that ended, or whose round was still looking for a group, with every
             # partner already past them: stepped without a round
             "rounds_skipped_behind": self.rounds_skipped_behind,
-            # parameter rounds given up while still matching, every partner past our epoch
+            # gradient rounds given up while still matching, no other replica left
+            "rounds_abandoned_alone": self.rounds_abandoned_alone,
+            # parameter rounds given up while still matching: every partner past our epoch,
+            # or none left
             "state_rounds_abandoned": self.state_rounds_abandoned,
             # steps that took over matchmaking_time + SLOW_STEP_MARGIN_S, the last one's account
             "slow_steps": self.slow_steps,

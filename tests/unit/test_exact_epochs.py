@@ -12,6 +12,7 @@ own epoch: exact_allreduce.py).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -215,15 +216,57 @@ def test_a_round_left_behind_by_every_partner_is_abandoned(monkeypatch: Any) -> 
         raise TimeoutError
 
     hopeless.result = partner_moves_on  # type: ignore[method-assign]
-    assert opt._wait_unless_left_behind(hopeless) is True
+    assert opt._wait_unless_left_behind(hopeless) == "behind"
     assert hopeless.cancelled and polls == 3
 
     # a partner still at our epoch: the round is waited for until it is over
     opt = _stage_optimizer(25, {25: 40.0})
     opt.config = SimpleNamespace(averaging_timeout=30.0)
     finishing = _Round(finish_after=5)
-    assert opt._wait_unless_left_behind(finishing) is False
+    assert opt._wait_unless_left_behind(finishing) is None
     assert not finishing.cancelled and finishing.polls == 6
+
+
+def test_a_round_whose_partners_are_all_gone_is_abandoned_after_the_grace(
+    monkeypatch: Any,
+) -> None:
+    """The partner the round was formed with died: once no other replica has had a record
+    or push for ALONE_GRACE_S the round is given up (hivemind retried until
+    averaging_timeout); a partner that shows again within the grace restarts it."""
+    from wanswarm.node.stage import averaging
+
+    monkeypatch.setattr(averaging, "ROUND_POLL_S", 0.0)
+    monkeypatch.setattr(averaging, "ALONE_GRACE_S", 0.05)
+    opt = _stage_optimizer(25, {25: 40.0})
+    opt.config = SimpleNamespace(averaging_timeout=30.0)
+    others = opt._opt.tracker.others_samples
+    lonely = _Round(finish_after=None)
+    seen: list[float] = []
+
+    def partner_flickers(timeout: float | None = None) -> Any:
+        seen.append(time.monotonic())
+        if len(seen) == 2:
+            others.clear()  # its record expired
+        elif len(seen) == 3:
+            time.sleep(0.04)
+            others[25] = 40.0  # one more read found it: the grace starts over
+        elif len(seen) == 4:
+            others.clear()
+        raise TimeoutError
+
+    lonely.result = partner_flickers  # type: ignore[method-assign]
+    start = time.monotonic()
+    assert opt._wait_unless_left_behind(lonely) == "alone"
+    assert lonely.cancelled and len(seen) > 4
+    assert time.monotonic() - seen[3] >= 0.05  # the grace ran from the last disappearance
+    assert time.monotonic() - start < 5.0
+
+    # with a partner known (even one epoch behind, alive or not) the round is waited for
+    opt = _stage_optimizer(25, {24: 8.0})
+    opt.config = SimpleNamespace(averaging_timeout=30.0)
+    finishing = _Round(finish_after=40)
+    assert opt._wait_unless_left_behind(finishing) is None
+    assert not finishing.cancelled
 
 
 def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
