@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import InvalidStateError
 from functools import cache, partial
 from pathlib import Path
@@ -842,10 +842,16 @@ def tidy_optimizer_class() -> type:
 
         def __init__(
             self, *args: Any, push_book: PushBook | None = None,
-            pushes_after: threading.Event | None = None, **kwargs: Any,
+            pushes_after: threading.Event | None = None,
+            departed: Callable[[], Collection[bytes]] | None = None, **kwargs: Any,
         ) -> None:
             # set before hivemind's constructor starts the thread, whose run reads them
             self.push_book = push_book
+            # the replicas known to have stopped serving the stage (the membership's
+            # server records say so within node.record_ttl, where their progress records
+            # live on for hivemind's metadata_expiration): their records do not count
+            self.departed = departed
+            self.departed_records = 0
             # the channel starts once this is set (None: at once). The optimizer sets it
             # when its averagers are forked: the channel's setup calls into the DHT and
             # p2pd from this thread, and a fork while another thread holds a lock there
@@ -855,10 +861,27 @@ def tidy_optimizer_class() -> type:
             super().__init__(*args, **kwargs)
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+            metadata = self._without_departed(metadata)
             self.replica_records = others_records(
                 metadata, bytes(self.local_progress.peer_id)
             )
             return super()._parse_swarm_progress_data(metadata)
+
+        def _without_departed(self, metadata: Any) -> Any:
+            """``metadata`` less the records of replicas that stopped serving the stage:
+            neither this tracker's counts nor hivemind's (its number of peers decides
+            whether a step looks for a round at all) wait for a replica that died."""
+            gone = self.departed() if self.departed is not None else ()
+            if not gone or not isinstance(metadata, dict):
+                self.departed_records = 0
+                return metadata
+            kept = {
+                subkey: item for subkey, item in metadata.items()
+                if not (isinstance(value := getattr(item, "value", None), dict)
+                        and value.get("peer_id") in gone)
+            }
+            self.departed_records = len(metadata) - len(kept)
+            return kept
 
         @property
         def others_samples(self) -> dict[int, float]:

@@ -63,6 +63,13 @@ class TableChanges:
     left: tuple[str, ...]
 
 
+# the states in which a server takes part in its stage's averaging
+SERVING_STATES: frozenset[ServerState] = frozenset({"online", "draining"})
+# how long a server that stopped serving a stage is remembered as gone from it: longer than
+# hivemind's progress records live (metadata_expiration, 60 s), which is what it is for
+GONE_MEMORY_S = 600.0
+
+
 class PeerTable:
     """Peers of the run other than ourselves, keyed by peer id."""
 
@@ -70,6 +77,11 @@ class PeerTable:
         self.own_peer_id = own_peer_id
         self.rtt_window = rtt_window
         self._peers: dict[str, Peer] = {}
+        # (peer id, stage) of servers seen serving a stage -> when they stopped (None: they
+        # still do); ``gone`` is the stopped ones, replaced (never changed) at each read so
+        # that other threads may read it (the stage's progress tracker: ``gone_from``)
+        self._served: dict[tuple[str, int], float | None] = {}
+        self.gone: frozenset[tuple[str, int]] = frozenset()
         # our public address when we sit behind NAT (reachability.py): peers announcing the
         # same one are behind our NAT too, and reached at their LAN address
         self.own_public_host: str | None = None
@@ -159,7 +171,37 @@ class PeerTable:
                 peer.record, peer.expiration = record, expiration
             rtt_record = rtts.get(peer_id)
             peer.reported_rtts = dict(rtt_record.rtts) if rtt_record is not None else {}
+        self._note_serving(listed, now)
         return TableChanges(tuple(sorted(joined)), left)
+
+    def _note_serving(
+        self, listed: Mapping[str, tuple[ServerRecord, float]], now: float
+    ) -> None:
+        serving = {
+            (peer_id, record.stage) for peer_id, (record, _) in listed.items()
+            if record.server and record.stage is not None and record.state in SERVING_STATES
+        }
+        for key in serving:
+            self._served[key] = None
+        for key, since in list(self._served.items()):
+            if key in serving:
+                continue
+            if since is None:
+                self._served[key] = now
+            elif now - since > GONE_MEMORY_S:
+                del self._served[key]
+        self.gone = frozenset(key for key, since in self._served.items() if since is not None)
+
+    def gone_from(self, stage: int) -> frozenset[str]:
+        """Peers that served ``stage`` and no longer do: their record expired or was
+        withdrawn, or names another stage, or is back at ``joining`` (restarted and loading
+        its state). A peer never seen serving the stage is not in it. Safe from any thread.
+
+        What it is for: a stage's averaging counts the other replicas from their progress
+        records in hivemind's DHT, which live for 60 s after a replica dies; its server
+        record goes within ``node.record_ttl`` (membership/dht.py's tracker drops the
+        progress records of these peers)."""
+        return frozenset(peer_id for peer_id, s in self.gone if s == stage)
 
     def on_rtt_sample(self, peer_id: str, rtt: float, now: float) -> None:
         peer = self._peers.get(peer_id)

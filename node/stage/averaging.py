@@ -110,7 +110,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any, Literal, Protocol
 
@@ -329,7 +329,11 @@ class CollaborativeOptimizer:
         stage: int,
         dht: OptimizerHost,
         config: AveragingConfig,
+        departed: Callable[[], Collection[bytes]] | None = None,
     ) -> None:
+        """``departed``: the peer ids (bytes) of the replicas known to have stopped serving
+        the stage (membership/peers.py ``gone_from``); their progress records do not count.
+        Called from the progress tracker's thread."""
         if threading.current_thread() is not threading.main_thread():
             raise AveragingError(
                 "construct CollaborativeOptimizer on the main thread "
@@ -390,6 +394,8 @@ class CollaborativeOptimizer:
                         PushBook(target_batch_size=spec.batch.target_batch_size)
                         if config.exact_epochs and config.push_progress else None
                     ),
+                    # a dead replica's record lives on for 60 s: not waited for
+                    "departed": departed,
                 },
                 # hivemind warns that a matchmaking request_timeout (its default: 3 s) not
                 # shorter than min_matchmaking_time can deadlock matchmaking in rare cases
@@ -837,6 +843,9 @@ class CollaborativeOptimizer:
             "bytes_sent": int(2 * (n - 1) / n * per_value * numel),
             "grad_compression": self.config.grad_compression,
             "rounds_formed_early": self.rounds_formed_early,
+            # progress records of replicas that stopped serving the stage, ignored at the
+            # last read of the stage's progress
+            "departed_records": int(getattr(self._opt.tracker, "departed_records", 0)),
             "failed_rounds_dropped": self.failed_rounds_dropped,
             "epochs_held": self.epochs_held,
             # epochs already full when a micro-batch of ours arrived: stepped without it

@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -607,15 +607,17 @@ def make_diloco_optimizer(
 def make_stage_optimizer(
     module: nn.Module, spec: RunSpec, stage: int, dht: Any, config: AveragingConfig,
     others: Callable[[], int] | None = None,
+    departed: Callable[[], Collection[bytes]] | None = None,
 ) -> Any:
     """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
     hivemind's collaborative Optimizer (``allreduce``), :class:`DilocoOptimizer` or
-    gossip_optimizer's ``GossipOptimizer``."""
+    gossip_optimizer's ``GossipOptimizer``. ``others`` counts the stage's other servers;
+    ``departed`` names the replicas that stopped serving it (``allreduce`` only)."""
     mode = spec.averaging.mode
     if mode == "allreduce":
         from .averaging import CollaborativeOptimizer
 
-        return CollaborativeOptimizer(module, spec, stage, dht, config)
+        return CollaborativeOptimizer(module, spec, stage, dht, config, departed)
     if mode == "diloco":
         return make_diloco_optimizer(module, spec, stage, dht, config, others)
     if mode == "gossip":

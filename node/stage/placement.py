@@ -32,6 +32,7 @@ from ..config.sections import RebalanceConfig
 from ..endpoint import EndpointComponent
 from ..errors import DhtError, JoinError, RecordError
 from ..logs import get_logger
+from ..membership.peers import PeerTable
 from ..membership.records import ServerState
 from ..service.statefiles import write_atomically
 from .averaging import AveragingConfig
@@ -184,6 +185,7 @@ class ServerComponent:
                 others=lambda: len(ctx.peers.servers(
                     COUNTED_STATES, stage=stage, run_id=self.spec.run_id
                 )),
+                departed=DepartedReplicas(ctx.peers, stage),
             ),
             state_dir=Path(ctx.state_dir),
             donors=lambda: self._donors(ctx, stage),
@@ -447,3 +449,32 @@ __all__ = [
     "read_stage_claim",
     "write_stage_claim",
 ]
+
+
+class DepartedReplicas:
+    """The peer ids, as hivemind's progress records carry them (bytes), of the replicas that
+    stopped serving ``stage`` (``PeerTable.gone_from``). Called from the stage's progress
+    tracker thread: it reads the table's ``gone``, which the loop replaces and never
+    changes, and keeps its own cache of conversions."""
+
+    def __init__(self, table: PeerTable, stage: int) -> None:
+        self.table = table
+        self.stage = stage
+        self._bytes: dict[str, bytes] = {}
+
+    def __call__(self) -> frozenset[bytes]:
+        from hivemind.p2p import PeerID
+
+        out = set()
+        for peer_id in self.table.gone_from(self.stage):
+            raw = self._bytes.get(peer_id)
+            if raw is None:
+                try:
+                    raw = PeerID.from_base58(peer_id).to_bytes()
+                except ValueError:
+                    continue
+                if len(self._bytes) >= 1024:  # peers gone long ago: start over
+                    self._bytes.clear()
+                self._bytes[peer_id] = raw
+            out.add(raw)
+        return frozenset(out)

@@ -92,3 +92,43 @@ def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() ->
                  "both hostile pushes to be refused", explain=lambda: str(book.refused))
         assert b.others_samples == {0: 40.0}
         assert b.channel.status()["refused"] == {"unknown": 1, "samples": 1}
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_the_record_of_a_replica_that_stopped_serving_does_not_count() -> None:
+    """A replica's progress record lives on for hivemind's metadata_expiration (60 s) after
+    it dies; the membership knows within node.record_ttl. Once it names the replica as
+    departed, neither B's counts nor hivemind's number of peers (which decides whether a
+    step looks for a round at all) include it; once it serves again, both do."""
+    pytest.importorskip("hivemind")
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    tracker_class = tidy_optimizer_class().tracker_class
+    departed: set[bytes] = set()
+    with hivemind_dhts(2) as dhts:
+        a_dht, b_dht = dhts.dhts
+        trackers: list[Any] = []
+        for dht, gone in ((a_dht, None), (b_dht, lambda: frozenset(departed))):
+            tracker = tracker_class(
+                dht=dht, prefix=PREFIX, target_batch_size=TARGET, start=True,
+                private_key=RSAPrivateKey(), min_refresh_period=60.0, max_refresh_period=60.0,
+                default_refresh_period=60.0, departed=gone,
+            )
+            trackers.append(dhts.own(tracker, partial(tracker.shutdown, timeout=5)))
+        a, b = trackers
+        a.report_local_progress(3, 24)
+        b.report_local_progress(4, 8)
+        wait_for(lambda: _records_seen(b, b_dht), 30.0, "A's progress record in B's DHT")
+        assert b.others_samples == {3: 24.0}
+        assert b.global_progress.num_peers == 2 and b.departed_records == 0
+
+        departed.add(a_dht.peer_id.to_bytes())  # A's server record expired: it died
+        assert not _records_seen(b, b_dht)
+        assert b.others_samples == {} and b.global_progress.num_peers == 1
+        assert b.departed_records == 1
+
+        departed.clear()  # A serves again
+        assert _records_seen(b, b_dht) and b.global_progress.num_peers == 2
+        assert b.departed_records == 0

@@ -173,6 +173,46 @@ def test_servers_lists_reachable_stage_servers_by_state_stage_and_run() -> None:
     assert table.servers(("online",), stage=0) == []
 
 
+def test_a_server_that_stops_serving_its_stage_is_gone_from_it_until_it_serves_again() -> None:
+    """What a stage's averaging leaves out: servers seen serving the stage whose record
+    expired, moved on, or came back at ``joining`` (restarted, loading); never one that has
+    not served it yet (a newcomer at ``joining``)."""
+    from wanswarm.node.membership import peers
+    from wanswarm.node.stage.placement import DepartedReplicas
+
+    table = PeerTable(IDS[0])
+
+    def read(now: float, *records: ServerRecord) -> None:
+        table.apply({r.peer_id: (r, 2e9) for r in records}, {}, now=now, wall_now=1e9)
+
+    a, b, c, d = IDS[1:5]
+    read(0.0, ServerRecord(peer_id=a, state="online", stage=1),
+         ServerRecord(peer_id=b, state="draining", stage=1),
+         ServerRecord(peer_id=c, state="joining", stage=1),
+         ServerRecord(peer_id=d, state="online", stage=2))
+    assert table.gone_from(1) == frozenset() and table.gone_from(2) == frozenset()
+    # a was SIGKILLed (its record expired), b left, c came online, d moved to stage 1
+    read(10.0, ServerRecord(peer_id=c, state="online", stage=1),
+         ServerRecord(peer_id=d, state="joining", stage=1))
+    assert table.gone_from(1) == {a, b} and table.gone_from(2) == {d}
+    # a restarts: listed again, loading its state; then online
+    read(20.0, ServerRecord(peer_id=a, state="joining", stage=1),
+         ServerRecord(peer_id=c, state="online", stage=1),
+         ServerRecord(peer_id=d, state="online", stage=1))
+    assert table.gone_from(1) == {a, b}
+    departed = DepartedReplicas(table, 1)
+    from hivemind.p2p import PeerID
+
+    assert departed() == {PeerID.from_base58(p).to_bytes() for p in (a, b)}
+    read(30.0, ServerRecord(peer_id=a, state="online", stage=1),
+         ServerRecord(peer_id=c, state="online", stage=1),
+         ServerRecord(peer_id=d, state="online", stage=1))
+    assert table.gone_from(1) == {b} and table.gone_from(2) == {d}
+    # remembered for GONE_MEMORY_S, then forgotten
+    read(10.0 + peers.GONE_MEMORY_S + 1, ServerRecord(peer_id=a, state="online", stage=1))
+    assert table.gone_from(1) == {c, d} and table.gone_from(2) == frozenset()
+
+
 def test_choose_targets_prefers_neighbouring_stages() -> None:
     table = PeerTable(IDS[0])
     stages = {IDS[1]: 0, IDS[2]: 1, IDS[3]: 2, IDS[4]: 5, IDS[5]: None}
