@@ -887,10 +887,17 @@ def tidy_optimizer_class() -> type:
         def others_samples(self) -> dict[int, float]:
             """The other replicas' samples by epoch: their DHT records, or their pushes
             where those are further on."""
+            records = self.replica_records
+            gone = self.departed() if self.departed is not None else ()
+            if gone:
+                # as of now, not of the last read: a step holds the tracker, and no read
+                # happens while it waits for its round (averaging.py gives the round up
+                # once nobody is left)
+                records = {peer: r for peer, r in records.items() if peer not in gone}
             book = self.push_book
             if book is None:
-                return sum_by_epoch(self.replica_records)
-            return book.merged(self.replica_records, time.monotonic())
+                return sum_by_epoch(records)
+            return book.merged(records, time.monotonic())
 
         def report_local_progress(
             self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True

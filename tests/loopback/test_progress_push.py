@@ -100,8 +100,9 @@ def test_a_replicas_count_arrives_pushed_long_before_the_dht_would_bring_it() ->
 def test_the_record_of_a_replica_that_stopped_serving_does_not_count() -> None:
     """A replica's progress record lives on for hivemind's metadata_expiration (60 s) after
     it dies; the membership knows within node.record_ttl. Once it names the replica as
-    departed, neither B's counts nor hivemind's number of peers (which decides whether a
-    step looks for a round at all) include it; once it serves again, both do."""
+    departed, B's counts leave it out at once, and hivemind's number of peers (which decides
+    whether a step looks for a round at all) from B's next read; once it serves again, both
+    count it."""
     pytest.importorskip("hivemind")
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -125,6 +126,8 @@ def test_the_record_of_a_replica_that_stopped_serving_does_not_count() -> None:
         assert b.global_progress.num_peers == 2 and b.departed_records == 0
 
         departed.add(a_dht.peer_id.to_bytes())  # A's server record expired: it died
+        # at once, before B's next read of the DHT (none happens while a step waits)
+        assert b.others_samples == {}
         assert not _records_seen(b, b_dht)
         assert b.others_samples == {} and b.global_progress.num_peers == 1
         assert b.departed_records == 1
