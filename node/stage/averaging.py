@@ -568,12 +568,19 @@ class CollaborativeOptimizer:
             return self._skip_round()
         return bool(begin(grad_scaler))
 
-    def _behind_every_partner(self) -> bool:
+    def _others(self) -> dict[int, float] | None:
+        """The other replicas' samples by epoch, from their records and pushes (the
+        tracker's ``others_samples``, computed at each read), or None if it has none."""
+        others = getattr(self._opt.tracker, "others_samples", None)
+        return others if isinstance(others, dict) else None
+
+    def _behind_every_partner(self, others: dict[int, float] | None = None) -> bool:
         """Every other replica with a record (or push) is at a later epoch than ours: no
         round of our epoch can form (rounds meet only their epoch's), and hivemind would
-        look for one until ``averaging_timeout``."""
-        others = getattr(self._opt.tracker, "others_samples", None)
-        if not isinstance(others, dict) or not others:
+        look for one until ``averaging_timeout``. ``others``: ``_others()``, if already read."""
+        if others is None:
+            others = self._others()
+        if not others:
             return False  # nobody known: hivemind's own rule (no peers: no round)
         return min(others) > self.local_epoch
 
@@ -619,10 +626,11 @@ class CollaborativeOptimizer:
             if control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
                 alone_since = None
                 continue  # the group formed: the round is hivemind's to finish
-            if self._behind_every_partner():
+            others = self._others()  # one read for both rules
+            if self._behind_every_partner(others):
                 control.cancel()
                 return "behind"
-            if self._partners_known():
+            if others is None or others:  # a partner is known (or the tracker cannot say)
                 alone_since = None
             elif alone_since is None:
                 alone_since = time.monotonic()
@@ -630,11 +638,6 @@ class CollaborativeOptimizer:
                 control.cancel()
                 return "alone"
         return None
-
-    def _partners_known(self) -> bool:
-        """Another replica of the stage has a progress record in the DHT or has pushed one."""
-        others = getattr(self._opt.tracker, "others_samples", None)
-        return not isinstance(others, dict) or bool(others)
 
     def _timed_epoch_step(self, update: Callable[[Any], None], grad_scaler: Any) -> None:
         """hivemind's ``_update_global_epoch``, timed: a step longer than
