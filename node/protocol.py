@@ -192,6 +192,16 @@ class _Reply(_Wire):
     v: Literal[1] = Field(default=1, description="Protocol version (PROTOCOL_VERSION).")
     queue_len: int = Field(ge=0, le=1_000_000, description="Jobs queued after this one finished.")
     epoch: int = Field(ge=0, lt=2**63, description="Optimizer step (local epoch) of the stage.")
+    params: int | None = Field(
+        default=None,
+        ge=0,
+        lt=2**63,
+        description=(
+            "Epoch of the parameters that computed this answer when they are the stage's "
+            "shared ones, else null (an update half applied, a local step, DiLoCo or "
+            "gossip): trainers compare two replicas' answers only at equal non-null values."
+        ),
+    )
     compute_s: float = Field(ge=0.0, le=86400.0, description="Seconds this job ran on the device.")
 
 

@@ -124,6 +124,7 @@ from ..training.model import param_groups
 from .constraint import SubspaceConstraint
 from .exact_allreduce import ExactGradientAverager
 from .optimizer import make_adamw, make_schedule, set_schedule_epoch
+from .params_version import EpochStep, ParamsLedger
 from .progress_guard import ProgressBounds, guard_tracker
 from .progress_push import PushBook
 from .resync import CatchUp, catch_up_through
@@ -423,9 +424,15 @@ class CollaborativeOptimizer:
         # apart until parameters are averaged again
         self.local_gradient_steps = 0
         fallback = self._opt._load_local_gradients_into_optimizer
+        # whether the served parameters are the stage's shared ones, for the replies' params
+        # (params_version.py); _step_in_flight: the epoch step whose rounds are being set up
+        self._ledger = ParamsLedger()
+        self._step_in_flight: EpochStep | None = None
 
         def counted_fallback() -> None:
             self.local_gradient_steps += 1
+            if self._step_in_flight is not None:
+                self._step_in_flight.local = True  # its round's outcome does not count
             fallback()
 
         self._opt._load_local_gradients_into_optimizer = counted_fallback
@@ -563,10 +570,16 @@ class CollaborativeOptimizer:
 
     def _begin_unless_behind(self, begin: Callable[[Any], bool], grad_scaler: Any) -> bool:
         """hivemind's ``_begin_averaging_gradients``, or no round at all when, with
-        synchronous steps, every partner is past our epoch (``_skip_round``)."""
+        synchronous steps, every partner is past our epoch (``_skip_round``). hivemind
+        calls it once per epoch step, after waiting for the previous step's background work:
+        the step's record (``_step_in_flight``) starts here."""
+        step = self._step_in_flight = EpochStep(grad_round=None, state_round=None, work=None)
         if self._sync and self._behind_every_partner():
             return self._skip_round()
-        return bool(begin(grad_scaler))
+        began = bool(begin(grad_scaler))
+        if began:
+            step.grad_round = self._opt.scheduled_grads
+        return began
 
     def _others(self) -> dict[int, float] | None:
         """The other replicas' samples by epoch, from their records and pushes (the
@@ -668,12 +681,22 @@ class CollaborativeOptimizer:
                 self._round["state_round"] = f"abandoned ({why})"
         state_averager = opt.state_averager
         before = getattr(state_averager, "last_round", None)
+        epoch, work_before = self.local_epoch, set(state_averager.pending_updates)
+        previous = self._step_in_flight  # the last step's: its fallback may still run
         try:
             update(grad_scaler)
         finally:
             started = getattr(state_averager, "last_round", None)
             if started is not before:
                 self._state_round = started  # this step's parameter round: it runs on
+            step = self._step_in_flight
+            if self.local_epoch != epoch:
+                if step is None or step is previous:  # the epoch moved without a gradient round
+                    step = EpochStep(grad_round=None, state_round=None, work=None)
+                step.state_round = started if started is not before else None
+                work = [u for u in state_averager.pending_updates if u not in work_before]
+                step.work = work[-1] if work else None
+                self._ledger.stepped(step)
             seconds = time.monotonic() - start
             if seconds > self.config.matchmaking_time + SLOW_STEP_MARGIN_S:
                 self.slow_steps += 1
@@ -747,7 +770,7 @@ class CollaborativeOptimizer:
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
         # is behind: our transport instead, hivemind's download once, attempts spaced
-        self.catch_up = catch_up_through(self._opt, fetch)
+        self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
 
     def load_state_from_peers(self) -> bool:
         epoch = self.local_epoch
@@ -755,6 +778,8 @@ class CollaborativeOptimizer:
             self._opt.load_state_from_peers()
         except (RuntimeError, OSError, TimeoutError) as exc:
             raise AveragingError(f"{self.run_id}: loading state from peers failed: {exc}") from exc
+        if self.local_epoch != epoch:
+            self._ledger.installed()  # a peer's state, exactly
         return self.local_epoch != epoch or self._opt.tracker.global_progress.num_peers > 1
 
     @property
@@ -806,6 +831,14 @@ class CollaborativeOptimizer:
 
     def background_busy(self) -> bool:
         return any(not update.done() for update in self._opt.state_averager.pending_updates)
+
+    def params_version(self) -> int | None:
+        averager = self._opt.state_averager
+        # a finished background result not yet copied into the served module
+        waiting = averager.finished_optimizer_step.is_set() or (
+            averager.finished_averaging_round.is_set()
+        )
+        return self._ledger.version(self.local_epoch, applied=not waiting)
 
     def _live_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint names -> the tensors that hold them: hivemind's offloaded (CPU, float32)
@@ -919,6 +952,7 @@ class CollaborativeOptimizer:
                         opt.grad_averager.state_sharing_priority = epoch
         except (RuntimeError, OSError, TimeoutError) as exc:
             raise AveragingError(f"{self.run_id}: installing a checkpoint failed: {exc}") from exc
+        self._ledger.installed()
         for p in self._module.parameters():
             p.grad = None
 

@@ -107,6 +107,11 @@ class InnerStepsOptimizer:
     def background_busy(self) -> bool:
         return False
 
+    def params_version(self) -> int | None:
+        # every replica takes its inner steps on its own micro-batches: between rounds no
+        # two hold the same parameters, so none promises to (params_version.py)
+        return None
+
     def hold_for_snapshot(self, waiting: bool) -> None:
         return None
 

@@ -218,6 +218,8 @@ class StageJobs:
         return {
             "queue_len": max(0, self._queue_len() - 1),
             "epoch": self.optimizer.local_epoch,
+            # the parameters that computed this answer (the device thread: none changed since)
+            "params": self.optimizer.params_version(),
             "compute_s": max(0.0, time.perf_counter() - started),
         }
 
@@ -641,7 +643,10 @@ class StageJobs:
         self.counters.duplicates += 1
         cached = self._applied.reply(key)
         if cached is not None:
-            header = dict(cached.header, **self._reply_fields(started), duplicate=True)
+            fields = self._reply_fields(started)
+            if cached.header.get("params") != fields["params"]:
+                fields["params"] = None  # answered with parameters that have changed since
+            header = dict(cached.header, **fields, duplicate=True)
             return Response(header, cached.tensors)
         loss, out = recompute()  # dL/dx not through error feedback
         fields = self._reply_fields(started)

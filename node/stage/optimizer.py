@@ -92,6 +92,13 @@ class StageOptimizer(Protocol):
         """Whether a background averaging round or delayed step is still running (so that
         ``export_state`` would wait for it)."""
 
+    def params_version(self) -> int | None:
+        """The epoch of the parameters the served module holds now, if they are the stage's
+        shared ones (replicas reporting the same version hold the same parameters, up to
+        averaging's rounding); None when this replica promises nothing: an update is half
+        copied in, a local step set it apart, or its mode trains each replica on its own
+        (params_version.py). Replies carry it for trainers' spot checks."""
+
     def hold_for_snapshot(self, waiting: bool) -> None:
         """A state donor's snapshot waits (True, repeated while it polls) until
         ``background_busy`` is over, or no longer (False): meanwhile no new epoch may start
@@ -402,6 +409,9 @@ class LocalOptimizer:
 
     def background_busy(self) -> bool:
         return False
+
+    def params_version(self) -> int | None:
+        return self._epoch  # every step lands at once; no partner to drift from
 
     def hold_for_snapshot(self, waiting: bool) -> None:
         return None

@@ -60,9 +60,11 @@ class CatchUp:
         *,
         retry_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        installed: Callable[[], None] = lambda: None,
     ) -> None:
         self._opt = opt
         self._fetch = fetch
+        self._installed = installed  # told when hivemind's download replaced the state
         self._hivemind_load = opt.load_state_from_peers  # the bound original
         self.retry_after = retry_after
         self._clock = clock
@@ -86,6 +88,7 @@ class CatchUp:
             log.exception("catching up through our transport failed")
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
+            self._installed()
             self._last_try = None
         else:
             self.counts["failed"] += 1
@@ -127,14 +130,20 @@ class CatchUp:
 
 
 def catch_up_through(
-    opt: Any, fetch: Callable[[], bool], *, retry_after: float = 30.0
+    opt: Any,
+    fetch: Callable[[], bool],
+    *,
+    retry_after: float = 30.0,
+    installed: Callable[[], None] = lambda: None,
 ) -> CatchUp:
     """Replace ``opt.load_state_from_peers`` (a hivemind.Optimizer) with a :class:`CatchUp`
-    around ``fetch``; returns it (its ``counts`` go into the stage's status)."""
+    around ``fetch``; returns it (its ``counts`` go into the stage's status). ``installed``
+    is called after hivemind's own download moved the state (``fetch`` installs through
+    the optimizer's ``import_state``, which knows it)."""
     missing = [a for a in HIVEMIND_OPTIMIZER_ATTRIBUTES if not hasattr(opt, a)]
     if missing:
         raise TypeError(f"not a hivemind 1.1.12 Optimizer: it lacks {', '.join(missing)}")
-    catch_up = CatchUp(opt, fetch, retry_after=retry_after)
+    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed)
     opt.load_state_from_peers = catch_up
     return catch_up
 

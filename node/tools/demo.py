@@ -452,6 +452,12 @@ class Demo:
                 f"restarted, {faults['exits']} other exit(s), {faults['skipped_kills']} planned "
                 f"kill(s) skipped; seconds each stage had no server: {faults['stage_empty_s']}"
             )
+        spot = totals["spot_checks"]
+        self.say(
+            f"spot checks: {spot['checked']} checked, {spot['skipped']} skipped (no second "
+            f"replica, or not the same parameters), {spot['disagreements']} disagreement(s), "
+            f"{spot['convicted']} peer(s) convicted"
+        )
         wire = demo_figures.wire_bytes_per_token(statuses)
         bf16 = 2 * self.spec.model.d_model
         for b, figures in enumerate(wire):
@@ -486,6 +492,7 @@ class Demo:
             "replicas": self.options.replicas,
             "tokens_at_eval_end": tokens_at_eval_end,
             "failed_micro_batches": totals["failed"],
+            "spot_checks": totals["spot_checks"],
             "faults": faults,
             "curve": list(self.curve),
             # traffic() deltas over the training phase (between the evaluations)

@@ -40,6 +40,12 @@ def totals(statuses: Sequence[Status], retired: Sequence[Status] = ()) -> dict[s
         "completed": sum(t.get("micro_batches", {}).get("completed", 0) for t in everyone),
         "failed": sum(t.get("micro_batches", {}).get("failed", 0) for t in everyone),
         "retried": sum(t.get("retried_hops", 0) for t in everyone),
+        # trainers' spot checks (docs/hostile.md): checked, skipped (no second replica, or
+        # answers from parameters not promised equal), disagreements, convictions
+        "spot_checks": {
+            key: sum(int((t.get("spot_checks") or {}).get(key, 0)) for t in everyone)
+            for key in ("checked", "skipped", "disagreements", "convicted")
+        },
     }
 
 

@@ -78,7 +78,7 @@ from ..protocol import (
     within,
 )
 from .hops import HopFailed, HopSender
-from .spot_checks import Answer, SpotChecker, payload_digest
+from .spot_checks import Answer, SpotChecker, Stamp, payload_digest
 from .subspace import token_id_dtype
 from .trainer_config import TrainerConfig
 
@@ -208,29 +208,29 @@ class Pipeline:
 
             return make
 
-        async def check(response: Response) -> tuple[ReceivedTensor, bool, int]:
+        async def check(response: Response) -> tuple[ReceivedTensor, bool, Stamp]:
             reply = parse_reply(ForwardReply, response.header)
             y = await self._stage_output(
                 response, (*shape, self.widths[stage]), self.forward_codec,
                 self.limits.max_activation, f"forward {stage}",
             )
-            return y, reply.cached, reply.epoch
+            return y, reply.cached, (reply.epoch, reply.params)
 
         async def recompute(exclude: frozenset[str]) -> Answer:
-            (y2, _, epoch2), peer2 = await self.hops.send(
+            (y2, _, stamp2), peer2 = await self.hops.send(
                 stage, Kind.FORWARD, make_for(False), lambda _: _nbytes(x), check,
                 exclude=exclude, spot_check=True,
             )
-            return await _answer(peer2, epoch2, y2)
+            return await _answer(peer2, stamp2, y2)
 
         for _ in range(self.config.max_attempts):
-            (y, cached, epoch), peer = await self.hops.send(
+            (y, cached, stamp), peer = await self.hops.send(
                 stage, Kind.FORWARD, make_for(keep_input), lambda _: _nbytes(x), check
             )
             if not keep_input or self.spot is None or not self.spot.due():
                 return y, peer if cached else None
             what = f"forward of micro-batch {mb} on stage {stage}"
-            verdict = await self.spot.check(what, await _answer(peer, epoch, y), recompute)
+            verdict = await self.spot.check(what, await _answer(peer, stamp, y), recompute)
             if verdict.kind == "first_lied":
                 continue  # its server is convicted: the router never picks it again
             if verdict.kind == "unresolved":
@@ -247,44 +247,44 @@ class Pipeline:
             msg = ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s)
             return msg, [*x, targets]
 
-        async def check(response: Response) -> tuple[float, ReceivedTensor | None, int]:
+        async def check(response: Response) -> tuple[float, ReceivedTensor | None, Stamp]:
             reply = parse_reply(LossReply, response.header)
             loss = self._loss(reply.loss, "forward_loss")
             if stage == 0:
                 if response.tensors:
                     raise BadReply("forward_loss on stage 0 returns no tensor")
-                return loss, None, reply.epoch
+                return loss, None, (reply.epoch, reply.params)
             return loss, await self._stage_output(
                 response, (*shape, self.widths[stage - 1]), self.backward_codec,
                 self.limits.max_gradient, "forward_loss",
-            ), reply.epoch
+            ), (reply.epoch, reply.params)
 
         def make_eval(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
             return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [*x, targets]
 
-        async def check_eval(response: Response) -> tuple[float, int]:
+        async def check_eval(response: Response) -> tuple[float, Stamp]:
             if response.tensors:
                 raise BadReply("eval_loss returns no tensor")
             reply = parse_reply(EvalReply, response.header)
-            return self._loss(reply.loss, "eval_loss"), reply.epoch
+            return self._loss(reply.loss, "eval_loss"), (reply.epoch, reply.params)
 
         async def recompute(exclude: frozenset[str]) -> Answer:
-            (loss2, epoch2), peer2 = await self.hops.send(
+            (loss2, stamp2), peer2 = await self.hops.send(
                 stage, Kind.EVAL_LOSS, make_eval, lambda _: size, check_eval,
                 exclude=exclude, spot_check=True,
             )
-            return Answer(peer2, epoch2, loss2, payload_digest(loss2))
+            return Answer(peer2, *stamp2, loss2, payload_digest(loss2))
 
         size = _nbytes(x) + sendable_nbytes(targets)
         for _ in range(self.config.max_attempts):
-            (loss, grad, epoch), peer = await self.hops.send(
+            (loss, grad, stamp), peer = await self.hops.send(
                 stage, Kind.FORWARD_LOSS, make, lambda _: size, check
             )
             if self.spot is None or not self.spot.due():
                 return loss, grad
             what = f"forward_loss of micro-batch {mb} on stage {stage}"
-            first = Answer(peer, epoch, loss, payload_digest(loss))
+            first = Answer(peer, *stamp, loss, payload_digest(loss))
             verdict = await self.spot.check(what, first, recompute, loss=True)
             if verdict.kind == "first_lied":
                 continue  # its server is convicted: the router never picks it again
@@ -393,10 +393,10 @@ def _nbytes(tensors: list[Sendable]) -> int:
     return sum(sendable_nbytes(t) for t in tensors)
 
 
-async def _answer(peer: str, epoch: int, t: ReceivedTensor) -> Answer:
+async def _answer(peer: str, stamp: Stamp, t: ReceivedTensor) -> Answer:
     """A replica's forward output as a spot check compares it: decoded into a scratch copy
     (the relayed payload stays as it came), with the digest of its payload bytes."""
     value = await off_loop(
         t.decoded_nbytes, lambda: t.tensor() if t.is_decoded else decode(t.encoded)
     )
-    return Answer(peer, epoch, value, payload_digest(t.payload))
+    return Answer(peer, *stamp, value, payload_digest(t.payload))

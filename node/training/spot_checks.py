@@ -13,10 +13,18 @@ sends the same input to a second replica and compares the two answers:
   the losses are compared by relative difference. Its ``dL/dx`` is not checked (a
   ``backward`` or ``forward_loss`` cannot be re-run without accumulating twice).
 
-Only replies at the same epoch are compared (each reply reports its stage's epoch;
-averaging moves parameters only at an epoch's step): at different epochs the check is
-``skipped``. Two answers agree when the error is within ``max_relative_error`` (outputs)
-or ``max_loss_error`` (losses). The bound is calibrated to what two honest replicas can
+Only answers computed with the same parameters are compared: each reply carries its
+stage's epoch and ``params``, the epoch of the parameters that computed it when they are
+the stage's shared ones (null when the server promises nothing: an update half copied in,
+a local step since the last shared state, DiLoCo and gossip runs; stage/params_version.py).
+Two answers whose ``params`` differ, or are null, are not compared (``skipped``). The epoch
+alone did not say enough: with delayed updates a replica keeps the previous epoch's
+parameters until its next step copies the update in, and in demo runs two honest replicas
+at the same epoch answered 7.6-8.8% apart (one optimizer step moves a stage's output by
+more than the tolerance early in training).
+
+Two answers agree when the error is within ``max_relative_error`` (outputs) or
+``max_loss_error`` (losses). The bound is calibrated to what two honest replicas can
 differ by: both quantize their output once with the run's codec (int8: about 0.5%
 relative L2 error per quantization) and their parameters, averaged by the same all-reduce,
 are equal or nearly so; the default, 5%, is ten times that. An attack smaller than it is
@@ -57,6 +65,8 @@ from .routing import Router
 log = get_logger(__name__)
 
 VerdictKind = Literal["agree", "skipped", "first_lied", "second_lied", "unresolved"]
+# (epoch, params) of a reply: its stage's epoch and its parameters' version (Answer)
+Stamp = tuple[int, int | None]
 
 
 class SpotCheckConfig(BaseModel):
@@ -106,6 +116,7 @@ class Answer:
 
     peer: str
     epoch: int
+    params: int | None  # the reply's parameters version (None: no promise; not compared)
     value: torch.Tensor | float  # the decoded output, or the loss
     digest: str  # SHA-256 (16 hex) of the reply's payload as it came (or of the loss)
 
@@ -114,7 +125,12 @@ class Answer:
             peak = float(self.value.abs().max()) if self.value.numel() else 0.0
         else:
             peak = abs(float(self.value))
-        return {"peer": self.peer, "epoch": self.epoch, "digest": self.digest, "peak": peak}
+        return {"peer": self.peer, "epoch": self.epoch, "params": self.params,
+                "digest": self.digest, "peak": peak}
+
+    def comparable(self, other: Answer) -> bool:
+        """Whether both promise the same parameters (equal, non-null ``params``)."""
+        return self.params is not None and self.params == other.params
 
 
 def payload_digest(data: bytes | bytearray | memoryview | float) -> str:
@@ -157,15 +173,16 @@ def judge(
 ) -> Verdict:
     """Who lied, if anyone (pure). ``first`` is the answer the pipeline would use.
 
-    Answers at different epochs are not compared (``skipped``); a ``third`` at another
-    epoch than the first two counts as absent."""
-    if first.epoch != second.epoch:
+    Answers computed with parameters not promised equal are not compared (``skipped``:
+    ``Answer.comparable``); a ``third`` not comparable with the first two counts as
+    absent."""
+    if not first.comparable(second):
         return Verdict("skipped", {})
     ab = relative_error(first.value, second.value)
     errors = {"first_second": ab}
     if ab <= tolerance:
         return Verdict("agree", errors)
-    if third is None or third.epoch != first.epoch:
+    if third is None or not first.comparable(third):
         return Verdict("unresolved", errors)
     ac = relative_error(first.value, third.value)
     bc = relative_error(second.value, third.value)
@@ -181,7 +198,7 @@ class SpotCounts(Protocol):
     """The counters spot checks write (fields of the trainer's ``TrainerCounters``)."""
 
     spot_checks: int  # checks started
-    spot_checks_skipped: int  # no second replica, or the replicas were at different epochs
+    spot_checks_skipped: int  # no second replica, or answers not comparable (params)
     spot_check_disagreements: int  # checks whose first two answers disagreed
     convicted: int  # peers convicted of lying
 

@@ -214,7 +214,11 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             while opt.local_epoch < 1 and time.monotonic() < deadline:
                 _accumulate(module, gen)
                 opt.step(B)
-            opt.flush()  # apply the delayed (background) update
+            # the epoch moved; its update runs in the background, or waits for the next
+            # step to copy it in: the served parameters are the last epoch's, no promise
+            assert opt.params_version() is None
+            if seed == 0:
+                opt.flush()  # apply the delayed (background) update; replica 1 not yet
 
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
             runs = [
@@ -224,6 +228,13 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             for run in runs:
                 run.result(timeout=60)  # re-raises what failed on that thread
         assert [o.local_epoch for o in optimizers] == [1, 1]
+        # both at epoch 1, parameters one step apart: what a trainer's spot check must not
+        # compare (their replies' params say so)
+        assert [o.params_version() for o in optimizers] == [1, None]
+        assert all(torch.equal(q, q0) for q, q0 in zip(replicas[1].parameters(), initial,
+                                                       strict=True))
+        optimizers[1].flush()
+        assert [o.params_version() for o in optimizers] == [1, 1]
         pairs = zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=False)
         for p, q, p0 in pairs:
             assert torch.equal(p, q)
@@ -234,6 +245,7 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
         joined = dhts.own(CollaborativeOptimizer(newcomer, SPEC, STAGE, _Host(dhts.add()), config))
         assert joined.load_state_from_peers()
         assert joined.local_epoch == 1
+        assert joined.params_version() == 1  # the donor's parameters, exactly
         for p, q in zip(replicas[0].parameters(), newcomer.parameters(), strict=False):
             assert torch.equal(p, q)
 

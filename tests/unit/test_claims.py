@@ -111,18 +111,42 @@ def test_one_absurd_claim_moves_neither_joins_nor_rebalancing() -> None:
 
 def test_spot_check_verdicts() -> None:
     y = torch.randn(2, 8, 16)
-    a, b = Answer("p", 3, y, "a"), Answer("q", 3, y + 1e-4 * torch.randn_like(y), "b")
+    a, b = Answer("p", 3, 3, y, "a"), Answer("q", 3, 3, y + 1e-4 * torch.randn_like(y), "b")
     assert relative_error(y, y) == 0.0
     assert judge(a, b, None, 0.05).kind == "agree"
-    wrong = Answer("q", 3, torch.roll(y, 1, dims=1), "w")
+    wrong = Answer("q", 3, 3, torch.roll(y, 1, dims=1), "w")
     assert relative_error(y, wrong.value) > 0.5
     assert judge(a, wrong, None, 0.05).kind == "unresolved"  # one word against another
-    assert judge(a, wrong, Answer("r", 3, y, "c"), 0.05).kind == "second_lied"
-    assert judge(wrong, a, Answer("r", 3, y, "c"), 0.05).kind == "first_lied"
-    # a third at another epoch is no witness; replies at different epochs are not compared
-    assert judge(a, wrong, Answer("r", 4, y, "c"), 0.05).kind == "unresolved"
-    assert judge(a, Answer("q", 4, torch.roll(y, 1, dims=1), "w"), None, 0.05).kind == "skipped"
-    # losses, shapes, non-finite values
-    assert judge(Answer("p", 0, 2.0, "x"), Answer("q", 0, 2.001, "y"), None, 0.01).kind == "agree"
+    assert judge(a, wrong, Answer("r", 3, 3, y, "c"), 0.05).kind == "second_lied"
+    assert judge(wrong, a, Answer("r", 3, 3, y, "c"), 0.05).kind == "first_lied"
+    # a third with other parameters is no witness; answers with other parameters are not
+    # compared
+    assert judge(a, wrong, Answer("r", 4, 4, y, "c"), 0.05).kind == "unresolved"
+    assert judge(a, Answer("q", 4, 4, torch.roll(y, 1, dims=1), "w"), None, 0.05).kind == "skipped"
+    # losses
+    assert judge(Answer("p", 0, 0, 2.0, "x"), Answer("q", 0, 0, 2.001, "y"), None, 0.01).kind == (
+        "agree"
+    )
+
+
+def test_spot_checks_compare_only_answers_promising_the_same_parameters() -> None:
+    """The parameters' version decides, not the epoch: two replicas at epoch 5 where one has
+    copied epoch 4's delayed update in and the other not yet (params 5 and None) answer
+    with parameters one optimizer step apart and are not compared; nor is a replica whose
+    last step was local (None) with anyone, even with itself. Equal non-null versions are
+    compared whatever the epochs say."""
+    y = torch.randn(2, 8, 16)
+    stepped = torch.roll(y, 1, dims=1)  # stands for parameters one step apart
+    applied, pending = Answer("p", 5, 5, y, "a"), Answer("q", 5, None, stepped, "b")
+    assert judge(applied, pending, None, 0.05).kind == "skipped"
+    assert judge(pending, applied, None, 0.05).kind == "skipped"
+    assert judge(pending, Answer("q", 5, None, stepped, "b"), None, 0.05).kind == "skipped"
+    # a witness that promises nothing is absent
+    liar = Answer("q", 5, 5, stepped, "w")
+    assert judge(applied, liar, Answer("r", 5, None, y, "c"), 0.05).kind == "unresolved"
+    assert judge(applied, liar, Answer("r", 5, 5, y, "c"), 0.05).kind == "second_lied"
+    # the verdict reads the versions, not the epochs
+    assert judge(Answer("p", 6, 5, y, "a"), liar, None, 0.05).kind == "unresolved"
+    assert Answer("p", 6, 5, y, "a").summary()["params"] == 5
     assert relative_error(y, y[:1]) == float("inf")
     assert relative_error(torch.full((2,), float("nan")), torch.zeros(2)) == float("inf")

@@ -39,6 +39,8 @@ def _status(index: int, tokens: int = 0, online: bool = True) -> dict[str, Any]:
                 "tokens": tokens,
                 "micro_batches": {"completed": tokens // 1024, "failed": 0},
                 "retried_hops": 0,
+                "spot_checks": {"checked": tokens // 1024, "skipped": 1, "disagreements": 0,
+                                "convicted": 0, "evidence": []},
             },
         },
     }
@@ -107,6 +109,9 @@ def test_a_daemon_that_dies_is_reported_and_training_goes_on(
     assert nodes[1].status == {} and sup.retired[0]["peer_id"] == "12D3KooWpeer1"
     t = demo_figures.totals([n.status for n in nodes], sup.retired)
     assert t["tokens"] == 1024 * (1 + 2 + 3 + 4)
+    # and its spot checks
+    assert t["spot_checks"] == {"checked": 1 + 2 + 3 + 4, "skipped": 4, "disagreements": 0,
+                                "convicted": 0}
 
     # the stage's last replica exits too: the stage is reported empty, the demo goes on
     nodes[3].kill()

@@ -12,12 +12,15 @@ own epoch: exact_allreduce.py).
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
 from wanswarm.node.membership.dht import others_samples, tidy_optimizer_class
 from wanswarm.node.stage.averaging import CollaborativeOptimizer
+from wanswarm.node.stage.params_version import ParamsLedger
 
 OWN, OTHER, CLIENT = b"own", b"other", b"client"
 
@@ -125,7 +128,12 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
     opt._round = {}
     opt._state_round = None
     opt._sync = True  # synchronous steps: where the rules for a replica left behind hold
-    opt._opt.state_averager = SimpleNamespace(last_round=None)
+    opt._opt.state_averager = SimpleNamespace(
+        last_round=None, pending_updates=set(),
+        finished_optimizer_step=threading.Event(), finished_averaging_round=threading.Event(),
+    )
+    opt._ledger = ParamsLedger()
+    opt._step_in_flight = None
     return opt
 
 
@@ -172,6 +180,66 @@ def test_a_slow_step_is_logged_with_why_the_epoch_ended(
                                                                            {"6": 0.0})
     assert slow["round"] == "skipped (behind)" and slow["formed_early"] is True
     assert "the step ending epoch 5 took" in caplog.text and "reason=ahead" in caplog.text
+
+
+class _Finished(Future[Any]):
+    """A round that finished (and was triggered) with ``group``: what each member gathered."""
+
+    triggered = True
+
+    def __init__(self, group: dict[str, int]) -> None:
+        super().__init__()
+        self.set_result(group)
+
+
+def test_each_epoch_step_is_recorded_for_the_replies_params_version() -> None:
+    """The epoch-step wrapper hands the ledger (params_version.py) what each step did: the
+    gradient round hivemind began, the parameter round and the background work it
+    started; a skipped round is a local step. The replies' version is withheld while the
+    work runs and comes back only once a parameter round with a partner succeeded."""
+    opt = _stage_optimizer(5, {5: 8.0})
+    opt._opt.tracker.epoch_end_reason = lambda: "target"
+    opt._opt.tracker.global_epoch = 5
+    opt._opt.local_progress = SimpleNamespace(samples_accumulated=8)
+    opt.config = SimpleNamespace(matchmaking_time=1e9)  # no step is slow
+    opt.slow_steps, opt.last_slow_step, opt.local_gradient_steps = 0, None, 0
+    averager = opt._opt.state_averager
+    assert opt.params_version() == 5  # nothing stepped yet: the initial state, shared
+
+    def hivemind_step(group: Future[Any], state: Future[Any] | None) -> Future[Any]:
+        """hivemind's _update_global_epoch: begins the gradient round (through the
+        wrapper), starts its background work and a parameter round, moves the epoch."""
+        work: Future[Any] = Future()
+
+        def update(_scaler: Any) -> None:
+            opt._opt.scheduled_grads = group
+            opt._begin_unless_behind(lambda _s: True, None)
+            averager.pending_updates.add(work)
+            if state is not None:
+                averager.last_round = state
+            opt._opt.local_epoch += 1
+
+        opt._timed_epoch_step(update, None)
+        return work
+
+    averaged = _Finished({"a": 1, "b": 1})
+    work = hivemind_step(averaged, None)
+    assert opt.params_version() is None  # the update runs in the background
+    work.set_result(None)
+    averager.finished_optimizer_step.set()
+    assert opt.params_version() is None  # finished, not copied into the module yet
+    averager.finished_optimizer_step.clear()
+    assert opt.params_version() == 6
+
+    # every partner moved past our epoch: no round, this replica's own gradients
+    opt._opt.tracker.others_samples = {9: 0.0}
+    opt._sync = True
+    hivemind_step(averaged, None).set_result(None)
+    assert opt.params_version() is None and opt._ledger.unshared_epochs == 1
+    # a later parameter round with a partner makes them the stage's again
+    opt._opt.tracker.others_samples = {8: 8.0}
+    hivemind_step(averaged, _Finished({"a": 8, "b": 8})).set_result(None)
+    assert opt.params_version() == 8
 
 
 class _Round(_Control):

@@ -113,6 +113,9 @@ class RecordingOptimizer:
     def local_epoch(self) -> int:
         return 0
 
+    def params_version(self) -> int | None:
+        return 0  # never steps: the same parameters throughout
+
     @property
     def samples_accumulated(self) -> int:
         return sum(self.steps)

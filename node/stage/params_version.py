@@ -1,0 +1,139 @@
+"""Which parameters answered: the version a stage's reply carries for spot checks.
+
+A trainer's spot check (training/spot_checks.py) compares two replicas' answers to the same
+input, which is fair only when both computed with the same parameters. The stage's epoch
+does not say that. With delayed updates (averaging.py), an epoch's step starts its
+gradient round, optimizer step and parameter round in the background and moves the epoch
+at once; the served module keeps the previous parameters until the next ``step`` copies
+the result in, and hivemind copies it in two writes (after the optimizer step, then after
+the parameter round). Two replicas at the same epoch thus answered with parameters one
+optimizer step apart when one had copied the update in and the other not yet. One step
+moves a stage's output by 3.6-25% in the tiny run's first 40 steps (the reference loop,
+same input), against the spot checks' 5% tolerance: in a demo run two honest replicas at
+epochs 14 and 15 answered 7.6% and 8.8% apart, and the check failed the micro-batch and
+banned both. And a replica whose gradient round failed steps on its own
+gradients; its parameters differ from its partners' until a parameter round succeeds.
+
+So each reply carries ``params``: the epoch of the parameters that computed it when this
+replica's parameters are the stage's shared ones, or None when they may not be:
+
+- while an epoch's background work runs or waits to be copied into the module (the
+  transition: the module holds one state or the other);
+- after an epoch whose gradient round did not average with a partner (a local step), until
+  a parameter round with a partner succeeds;
+- in DiLoCo and gossip runs, always: replicas take their inner steps on their own data
+  (diloco.py, gossip_optimizer.py), so two replicas never promise equal parameters.
+
+A state installed from a peer or a checkpoint (catch-up, ``import_state``) is the donor's
+exactly: shared again, at its epoch. Trainers compare two answers only when both carry the
+same ``params``. A round that split the replicas into two groups that each succeeded
+leaves each group agreeing within itself but not across; hivemind forms one group per
+round, so this needs a matchmaking failure at the same moment, and the check then reports
+``unresolved`` as before.
+
+:class:`ParamsLedger` is pure bookkeeping over the outcomes of each epoch's rounds: it
+takes futures (anything with ``done``/``cancelled``/``exception``/``result``) and answers
+on the device thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# more epochs than this waiting on unfinished background work: something is stuck; the
+# oldest are folded in as not shared (a bounded ledger, and no promise made on them)
+MAX_OPEN_EPOCHS = 64
+
+
+class Outcome(Protocol):
+    """A round's or background job's future (concurrent.futures-like)."""
+
+    def done(self) -> bool: ...
+
+    def cancelled(self) -> bool: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+def averaged_with_a_partner(round_: Outcome | None) -> bool:
+    """Whether a round finished, without error, in a group of two or more (hivemind's
+    result: what each member gathered, by peer)."""
+    if round_ is None or not round_.done() or round_.cancelled():
+        return False
+    try:
+        if round_.exception(0) is not None:
+            return False
+        return len(round_.result(0)) > 1
+    except Exception:  # a result that is not a group: no promise
+        return False
+
+
+@dataclass
+class EpochStep:
+    """One epoch's step: its gradient round (None: none began, local gradients), its
+    parameter round (None: none this epoch), hivemind's background job (None: nothing ran
+    in the background), and whether the optimizer stepped on this replica's own gradients
+    all the same (``local``: hivemind's fallback after a failed round)."""
+
+    grad_round: Outcome | None
+    state_round: Outcome | None
+    work: Outcome | None
+    local: bool = False
+
+    def finished(self) -> bool:
+        return self.work is None or self.work.done()
+
+
+class ParamsLedger:
+    """Whether this replica's parameters are the stage's shared ones (module docstring)."""
+
+    def __init__(self) -> None:
+        self._shared = True  # every replica builds the same initial parameters (the seed)
+        self._open: deque[EpochStep] = deque()
+        self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
+
+    def stepped(self, step: EpochStep) -> None:
+        """An epoch's step began (its background work may still run)."""
+        self._settle()
+        self._open.append(step)
+        while len(self._open) > MAX_OPEN_EPOCHS:
+            self._open.popleft()
+            self._fold(shared=False)
+
+    def installed(self) -> None:
+        """A state from a peer or a checkpoint replaced the parameters: the donor's exactly."""
+        self._open.clear()
+        self._shared = True
+
+    def version(self, epoch: int, *, applied: bool) -> int | None:
+        """``epoch`` if the module's parameters are the stage's shared ones at it, else
+        None. ``applied``: no finished background result waits to be copied into the
+        module."""
+        self._settle()
+        if self._open or not applied or not self._shared:
+            return None
+        return epoch
+
+    @property
+    def shared(self) -> bool:
+        """Whether the parameters were the stage's shared ones after the last finished epoch."""
+        self._settle()
+        return self._shared
+
+    def _settle(self) -> None:
+        """Fold in the epochs whose background work finished, oldest first."""
+        while self._open and self._open[0].finished():
+            step = self._open.popleft()
+            self._fold(
+                shared=averaged_with_a_partner(step.state_round)
+                or (not step.local and averaged_with_a_partner(step.grad_round) and self._shared)
+            )
+
+    def _fold(self, *, shared: bool) -> None:
+        if not shared:
+            self.unshared_epochs += 1
+        self._shared = shared

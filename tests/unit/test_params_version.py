@@ -1,0 +1,112 @@
+"""The parameters' version a stage's replies carry (node/stage/params_version.py): pure
+bookkeeping over each epoch's round outcomes, with futures standing for hivemind's."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from wanswarm.node.stage.params_version import (
+    MAX_OPEN_EPOCHS,
+    EpochStep,
+    ParamsLedger,
+    averaged_with_a_partner,
+)
+
+
+def _round(group: int | None = None, error: BaseException | None = None,
+           cancelled: bool = False) -> Future[Any]:
+    """A finished round: a group of ``group`` peers, or an error, or cancelled; pending when
+    all three are left out."""
+    f: Future[Any] = Future()
+    if cancelled:
+        f.cancel()
+    elif error is not None:
+        f.set_exception(error)
+    elif group is not None:
+        f.set_result({f"peer{i}": i for i in range(group)})
+    return f
+
+
+def _done() -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_result(None)
+    return f
+
+
+def test_a_round_counts_only_when_it_finished_with_a_partner() -> None:
+    assert averaged_with_a_partner(_round(group=2))
+    assert not averaged_with_a_partner(_round(group=1))  # alone: nobody to agree with
+    assert not averaged_with_a_partner(_round(error=TimeoutError("no group")))
+    assert not averaged_with_a_partner(_round(cancelled=True))
+    assert not averaged_with_a_partner(_round())  # still running
+    assert not averaged_with_a_partner(None)
+    odd: Future[Any] = Future()
+    odd.set_result(7)  # not a group: no promise, no exception
+    assert not averaged_with_a_partner(odd)
+
+
+def test_the_version_is_withheld_while_an_update_is_on_its_way() -> None:
+    """Delayed updates: the epoch moves when the step begins; the module holds the previous
+    parameters until the background work finishes and the next step copies it in."""
+    ledger = ParamsLedger()
+    assert ledger.version(0, applied=True) == 0  # the seed's parameters: every replica's
+    work: Future[Any] = Future()
+    ledger.stepped(EpochStep(grad_round=_round(group=2), state_round=None, work=work))
+    assert ledger.version(1, applied=True) is None  # running in the background
+    work.set_result(None)
+    assert ledger.version(1, applied=False) is None  # finished, not copied in yet
+    assert ledger.version(1, applied=True) == 1
+
+
+def test_a_local_step_sets_the_replica_apart_until_a_parameter_round() -> None:
+    ledger = ParamsLedger()
+    # the gradient round failed: hivemind stepped on this replica's gradients
+    ledger.stepped(EpochStep(_round(error=TimeoutError()), None, _done()))
+    assert ledger.version(1, applied=True) is None
+    assert not ledger.shared and ledger.unshared_epochs == 1
+    # an averaged gradient applied to parameters that differ keeps them different
+    ledger.stepped(EpochStep(_round(group=2), None, _done()))
+    assert ledger.version(2, applied=True) is None
+    # a parameter round with a partner makes them the stage's again
+    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done()))
+    assert ledger.version(3, applied=True) == 3
+    # the fallback after a round that reported success counts as a local step
+    ledger.stepped(EpochStep(_round(group=2), None, _done(), local=True))
+    assert ledger.version(4, applied=True) is None
+    # no round at all (skipped, no partner known): local gradients
+    ledger.installed()
+    ledger.stepped(EpochStep(None, None, None))
+    assert ledger.version(5, applied=True) is None
+
+
+def test_a_failed_parameter_round_after_an_averaged_step_keeps_the_promise() -> None:
+    ledger = ParamsLedger()
+    ledger.stepped(EpochStep(_round(group=3), _round(error=TimeoutError()), _done()))
+    assert ledger.version(1, applied=True) == 1
+
+
+def test_an_installed_state_is_shared_and_drops_what_was_open() -> None:
+    ledger = ParamsLedger()
+    ledger.stepped(EpochStep(None, None, _done()))
+    assert ledger.version(1, applied=True) is None
+    ledger.stepped(EpochStep(_round(group=2), None, Future()))  # never finishes
+    ledger.installed()  # a catch-up replaced everything, the open step included
+    assert ledger.version(9, applied=True) == 9
+
+
+def test_epochs_fold_in_order_even_when_nobody_asks_in_between() -> None:
+    """Replies may not come for many epochs: every finished epoch is folded as the next one
+    begins, so a local step in the middle is not lost, and the ledger stays bounded."""
+    ledger = ParamsLedger()
+    ledger.stepped(EpochStep(_round(group=2), None, _done()))
+    ledger.stepped(EpochStep(None, None, _done()))  # local
+    ledger.stepped(EpochStep(_round(group=2), None, _done()))
+    assert ledger.version(3, applied=True) is None
+    assert ledger.unshared_epochs == 2
+    # work that never finishes: the oldest are given up as not shared, the ledger bounded
+    stuck = ParamsLedger()
+    for _ in range(MAX_OPEN_EPOCHS + 5):
+        stuck.stepped(EpochStep(_round(group=2), None, Future()))
+    assert len(stuck._open) == MAX_OPEN_EPOCHS
+    assert stuck.unshared_epochs == 5 and stuck.version(70, applied=True) is None
