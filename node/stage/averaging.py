@@ -426,7 +426,9 @@ class CollaborativeOptimizer:
         fallback = self._opt._load_local_gradients_into_optimizer
         # whether the served parameters are the stage's shared ones, for the replies' params
         # (params_version.py); _step_in_flight: the epoch step whose rounds are being set up
-        self._ledger = ParamsLedger()
+        self._ledger = ParamsLedger(
+            state_rounds=lambda epoch: getattr(self._opt.state_averager, "rounds", {}).get(epoch)
+        )
         self._step_in_flight: EpochStep | None = None
 
         def counted_fallback() -> None:
@@ -461,7 +463,7 @@ class CollaborativeOptimizer:
         # partner at a later epoch has finished its round of ours (its step waited for it);
         # with delayed updates it moves on at once and its round runs in the background
         self._sync = not config.delayed_updates
-        self._state_round: Any = None  # the parameter round the last step started
+        self.parameter_rounds_landed = 0  # _land_parameter_round
         self._opt._begin_averaging_gradients = partial(
             self._begin_unless_behind, self._opt._begin_averaging_gradients
         )
@@ -670,30 +672,19 @@ class CollaborativeOptimizer:
         }
         self._round = {}
         start = time.monotonic()
-        # the parameter round an earlier step left running in the background: hivemind's
-        # optimizer step queues behind it (one worker thread), so it is waited for here,
-        # and given up while still matching once every partner has moved on
-        state_round, self._state_round = self._state_round, None
-        if self._sync and state_round is not None and not state_round.done():
-            why = self._wait_unless_left_behind(state_round)
-            if why is not None:
-                self.state_rounds_abandoned += 1
-                self._round["state_round"] = f"abandoned ({why})"
         state_averager = opt.state_averager
-        before = getattr(state_averager, "last_round", None)
+        if self._sync:
+            self._land_parameter_round(state_averager)
         epoch, work_before = self.local_epoch, set(state_averager.pending_updates)
         previous = self._step_in_flight  # the last step's: its fallback may still run
         try:
             update(grad_scaler)
         finally:
-            started = getattr(state_averager, "last_round", None)
-            if started is not before:
-                self._state_round = started  # this step's parameter round: it runs on
             step = self._step_in_flight
             if self.local_epoch != epoch:
                 if step is None or step is previous:  # the epoch moved without a gradient round
                     step = EpochStep(grad_round=None, state_round=None, work=None)
-                step.state_round = started if started is not before else None
+                step.epoch = self.local_epoch  # its parameter round gathers this epoch
                 work = [u for u in state_averager.pending_updates if u not in work_before]
                 step.work = work[-1] if work else None
                 self._ledger.stepped(step)
@@ -707,6 +698,30 @@ class CollaborativeOptimizer:
                     ", ".join(f"{k}={v}" for k, v in self.last_slow_step.items()
                               if k not in ("epoch", "seconds")),
                 )
+
+    def _land_parameter_round(self, averager: Any) -> None:
+        """Synchronous steps: the parameter round an earlier step left running in the
+        background lands before this step's optimizer step.
+
+        hivemind copies a finished round's result over the parameters at its next step. A
+        round still running when the next optimizer step began (pre-scheduled rounds are
+        not waited for: hivemind waits only with delayed updates) let that step run on the
+        parameters from before the round, and the step after it copied the round's result
+        over them: that replica lost one optimizer step, and its partner, whose round had
+        ended in time, did not. The two then answered one step apart (in the demo, spot
+        checks found replicas 7-26% apart after a parameter round). So the round is waited
+        for here, given up while still matching once every partner has moved on (as
+        hivemind's optimizer step would queue behind it anyway: one worker thread), and its
+        result copied in (``parameter_rounds_landed`` counts the steps that waited)."""
+        running = getattr(averager, "last_round", None)
+        if running is not None and getattr(running, "triggered", False) and not running.done():
+            why = self._wait_unless_left_behind(running)
+            if why is not None:
+                self.state_rounds_abandoned += 1
+                self._round["state_round"] = f"abandoned ({why})"
+        if any(not update.done() for update in averager.pending_updates):
+            self.parameter_rounds_landed += 1
+            averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
 
     def _timed_round(self, average: Callable[[Any], None], control: Any) -> None:
         """hivemind's wait for the epoch's gradient round, timed (``_timed_epoch_step``)."""
@@ -895,6 +910,12 @@ class CollaborativeOptimizer:
             # parameter rounds given up while still matching: every partner past our epoch,
             # or none left
             "state_rounds_abandoned": self.state_rounds_abandoned,
+            # synchronous steps that waited for an earlier parameter round to land
+            "parameter_rounds_landed": self.parameter_rounds_landed,
+            # epochs after which the served parameters were not the stage's shared ones (a
+            # local step, a round that missed parts): the replies' params are null until a
+            # parameter round with a partner (params_version.py)
+            "unshared_epochs": self._ledger.unshared_epochs,
             # steps that took over matchmaking_time + SLOW_STEP_MARGIN_S, the last one's account
             "slow_steps": self.slow_steps,
             "last_slow_step": self.last_slow_step,

@@ -136,30 +136,99 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 EPOCH_KEY_BITS = 8  # of the epoch, in a round's group key: 256 epochs apart collide
+ROUNDS_KEPT = 16  # parameter rounds' controls kept by the epoch they average
 
 
-class _ParameterRoundHook(DecentralizedAverager):
+class Gathered(dict[Any, Any]):
+    """What a round returns (hivemind's gathered metadata: each member's, by peer id), and
+    whether this member received every part's average (``complete``). hivemind reports a
+    round whose reducer of some part failed mid-way as a success; the member keeps its own
+    values for that part, so two members of one "successful" round can end up apart
+    (``Averaging: received 53.7% results`` in its log)."""
+
+    def __init__(self, gathered: Any = (), *, complete: bool = True) -> None:
+        super().__init__(gathered)
+        self.complete = complete
+
+
+class _MissingResults(DecentralizedAverager):
+    """Marks each round's result with whether every part's average arrived (``Gathered``).
+    Runs in the averager's process; the mark travels with the result to the caller."""
+
+    def _missing(self) -> dict[Any, int]:
+        """Group id -> elements whose average did not arrive, per round (this process)."""
+        missing: dict[Any, int] | None = self.__dict__.get("_missing_by_group")
+        if missing is None:
+            missing = self.__dict__["_missing_by_group"] = {}
+        return missing
+
+    def _record_missing(self, group_id: Any, runner: AllReduceRunner | None) -> None:
+        container = getattr(runner, "tensor_part_container", None)
+        failed = getattr(container, "failed_size", None)
+        self._missing()[group_id] = int(failed) if isinstance(failed, int) else -1
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        finally:
+            future = self._running_groups.get(group_id)
+            runner = (
+                future.result()
+                if future is not None and future.done() and not future.cancelled()
+                and future.exception() is None else None
+            )
+            self._record_missing(group_id, runner)
+
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int,
+                                    **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        missing = self._missing().pop(group_info.group_id, -1)
+        return Gathered(gathered, complete=missing == 0)
+
+
+class _ParameterRoundHook(_MissingResults):
     """Between hivemind's ``TrainingStateAverager`` and ``DecentralizedAverager`` in
     :class:`EpochKeyedStateAverager`'s method order, so that the ``super().step`` through
     which the state averager starts a parameter round (pre-scheduled or not) comes here: the
     round's group key gets the epoch the round gathers (hivemind passes it as ``gather``),
-    and the round's control is kept as ``last_round`` for whoever waits on it."""
+    and the round's control is kept as ``last_round`` for whoever waits on it, and in
+    ``rounds`` by that epoch (the epoch the step that uses it moves to)."""
 
     last_round: Any = None
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         gather = kwargs.get("gather")
-        if isinstance(gather, int) and not isinstance(gather, bool):
-            self.set_group_bits(epoch_group_bits(gather), wait=False)
+        epoch = gather if isinstance(gather, int) and not isinstance(gather, bool) else None
+        if epoch is not None:
+            self.set_group_bits(epoch_group_bits(epoch), wait=False)
         control = super().step(*args, **kwargs)
         if kwargs.get("wait") is False:
             self.last_round = control
+            if epoch is not None:
+                rounds = self.rounds
+                rounds.pop(epoch, None)
+                rounds[epoch] = control  # a later round for the epoch replaces an unused one
+                while len(rounds) > ROUNDS_KEPT:
+                    rounds.pop(next(iter(rounds)))
         return control
+
+    @property
+    def rounds(self) -> dict[int, Any]:
+        """The last ``ROUNDS_KEPT`` parameter rounds' controls, by the epoch they gather."""
+        rounds: dict[int, Any] | None = self.__dict__.get("_rounds_by_epoch")
+        if rounds is None:
+            rounds = self.__dict__["_rounds_by_epoch"] = {}
+        return rounds
 
 
 class EpochKeyedStateAverager(TrainingStateAverager, _ParameterRoundHook):
     """hivemind's ``TrainingStateAverager`` whose parameter rounds meet only rounds of the
-    same epoch, and which keeps its last round's control (``last_round``)."""
+    same epoch, which keeps its rounds' controls (``last_round``, ``rounds``), and whose
+    rounds say whether every part's average arrived (``Gathered.complete``)."""
 
 
 def epoch_group_bits(epoch: int) -> str:
@@ -167,9 +236,10 @@ def epoch_group_bits(epoch: int) -> str:
     return format(epoch % (1 << EPOCH_KEY_BITS), f"0{EPOCH_KEY_BITS}b")
 
 
-class ExactGradientAverager(GradientAverager):
+class ExactGradientAverager(GradientAverager, _MissingResults):
     """hivemind's GradientAverager whose rounds leave every member the same averaged bits,
-    and whose rounds meet only rounds of the same epoch (given ``round_epoch``)."""
+    whose rounds meet only rounds of the same epoch (given ``round_epoch``), and whose
+    rounds say whether every part's average arrived (``Gathered.complete``)."""
 
     # the epoch whose gradients the next round averages; None: hivemind's key alone
     round_epoch: Callable[[], int] | None = None
@@ -200,11 +270,14 @@ class ExactGradientAverager(GradientAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, mean in azip(as_aiter(*tensors), runner):
-                tensor.copy_(mean)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, mean in azip(as_aiter(*tensors), runner):
+                    tensor.copy_(mean)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+        finally:
+            self._record_missing(group_id, runner)

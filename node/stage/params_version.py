@@ -19,8 +19,10 @@ replica's parameters are the stage's shared ones, or None when they may not be:
 
 - while an epoch's background work runs or waits to be copied into the module (the
   transition: the module holds one state or the other);
-- after an epoch whose gradient round did not average with a partner (a local step), until
-  a parameter round with a partner succeeds;
+- after an epoch whose gradient round did not average with a partner (a local step), or
+  whose round lost some part's average (hivemind calls such a round a success and keeps
+  the member's own values there; exact_allreduce.py marks the result), until a parameter
+  round with a partner brings every part back;
 - in DiLoCo and gossip runs, always: replicas take their inner steps on their own data
   (diloco.py, gossip_optimizer.py), so two replicas never promise equal parameters.
 
@@ -39,6 +41,7 @@ on the device thread.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,13 +64,16 @@ class Outcome(Protocol):
 
 def averaged_with_a_partner(round_: Outcome | None) -> bool:
     """Whether a round finished, without error, in a group of two or more (hivemind's
-    result: what each member gathered, by peer)."""
+    result: what each member gathered, by peer), with every part's average received
+    (exact_allreduce.py's ``Gathered.complete``: hivemind calls a round whose reducer of
+    some part failed a success, and the member keeps its own values for that part)."""
     if round_ is None or not round_.done() or round_.cancelled():
         return False
     try:
         if round_.exception(0) is not None:
             return False
-        return len(round_.result(0)) > 1
+        result = round_.result(0)
+        return len(result) > 1 and getattr(result, "complete", True) is True
     except Exception:  # a result that is not a group: no promise
         return False
 
@@ -83,6 +89,7 @@ class EpochStep:
     state_round: Outcome | None
     work: Outcome | None
     local: bool = False
+    epoch: int | None = None  # the epoch the step moved to (finds its parameter round)
 
     def finished(self) -> bool:
         return self.work is None or self.work.done()
@@ -91,7 +98,10 @@ class EpochStep:
 class ParamsLedger:
     """Whether this replica's parameters are the stage's shared ones (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_rounds: Callable[[int], Outcome | None] = lambda _e: None) -> None:
+        # a step's parameter round, by the epoch the step moved to, when the step itself
+        # did not see it start (hivemind starts it in the background, or pre-schedules it)
+        self._state_rounds = state_rounds
         self._shared = True  # every replica builds the same initial parameters (the seed)
         self._open: deque[EpochStep] = deque()
         self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
@@ -128,8 +138,11 @@ class ParamsLedger:
         """Fold in the epochs whose background work finished, oldest first."""
         while self._open and self._open[0].finished():
             step = self._open.popleft()
+            state = step.state_round
+            if state is None and step.epoch is not None:
+                state = self._state_rounds(step.epoch)
             self._fold(
-                shared=averaged_with_a_partner(step.state_round)
+                shared=averaged_with_a_partner(state)
                 or (not step.local and averaged_with_a_partner(step.grad_round) and self._shared)
             )
 

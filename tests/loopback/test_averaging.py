@@ -235,6 +235,12 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
                                                        strict=True))
         optimizers[1].flush()
         assert [o.params_version() for o in optimizers] == [1, 1]
+        # what told them: the epoch's parameter round, found by its epoch, came back from
+        # each averager's process complete (every part's average arrived) in a group of two
+        for opt in optimizers:
+            state_round = opt._opt.state_averager.rounds[1]
+            gathered = state_round.result(0)
+            assert len(gathered) == 2 and gathered.complete is True
         pairs = zip(replicas[0].parameters(), replicas[1].parameters(), initial, strict=False)
         for p, q, p0 in pairs:
             assert torch.equal(p, q)

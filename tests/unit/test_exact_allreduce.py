@@ -105,10 +105,15 @@ def test_the_state_averager_starts_its_rounds_through_the_hook() -> None:
     after it in the method order, and on hivemind building its state averager with the
     arguments TidyOptimizer._make_state_averager repeats (membership/dht.py)."""
     from hivemind.optim.state_averager import TrainingStateAverager
-    from wanswarm.node.stage.exact_allreduce import EpochKeyedStateAverager, _ParameterRoundHook
+    from wanswarm.node.stage.exact_allreduce import (
+        EpochKeyedStateAverager,
+        _MissingResults,
+        _ParameterRoundHook,
+    )
 
     mro = EpochKeyedStateAverager.__mro__
-    assert mro[1:4] == (TrainingStateAverager, _ParameterRoundHook, DecentralizedAverager)
+    assert mro[1:5] == (TrainingStateAverager, _ParameterRoundHook, _MissingResults,
+                        DecentralizedAverager)
     source = inspect.getsource(TrainingStateAverager._do)
     assert "super().step(" in source and "gather=self.local_epoch" in source
     assert "super().step(" in inspect.getsource(TrainingStateAverager.schedule_step)
@@ -118,3 +123,70 @@ def test_the_state_averager_starts_its_rounds_through_the_hook() -> None:
                      "custom_gradients=", "status_loglevel=", "next_chunk_timeout=",
                      "client_mode=", "auxiliary=", "start=True", "**kwargs"):
         assert argument in made, argument
+
+
+def test_a_round_result_says_whether_every_part_arrived() -> None:
+    """hivemind's averager returns the gathered metadata from ``_aggregate_with_group``,
+    which runs ``_run_allreduce_inplace_`` while the group's runner is registered in
+    ``_running_groups``; a part whose reducer failed is counted in the container's
+    ``failed_size`` (and the member keeps its own values there). The mark survives the pipe
+    to the caller (pickle), and hivemind's uses of the result (its length, its values) see
+    the plain mapping."""
+    import pickle
+
+    from wanswarm.node.stage.exact_allreduce import Gathered, _MissingResults
+
+    aggregate = inspect.getsource(DecentralizedAverager._aggregate_with_group)
+    assert "await self._run_allreduce_inplace_(" in aggregate
+    assert "return user_gathered" in aggregate
+    register = inspect.getsource(DecentralizedAverager._register_allreduce_group)
+    assert "self._running_groups.pop(" in register  # after aggregation: still there inside
+    failed = inspect.getsource(TensorPartContainer.register_failed_reducer)
+    assert "self.failed_size +=" in failed
+    assert "self.failed_size = 0" in inspect.getsource(TensorPartContainer.__init__)
+    assert issubclass(ExactGradientAverager, _MissingResults)
+
+    gathered = pickle.loads(pickle.dumps(Gathered({"a": 3, "b": 4}, complete=False)))
+    assert gathered == {"a": 3, "b": 4} and gathered.complete is False
+    assert len(gathered) == 2 and max(gathered.values()) == 4
+    assert pickle.loads(pickle.dumps(Gathered({"a": 1}))).complete is True
+
+
+def test_the_mark_counts_what_the_runner_missed() -> None:
+    """``_MissingResults`` reads the runner's container after the all-reduce (a runner that
+    never registered counts as missing everything)."""
+    from types import SimpleNamespace
+
+    from wanswarm.node.stage.exact_allreduce import Gathered, _MissingResults
+
+    class Probe(_MissingResults):
+        def __del__(self) -> None:  # never started: nothing to shut down
+            pass
+
+    averager = Probe.__new__(Probe)
+    runner = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=0))
+    averager._record_missing(b"g1", runner)  # type: ignore[arg-type]
+    partial = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=1234))
+    averager._record_missing(b"g2", partial)  # type: ignore[arg-type]
+    averager._record_missing(b"g3", None)
+    assert averager._missing() == {b"g1": 0, b"g2": 1234, b"g3": -1}
+
+    async def aggregate(group_id: bytes) -> Gathered:
+        # DecentralizedAverager's, with the all-reduce replaced: it returns the metadata
+        async def base(self: object, group_info: object, min_vector_size: int,
+                       **kwargs: object) -> dict[str, int]:
+            return {"a": 1, "b": 2}
+
+        original = DecentralizedAverager._aggregate_with_group
+        DecentralizedAverager._aggregate_with_group = base  # type: ignore[method-assign]
+        try:
+            return await averager._aggregate_with_group(  # type: ignore[no-any-return]
+                SimpleNamespace(group_id=group_id), 0)
+        finally:
+            DecentralizedAverager._aggregate_with_group = original  # type: ignore[method-assign]
+
+    assert asyncio.run(aggregate(b"g1")).complete is True
+    assert asyncio.run(aggregate(b"g2")).complete is False
+    assert asyncio.run(aggregate(b"g3")).complete is False
+    assert asyncio.run(aggregate(b"never-ran")).complete is False
+    assert averager._missing() == {}  # each round's mark taken once

@@ -132,8 +132,11 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
         last_round=None, pending_updates=set(),
         finished_optimizer_step=threading.Event(), finished_averaging_round=threading.Event(),
     )
-    opt._ledger = ParamsLedger()
+    opt._ledger = ParamsLedger(  # as the constructor builds it
+        state_rounds=lambda epoch: getattr(opt._opt.state_averager, "rounds", {}).get(epoch)
+    )
     opt._step_in_flight = None
+    opt.parameter_rounds_landed = 0
     return opt
 
 
@@ -215,9 +218,9 @@ def test_each_epoch_step_is_recorded_for_the_replies_params_version() -> None:
             opt._opt.scheduled_grads = group
             opt._begin_unless_behind(lambda _s: True, None)
             averager.pending_updates.add(work)
-            if state is not None:
-                averager.last_round = state
             opt._opt.local_epoch += 1
+            if state is not None:  # hivemind's background work starts it for the new epoch
+                averager.rounds = {opt._opt.local_epoch: state}
 
         opt._timed_epoch_step(update, None)
         return work
@@ -340,9 +343,9 @@ def test_a_round_whose_partners_are_all_gone_is_abandoned_after_the_grace(
 def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     monkeypatch: Any,
 ) -> None:
-    """The parameter round the last step started runs in hivemind's one worker thread,
-    ahead of this step's optimizer step: it is waited for first, and given up while still
-    matching when every partner is past our epoch."""
+    """The parameter round an earlier step left running in hivemind's one worker thread is
+    waited for ahead of this step's optimizer step, given up while still matching when
+    every partner is past our epoch, and its background work finished and applied."""
     from wanswarm.node.stage import averaging
 
     monkeypatch.setattr(averaging, "ROUND_POLL_S", 0.0)
@@ -353,21 +356,76 @@ def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
     opt.run_id = "run_stage2"
     opt.slow_steps, opt.last_slow_step = 0, None
+    averager = opt._opt.state_averager
     stuck = _Round(finish_after=None)
-    opt._state_round = stuck
-    started = _Round(finish_after=0)
+    averager.last_round = stuck
+    job: Future[Any] = Future()  # the background work the round belongs to
+    averager.pending_updates = {job}
+    landed: list[dict[str, Any]] = []
+
+    def hivemind_flush(**kwargs: Any) -> None:  # TrainingStateAverager.step
+        landed.append(kwargs)
+        job.set_result(None)  # the cancelled round ends its job
+
+    averager.step = hivemind_flush
 
     def update(_scaler: Any) -> None:  # hivemind's step, starting this epoch's round
         assert stuck.cancelled  # given up before hivemind's step waits behind it
+        assert landed == [{"wait_for_delayed_updates": True, "apply_delayed_updates": True}]
         opt._skip_round()  # its gradient round's account joins the parameter round's
-        opt._opt.state_averager.last_round = started
         opt._opt.local_epoch = 46
 
     opt._timed_epoch_step(update, None)
-    assert opt.state_rounds_abandoned == 1
+    assert opt.state_rounds_abandoned == 1 and opt.parameter_rounds_landed == 1
     # the account keeps the parameter round's fate beside the gradient round's
     assert opt._round == {"state_round": "abandoned (behind)", "round": "skipped (behind)"}
-    assert opt._state_round is started  # the next step waits for this one
+
+
+def test_a_pre_scheduled_parameter_round_lands_before_the_next_optimizer_step() -> None:
+    """Synchronous steps. hivemind pre-schedules a parameter round from its step before the
+    epoch ends (so no epoch step sees it start) and runs it in the background after the
+    epoch's optimizer step. Still running when the next epoch's step began, it let that
+    step's optimizer step run on the parameters from before the round, and the step after
+    copied the round's result over them: one optimizer step lost on that replica alone. The
+    next epoch step now waits for it and copies its result in first; a round scheduled for
+    this very step (not yet triggered) is left to it."""
+    opt = _stage_optimizer(20, {20: 8.0})
+    opt._opt.tracker.epoch_end_reason = lambda: "target"
+    opt._opt.local_progress = SimpleNamespace(samples_accumulated=32)
+    opt._opt.tracker.global_epoch = 20
+    opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
+    opt.run_id = "run_stage0"
+    opt.slow_steps, opt.last_slow_step = 0, None
+    averager = opt._opt.state_averager
+    order: list[str] = []
+    finishing = _Round(finish_after=2)  # triggered: epoch 20's step used it
+    averager.last_round = finishing
+    job: Future[Any] = Future()
+    averager.pending_updates = {job}
+
+    def hivemind_flush(**kwargs: Any) -> None:
+        order.append("landed")
+        job.set_result(None)
+
+    averager.step = hivemind_flush
+
+    def update(_scaler: Any) -> None:
+        order.append("optimizer step")
+        opt._opt.local_epoch = 21
+
+    opt._timed_epoch_step(update, None)
+    assert order == ["landed", "optimizer step"]
+    assert finishing.polls == 3 and not finishing.cancelled  # waited out, not given up
+    assert opt.parameter_rounds_landed == 1
+
+    # the next round was pre-scheduled for the coming step and not triggered yet: not
+    # waited for (it waits for that step's trigger), and no background work is pending
+    order.clear()
+    upcoming = _Control()
+    assert not upcoming.triggered
+    averager.last_round = upcoming
+    opt._timed_epoch_step(update, None)
+    assert order == ["optimizer step"] and opt.parameter_rounds_landed == 1
 
 
 def test_with_delayed_updates_a_partner_ahead_does_not_skip_our_round() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+from wanswarm.node.stage.exact_allreduce import Gathered
 from wanswarm.node.stage.params_version import (
     MAX_OPEN_EPOCHS,
     EpochStep,
@@ -44,6 +45,25 @@ def test_a_round_counts_only_when_it_finished_with_a_partner() -> None:
     odd: Future[Any] = Future()
     odd.set_result(7)  # not a group: no promise, no exception
     assert not averaged_with_a_partner(odd)
+    # hivemind calls a round whose reducer of some part failed a success; the member kept
+    # its own values for that part (exact_allreduce.py marks it)
+    partial: Future[Any] = Future()
+    partial.set_result(Gathered({"a": 1, "b": 1}, complete=False))
+    assert not averaged_with_a_partner(partial)
+    whole: Future[Any] = Future()
+    whole.set_result(Gathered({"a": 1, "b": 1}))
+    assert averaged_with_a_partner(whole)
+
+
+def test_a_steps_parameter_round_is_found_by_its_epoch() -> None:
+    """hivemind starts the parameter round in the background, or pre-schedules it before
+    the epoch ends: the step then looks it up by the epoch it moved to."""
+    rounds = {7: _round(group=2)}
+    ledger = ParamsLedger(state_rounds=rounds.get)
+    ledger.stepped(EpochStep(None, None, _done(), epoch=6))  # local, no round for 6
+    assert ledger.version(6, applied=True) is None
+    ledger.stepped(EpochStep(None, None, _done(), epoch=7))  # local, but 7's round averaged
+    assert ledger.version(7, applied=True) == 7
 
 
 def test_the_version_is_withheld_while_an_update_is_on_its_way() -> None:
