@@ -427,7 +427,8 @@ class CollaborativeOptimizer:
         # whether the served parameters are the stage's shared ones, for the replies' params
         # (params_version.py); _step_in_flight: the epoch step whose rounds are being set up
         self._ledger = ParamsLedger(
-            state_rounds=lambda epoch: getattr(self._opt.state_averager, "rounds", {}).get(epoch)
+            state_rounds=lambda epoch: getattr(self._opt.state_averager, "rounds", {}).get(epoch),
+            on_change=self._shared_changed,
         )
         self._step_in_flight: EpochStep | None = None
 
@@ -698,6 +699,14 @@ class CollaborativeOptimizer:
                     ", ".join(f"{k}={v}" for k, v in self.last_slow_step.items()
                               if k not in ("epoch", "seconds")),
                 )
+
+    def _shared_changed(self, shared: bool, why: str) -> None:
+        """The served parameters stopped or started being the stage's shared ones: replies
+        carry ``params`` null meanwhile, and trainers do not spot-check them."""
+        logger.info(
+            "%s: parameters %s the stage's (%s), epoch %d", self.run_id,
+            "are again" if shared else "set apart from", why, self.local_epoch,
+        )
 
     def _land_parameter_round(self, averager: Any) -> None:
         """Synchronous steps: the parameter round an earlier step left running in the

@@ -98,7 +98,13 @@ class EpochStep:
 class ParamsLedger:
     """Whether this replica's parameters are the stage's shared ones (module docstring)."""
 
-    def __init__(self, state_rounds: Callable[[int], Outcome | None] = lambda _e: None) -> None:
+    def __init__(
+        self,
+        state_rounds: Callable[[int], Outcome | None] = lambda _e: None,
+        on_change: Callable[[bool, str], None] = lambda _shared, _why: None,
+    ) -> None:
+        # told (shared or not, why) when the parameters stop or start being the stage's
+        self._on_change = on_change
         # a step's parameter round, by the epoch the step moved to, when the step itself
         # did not see it start (hivemind starts it in the background, or pre-schedules it)
         self._state_rounds = state_rounds
@@ -112,11 +118,13 @@ class ParamsLedger:
         self._open.append(step)
         while len(self._open) > MAX_OPEN_EPOCHS:
             self._open.popleft()
-            self._fold(shared=False)
+            self._fold(shared=False, why="background work unfinished for too many epochs")
 
     def installed(self) -> None:
         """A state from a peer or a checkpoint replaced the parameters: the donor's exactly."""
         self._open.clear()
+        if not self._shared:
+            self._on_change(True, "a state installed")
         self._shared = True
 
     def version(self, epoch: int, *, applied: bool) -> int | None:
@@ -141,12 +149,18 @@ class ParamsLedger:
             state = step.state_round
             if state is None and step.epoch is not None:
                 state = self._state_rounds(step.epoch)
-            self._fold(
-                shared=averaged_with_a_partner(state)
-                or (not step.local and averaged_with_a_partner(step.grad_round) and self._shared)
-            )
+            if averaged_with_a_partner(state):
+                self._fold(shared=True, why=f"parameter round of epoch {step.epoch}")
+            elif not step.local and averaged_with_a_partner(step.grad_round):
+                self._fold(shared=self._shared, why=f"gradient round of epoch {step.epoch}")
+            else:
+                grad = "local gradients" if step.grad_round is None or step.local else (
+                    "a gradient round that failed or lost parts")
+                self._fold(shared=False, why=f"{grad} at epoch {step.epoch}")
 
-    def _fold(self, *, shared: bool) -> None:
+    def _fold(self, *, shared: bool, why: str) -> None:
         if not shared:
             self.unshared_epochs += 1
+        if shared != self._shared:
+            self._on_change(shared, why)
         self._shared = shared
