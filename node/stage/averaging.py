@@ -150,6 +150,9 @@ _BYTES_PER_VALUE: dict[str, float] = {
 }
 
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
+# AdamW's moments, by their names in its state: averaged in parameter rounds when the run
+# spec's averaging.average_moments says so
+MOMENTS = ("exp_avg", "exp_avg_sq")
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
 ROUND_POLL_S = 0.25  # while waiting for a round: how often to look whether it is hopeless
@@ -300,6 +303,19 @@ def averaging_run_id(spec: RunSpec, stage: int) -> str:
     return f"{spec.name}_{spec.run_id}_stage{stage}"
 
 
+def _state_compression(name: CompressionName, *, moments: bool) -> Any:
+    """A parameter round's compression: the node's for the parameters; AdamW's moments, when
+    averaged, in float32 (a second moment of 1e-12 is below fp16's smallest value, and an
+    8-bit code cannot hold moments that span ten decades)."""
+    if not moments:
+        return _compression(name)
+    from hivemind import compression as hc
+
+    return hc.RoleAdaptiveCompression(
+        parameter=_compression(name), optimizer=hc.NoCompression(), default=_compression(name)
+    )
+
+
 def _compression(name: CompressionName) -> Any:
     from hivemind import compression as hc
 
@@ -383,7 +399,12 @@ class CollaborativeOptimizer:
                 delay_grad_averaging=delayed,
                 average_state_every=config.average_state_every,
                 grad_compression=_compression(config.grad_compression),
-                state_averaging_compression=_compression(config.state_compression),
+                state_averaging_compression=_state_compression(
+                    config.state_compression, moments=spec.averaging.average_moments
+                ),
+                # AdamW's moments in parameter rounds too (the run spec's average_moments):
+                # a round then leaves the replicas' whole states equal (params_version.py)
+                average_opt_statistics=MOMENTS if spec.averaging.average_moments else (),
                 load_state_compression=_compression(config.load_state_compression),
                 verbose=config.verbose,
                 # progress records are signed with one key per DHT (membership/dht.py:
@@ -429,6 +450,7 @@ class CollaborativeOptimizer:
         self._ledger = ParamsLedger(
             state_rounds=lambda epoch: getattr(self._opt.state_averager, "rounds", {}).get(epoch),
             on_change=self._shared_changed,
+            rounds_average_moments=spec.averaging.average_moments,
         )
         self._step_in_flight: EpochStep | None = None
 
@@ -712,16 +734,21 @@ class CollaborativeOptimizer:
         """Synchronous steps: the parameter round an earlier step left running in the
         background lands before this step's optimizer step.
 
-        hivemind copies a finished round's result over the parameters at its next step. A
-        round still running when the next optimizer step began (pre-scheduled rounds are
-        not waited for: hivemind waits only with delayed updates) let that step run on the
-        parameters from before the round, and the step after it copied the round's result
-        over them: that replica lost one optimizer step, and its partner, whose round had
-        ended in time, did not. The two then answered one step apart (in the demo, spot
-        checks found replicas 7-26% apart after a parameter round). So the round is waited
+        hivemind copies a finished round's result over the parameters at its next step, if
+        its worker thread has said the round finished by then. The wait for a round ends
+        when the round's control does (or when it is given up: ``_wait_unless_left_behind``
+        cancels it); the worker thread says so a moment later. A step that went straight on
+        (a skipped gradient round takes microseconds) missed that, ran its optimizer step
+        on the parameters from before the round, and the step after copied the round's
+        result over it: that replica lost an optimizer step, and with a given-up round the
+        result was its own parameters from before. Its partner, which did not lose the
+        step, then held parameters one optimizer step away (3.6-25% of a stage's output
+        early in the tiny run). hivemind waits for its background work itself only when
+        the step averages parameters too, or with delayed updates. So the round is waited
         for here, given up while still matching once every partner has moved on (as
-        hivemind's optimizer step would queue behind it anyway: one worker thread), and its
-        result copied in (``parameter_rounds_landed`` counts the steps that waited)."""
+        hivemind's optimizer step would queue behind it anyway: one worker thread), and
+        the background work is finished and its result copied in before hivemind's step
+        (``parameter_rounds_landed`` counts the steps that found it unfinished)."""
         running = getattr(averager, "last_round", None)
         if running is not None and getattr(running, "triggered", False) and not running.done():
             why = self._wait_unless_left_behind(running)

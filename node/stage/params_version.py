@@ -96,21 +96,33 @@ class EpochStep:
 
 
 class ParamsLedger:
-    """Whether this replica's parameters are the stage's shared ones (module docstring)."""
+    """Whether this replica's state is the stage's shared one (module docstring): its
+    parameters, and AdamW's moments, which decide where equal gradients take them next."""
 
     def __init__(
         self,
         state_rounds: Callable[[int], Outcome | None] = lambda _e: None,
         on_change: Callable[[bool, str], None] = lambda _shared, _why: None,
+        *,
+        rounds_average_moments: bool = False,
     ) -> None:
-        # told (shared or not, why) when the parameters stop or start being the stage's
+        # told (shared or not, why) when the state stops or starts being the stage's
         self._on_change = on_change
         # a step's parameter round, by the epoch the step moved to, when the step itself
-        # did not see it start (hivemind starts it in the background, or pre-schedules it)
+        # did not see it start (hivemind starts it in the background)
         self._state_rounds = state_rounds
-        self._shared = True  # every replica builds the same initial parameters (the seed)
+        # whether a parameter round averages the moments too (the run spec's
+        # averaging.average_moments); without, it makes the parameters equal but not the
+        # moments, and equal gradients then take the replicas apart again
+        self._rounds_average_moments = rounds_average_moments
+        # every replica builds the same initial parameters (the seed) and empty moments
+        self._params = self._moments = True
         self._open: deque[EpochStep] = deque()
-        self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
+        self.unshared_epochs = 0  # epochs after which the state was not the shared one
+
+    @property
+    def _shared(self) -> bool:
+        return self._params and self._moments
 
     def stepped(self, step: EpochStep) -> None:
         """An epoch's step began (its background work may still run)."""
@@ -118,14 +130,15 @@ class ParamsLedger:
         self._open.append(step)
         while len(self._open) > MAX_OPEN_EPOCHS:
             self._open.popleft()
-            self._fold(shared=False, why="background work unfinished for too many epochs")
+            self._fold(False, False, "background work unfinished for too many epochs")
 
     def installed(self) -> None:
-        """A state from a peer or a checkpoint replaced the parameters: the donor's exactly."""
+        """A state from a peer or a checkpoint replaced this one: the donor's exactly,
+        parameters and moments."""
         self._open.clear()
         if not self._shared:
             self._on_change(True, "a state installed")
-        self._shared = True
+        self._params = self._moments = True
 
     def version(self, epoch: int, *, applied: bool) -> int | None:
         """``epoch`` if the module's parameters are the stage's shared ones at it, else
@@ -138,29 +151,37 @@ class ParamsLedger:
 
     @property
     def shared(self) -> bool:
-        """Whether the parameters were the stage's shared ones after the last finished epoch."""
+        """Whether the state was the stage's shared one after the last finished epoch."""
         self._settle()
         return self._shared
 
     def _settle(self) -> None:
-        """Fold in the epochs whose background work finished, oldest first."""
+        """Fold in the epochs whose background work finished, oldest first: the optimizer
+        step (equal averaged gradients keep equal states equal; local ones set both apart),
+        then the parameter round (equal parameters, and equal moments if it averaged them)."""
         while self._open and self._open[0].finished():
             step = self._open.popleft()
+            if not step.local and averaged_with_a_partner(step.grad_round):
+                params, moments = self._params, self._moments
+                why = f"gradient round of epoch {step.epoch}"
+            else:
+                params = moments = False
+                why = ("local gradients" if step.grad_round is None or step.local
+                       else "a gradient round that failed or lost parts")
+                why = f"{why} at epoch {step.epoch}"
             state = step.state_round
             if state is None and step.epoch is not None:
                 state = self._state_rounds(step.epoch)
             if averaged_with_a_partner(state):
-                self._fold(shared=True, why=f"parameter round of epoch {step.epoch}")
-            elif not step.local and averaged_with_a_partner(step.grad_round):
-                self._fold(shared=self._shared, why=f"gradient round of epoch {step.epoch}")
-            else:
-                grad = "local gradients" if step.grad_round is None or step.local else (
-                    "a gradient round that failed or lost parts")
-                self._fold(shared=False, why=f"{grad} at epoch {step.epoch}")
+                params = True
+                moments = moments or self._rounds_average_moments
+                why = f"parameter round of epoch {step.epoch}"
+            self._fold(params, moments, why)
 
-    def _fold(self, *, shared: bool, why: str) -> None:
-        if not shared:
+    def _fold(self, params: bool, moments: bool, why: str) -> None:
+        was = self._shared
+        self._params, self._moments = params, moments
+        if not self._shared:
             self.unshared_epochs += 1
-        if shared != self._shared:
-            self._on_change(shared, why)
-        self._shared = shared
+        if self._shared != was:
+            self._on_change(self._shared, why)

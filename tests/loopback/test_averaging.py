@@ -256,6 +256,76 @@ def test_two_replicas_are_identical_after_a_collaborative_step() -> None:
             assert torch.equal(p, q)
 
 
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_a_parameter_round_averages_the_moments_when_the_run_says_so() -> None:
+    """The run spec's ``averaging.average_moments``: a parameter round then brings two
+    replicas whose AdamW moments differ (one stepped on its own gradients once) to the same
+    moments, in float32, as well as the same parameters. Without it the moments stay each
+    replica's own, and equal averaged gradients take the replicas apart again."""
+    pytest.importorskip("hivemind")
+    from wanswarm.node.config.averaging_spec import AveragingSpec
+    from wanswarm.node.stage.averaging import MOMENTS
+
+    spec = SPEC.model_copy(update={"averaging": AveragingSpec(average_moments=True)})
+    assert spec.run_id != SPEC.run_id  # a different run: every replica must agree on it
+    config = AveragingConfig(matchmaking_time=2.0, averaging_timeout=15.0,
+                             load_state_timeout=15.0, state_compression="fp16")
+    with hivemind_dhts(2) as dhts:
+        replicas = [build_stage(spec, STAGE) for _ in range(2)]
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            optimizers = [
+                dhts.own(CollaborativeOptimizer(m, spec, STAGE, _Host(d), config))
+                for m, d in zip(replicas, dhts.dhts, strict=True)
+            ]
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        averagers = [o._opt.state_averager for o in optimizers]
+        for averager in averagers:
+            assert tuple(averager.opt_keys_for_averaging) == MOMENTS
+        # replica 1's moments as a past local step would have left them
+        with torch.no_grad():
+            opt1 = averagers[1].optimizer
+            for group in opt1.param_groups:
+                for p in group["params"]:
+                    opt1.state[p]["exp_avg_sq"].add_(1e-4)
+                    opt1.state[p]["exp_avg"].add_(1e-3)
+        both_visible = threading.Barrier(2, timeout=30.0)
+        deadline = time.monotonic() + 45.0
+
+        def device_thread(module: torch.nn.Module, opt: CollaborativeOptimizer, seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            _accumulate(module, gen)
+            opt.step(B)
+            wait_for(lambda: opt.num_peers >= 2, SEE_PEER_TIMEOUT_S,
+                     "this replica's tracker to see the other replica", interval=0.05)
+            both_visible.wait()
+            while opt.local_epoch < 1 and time.monotonic() < deadline:
+                _accumulate(module, gen)
+                opt.step(B)
+            opt.flush()
+
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
+            runs = [pool.submit(device_thread, m, o, seed)
+                    for seed, (m, o) in enumerate(zip(replicas, optimizers, strict=True))]
+            for run in runs:
+                run.result(timeout=60)
+        assert [o.local_epoch for o in optimizers] == [1, 1]
+        gathered = averagers[0].rounds[1].result(0)
+        assert len(gathered) == 2 and gathered.complete
+        states = [
+            [a.optimizer.state[p] for g in a.optimizer.param_groups for p in g["params"]]
+            for a in averagers
+        ]
+        for ours, theirs in zip(*states, strict=True):
+            for key in MOMENTS:
+                # float32 rounds: equal up to the delta rule's last bits, where the replicas
+                # started 1e-4 (exp_avg_sq) and 1e-3 (exp_avg) apart
+                torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-9)
+
+
 class _RoundStillRunning(Future[Any]):
     """Stands for the previous epoch's background round, still running: records whether
     anyone waited for it (hivemind's delayed step does, on the caller's thread)."""

@@ -132,8 +132,9 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
         last_round=None, pending_updates=set(),
         finished_optimizer_step=threading.Event(), finished_averaging_round=threading.Event(),
     )
-    opt._ledger = ParamsLedger(  # as the constructor builds it
-        state_rounds=lambda epoch: getattr(opt._opt.state_averager, "rounds", {}).get(epoch)
+    opt._ledger = ParamsLedger(  # as the constructor builds it, with average_moments on
+        state_rounds=lambda epoch: getattr(opt._opt.state_averager, "rounds", {}).get(epoch),
+        rounds_average_moments=True,
     )
     opt._step_in_flight = None
     opt.parameter_rounds_landed = 0
@@ -381,14 +382,13 @@ def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     assert opt._round == {"state_round": "abandoned (behind)", "round": "skipped (behind)"}
 
 
-def test_a_pre_scheduled_parameter_round_lands_before_the_next_optimizer_step() -> None:
-    """Synchronous steps. hivemind pre-schedules a parameter round from its step before the
-    epoch ends (so no epoch step sees it start) and runs it in the background after the
-    epoch's optimizer step. Still running when the next epoch's step began, it let that
-    step's optimizer step run on the parameters from before the round, and the step after
-    copied the round's result over them: one optimizer step lost on that replica alone. The
-    next epoch step now waits for it and copies its result in first; a round scheduled for
-    this very step (not yet triggered) is left to it."""
+def test_a_parameter_round_lands_before_the_next_optimizer_step() -> None:
+    """Synchronous steps. hivemind's worker thread says a parameter round finished a moment
+    after the round's control completes; a step that went straight on ran its optimizer step
+    on the parameters from before the round, and the step after copied the round's result
+    over it: one optimizer step lost on that replica alone. The next epoch step now waits
+    for the round and for the worker's background work, and copies the result in first; a
+    round not yet triggered (one hivemind would start for this very step) is left alone."""
     opt = _stage_optimizer(20, {20: 8.0})
     opt._opt.tracker.epoch_end_reason = lambda: "target"
     opt._opt.local_progress = SimpleNamespace(samples_accumulated=32)
@@ -418,7 +418,7 @@ def test_a_pre_scheduled_parameter_round_lands_before_the_next_optimizer_step() 
     assert finishing.polls == 3 and not finishing.cancelled  # waited out, not given up
     assert opt.parameter_rounds_landed == 1
 
-    # the next round was pre-scheduled for the coming step and not triggered yet: not
+    # a round for the coming step, not triggered yet: not
     # waited for (it waits for that step's trigger), and no background work is pending
     order.clear()
     upcoming = _Control()
