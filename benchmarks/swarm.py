@@ -177,13 +177,12 @@ def parse_averaging(text: str, base: AveragingSpec | None = None) -> AveragingSp
     """An ``--averaging`` item as the ``[averaging]`` section it asks for (None for ``spec``:
     the base spec's own): ``allreduce``, ``gossip:H[:NEIGHBOURS]``,
     ``diloco:H[:COMPRESSION[:FRAGMENTS]]`` (fragments: Streaming DiLoCo); the base spec's
-    other averaging fields (timeouts, outer lr; ``average_moments`` for ``allreduce``, which
-    alone has it) are kept. BenchmarkError says what is wrong."""
+    other averaging fields (timeouts, outer lr) are kept. BenchmarkError
+    says what is wrong."""
     if text == "spec":
         return None
     mode, *rest = text.split(":")
-    moments = mode == "allreduce" and base is not None and base.average_moments
-    fields: dict[str, Any] = {"mode": mode, "fragments": 1, "average_moments": moments}
+    fields: dict[str, Any] = {"mode": mode, "fragments": 1}
     forms = "use spec, allreduce, gossip:H[:NEIGHBOURS] or diloco:H[:COMPRESSION[:FRAGMENTS]]"
     try:
         if mode == "allreduce" and not rest:

@@ -132,16 +132,6 @@ class AveragingSpec(BaseModel):
             "Decent-DP scales it with the number of workers."
         ),
     )
-    average_moments: bool = Field(
-        default=False,
-        description=(
-            "allreduce: parameter rounds (the node's averaging.average_state_every) average "
-            "AdamW's moments too, in float32, so that a round leaves the replicas' whole "
-            "states equal; without it a replica that once stepped on its own gradients "
-            "keeps its own moments, and the replicas drift apart again between rounds. "
-            "Costs 4 bytes per value and moment per round on top of the parameters."
-        ),
-    )
     round_timeout_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -182,12 +172,6 @@ class AveragingSpec(BaseModel):
                 f"averaging.inner_optimizer = {self.inner_optimizer!r} is the optimizer of "
                 "'diloco' and 'gossip' inner steps; 'allreduce' steps hivemind's AdamW on the "
                 "stage's whole batch: set averaging.mode or inner_optimizer = 'adamw'"
-            )
-        if self.average_moments and self.mode != "allreduce":
-            raise ValueError(
-                f"averaging.average_moments averages AdamW's moments in the per-step "
-                f"all-reduce's parameter rounds; mode {self.mode!r} has its own rounds: set "
-                "average_moments = false or mode = 'allreduce'"
             )
         if self.block_size & (self.block_size - 1):
             raise ValueError(

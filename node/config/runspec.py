@@ -673,7 +673,7 @@ _ADDED_FIELDS: dict[str, tuple[str, ...]] = {
         "format", "text_field", "tokenizer", "tokenizer_sha256", "eos_token", "fingerprint",
         "shards",
     ),
-    "averaging": ("fragments", "inner_optimizer", "accum_steps", "average_moments"),
+    "averaging": ("fragments", "inner_optimizer", "accum_steps"),
 }
 _ADDED_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": ModelSpec().model_dump(mode="json"),

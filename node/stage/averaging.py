@@ -150,9 +150,6 @@ _BYTES_PER_VALUE: dict[str, float] = {
 }
 
 # the averaging weight of a replica that joins an epoch's round without a sample (step_if_due)
-# AdamW's moments, by their names in its state: averaged in parameter rounds when the run
-# spec's averaging.average_moments says so
-MOMENTS = ("exp_avg", "exp_avg_sq")
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
 ROUND_POLL_S = 0.25  # while waiting for a round: how often to look whether it is hopeless
@@ -303,19 +300,6 @@ def averaging_run_id(spec: RunSpec, stage: int) -> str:
     return f"{spec.name}_{spec.run_id}_stage{stage}"
 
 
-def _state_compression(name: CompressionName, *, moments: bool) -> Any:
-    """A parameter round's compression: the node's for the parameters; AdamW's moments, when
-    averaged, in float32 (a second moment of 1e-12 is below fp16's smallest value, and an
-    8-bit code cannot hold moments that span ten decades)."""
-    if not moments:
-        return _compression(name)
-    from hivemind import compression as hc
-
-    return hc.RoleAdaptiveCompression(
-        parameter=_compression(name), optimizer=hc.NoCompression(), default=_compression(name)
-    )
-
-
 def _compression(name: CompressionName) -> Any:
     from hivemind import compression as hc
 
@@ -399,12 +383,7 @@ class CollaborativeOptimizer:
                 delay_grad_averaging=delayed,
                 average_state_every=config.average_state_every,
                 grad_compression=_compression(config.grad_compression),
-                state_averaging_compression=_state_compression(
-                    config.state_compression, moments=spec.averaging.average_moments
-                ),
-                # AdamW's moments in parameter rounds too (the run spec's average_moments):
-                # a round then leaves the replicas' whole states equal (params_version.py)
-                average_opt_statistics=MOMENTS if spec.averaging.average_moments else (),
+                state_averaging_compression=_compression(config.state_compression),
                 load_state_compression=_compression(config.load_state_compression),
                 verbose=config.verbose,
                 # progress records are signed with one key per DHT (membership/dht.py:
@@ -450,7 +429,6 @@ class CollaborativeOptimizer:
         self._ledger = ParamsLedger(
             state_rounds=lambda epoch: getattr(self._opt.state_averager, "rounds", {}).get(epoch),
             on_change=self._shared_changed,
-            rounds_average_moments=spec.averaging.average_moments,
         )
         self._step_in_flight: EpochStep | None = None
 

@@ -2,17 +2,22 @@
 
 A trainer's spot check (training/spot_checks.py) compares two replicas' answers to the same
 input, which is fair only when both computed with the same parameters. The stage's epoch
-does not say that. With delayed updates (averaging.py), an epoch's step starts its
-gradient round, optimizer step and parameter round in the background and moves the epoch
-at once; the served module keeps the previous parameters until the next ``step`` copies
-the result in, and hivemind copies it in two writes (after the optimizer step, then after
-the parameter round). Two replicas at the same epoch thus answered with parameters one
-optimizer step apart when one had copied the update in and the other not yet. One step
-moves a stage's output by 3.6-25% in the tiny run's first 40 steps (the reference loop,
-same input), against the spot checks' 5% tolerance: in a demo run two honest replicas at
-epochs 14 and 15 answered 7.6% and 8.8% apart, and the check failed the micro-batch and
-banned both. And a replica whose gradient round failed steps on its own
-gradients; its parameters differ from its partners' until a parameter round succeeds.
+does not say that:
+
+- with delayed updates (averaging.py, the default), an epoch's step starts its gradient
+  round, optimizer step and parameter round in the background and moves the epoch at once;
+  the served module keeps the previous parameters until a later ``step`` copies the result
+  in (hivemind copies it in two writes: after the optimizer step, then after the parameter
+  round). Two replicas at the same epoch answer one optimizer step apart while one has
+  copied the update in and the other not yet (tests/loopback/test_averaging.py);
+- with either kind of step, a replica whose gradient round failed steps on its own
+  gradients, and one whose round lost parts keeps its own values there: at the same epoch
+  its parameters differ from its partner's.
+
+One optimizer step moves a stage's output by 3.6-25% in the tiny run's first 40 steps (the
+reference loop, same input), against the spot checks' 5% tolerance. In demo runs
+(synchronous steps) honest replicas at the same epoch answered 6-26% apart; each check
+failed its micro-batch and banned both servers.
 
 So each reply carries ``params``: the epoch of the parameters that computed it when this
 replica's parameters are the stage's shared ones, or None when they may not be:
@@ -21,8 +26,14 @@ replica's parameters are the stage's shared ones, or None when they may not be:
   transition: the module holds one state or the other);
 - after an epoch whose gradient round did not average with a partner (a local step), or
   whose round lost some part's average (hivemind calls such a round a success and keeps
-  the member's own values there; exact_allreduce.py marks the result), until a parameter
-  round with a partner brings every part back;
+  the member's own values there; exact_allreduce.py marks the result), until a complete
+  parameter round with a partner;
+- and then again from the next optimizer step on, until the next parameter round: a
+  parameter round averages parameters, not AdamW's moments, so a replica that once
+  stepped apart keeps its own moments, and equal averaged gradients take the replicas
+  apart again (6.9% of a stage's output four epochs after such a round in a demo run).
+  Installing a peer's state (a catch-up) ends that. Where every step averages parameters
+  (``average_state_every = 1``, the node's default) the promise holds after every step;
 - in DiLoCo and gossip runs, always: replicas take their inner steps on their own data
   (diloco.py, gossip_optimizer.py), so two replicas never promise equal parameters.
 
@@ -96,33 +107,32 @@ class EpochStep:
 
 
 class ParamsLedger:
-    """Whether this replica's state is the stage's shared one (module docstring): its
-    parameters, and AdamW's moments, which decide where equal gradients take them next."""
+    """Whether this replica's parameters are the stage's shared ones (module docstring).
+
+    Two things are tracked: the parameters, and AdamW's moments, which decide where equal
+    gradients take equal parameters next. An optimizer step with the stage's averaged
+    gradients keeps the parameters equal only if the moments are; a parameter round makes
+    the parameters equal but leaves each replica its own moments (hivemind averages none
+    of them by default); an installed state brings both."""
 
     def __init__(
         self,
         state_rounds: Callable[[int], Outcome | None] = lambda _e: None,
         on_change: Callable[[bool, str], None] = lambda _shared, _why: None,
-        *,
-        rounds_average_moments: bool = False,
     ) -> None:
-        # told (shared or not, why) when the state stops or starts being the stage's
+        # told (shared or not, why) when the parameters stop or start being the stage's
         self._on_change = on_change
         # a step's parameter round, by the epoch the step moved to, when the step itself
         # did not see it start (hivemind starts it in the background)
         self._state_rounds = state_rounds
-        # whether a parameter round averages the moments too (the run spec's
-        # averaging.average_moments); without, it makes the parameters equal but not the
-        # moments, and equal gradients then take the replicas apart again
-        self._rounds_average_moments = rounds_average_moments
         # every replica builds the same initial parameters (the seed) and empty moments
         self._params = self._moments = True
         self._open: deque[EpochStep] = deque()
-        self.unshared_epochs = 0  # epochs after which the state was not the shared one
+        self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
 
     @property
     def _shared(self) -> bool:
-        return self._params and self._moments
+        return self._params
 
     def stepped(self, step: EpochStep) -> None:
         """An epoch's step began (its background work may still run)."""
@@ -151,19 +161,28 @@ class ParamsLedger:
 
     @property
     def shared(self) -> bool:
-        """Whether the state was the stage's shared one after the last finished epoch."""
+        """Whether the parameters were the stage's shared ones after the last finished epoch."""
         self._settle()
         return self._shared
 
+    @property
+    def moments_shared(self) -> bool:
+        """Whether AdamW's moments are the stage's (none of this replica's steps was local
+        since it last installed a state)."""
+        self._settle()
+        return self._moments
+
     def _settle(self) -> None:
         """Fold in the epochs whose background work finished, oldest first: the optimizer
-        step (equal averaged gradients keep equal states equal; local ones set both apart),
-        then the parameter round (equal parameters, and equal moments if it averaged them)."""
+        step (equal averaged gradients keep equal parameters equal if the moments are equal
+        too; local ones set both apart), then the parameter round (equal parameters)."""
         while self._open and self._open[0].finished():
             step = self._open.popleft()
             if not step.local and averaged_with_a_partner(step.grad_round):
-                params, moments = self._params, self._moments
-                why = f"gradient round of epoch {step.epoch}"
+                params, moments = self._params and self._moments, self._moments
+                why = (f"gradient round of epoch {step.epoch}" if self._moments else
+                       f"the optimizer step of epoch {step.epoch}, with this replica's own "
+                       "moments")
             else:
                 params = moments = False
                 why = ("local gradients" if step.grad_round is None or step.local
@@ -174,7 +193,6 @@ class ParamsLedger:
                 state = self._state_rounds(step.epoch)
             if averaged_with_a_partner(state):
                 params = True
-                moments = moments or self._rounds_average_moments
                 why = f"parameter round of epoch {step.epoch}"
             self._fold(params, moments, why)
 

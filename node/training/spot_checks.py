@@ -18,10 +18,10 @@ stage's epoch and ``params``, the epoch of the parameters that computed it when 
 the stage's shared ones (null when the server promises nothing: an update half copied in,
 a local step since the last shared state, DiLoCo and gossip runs; stage/params_version.py).
 Two answers whose ``params`` differ, or are null, are not compared (``skipped``). The epoch
-alone did not say enough: with delayed updates a replica keeps the previous epoch's
-parameters until its next step copies the update in, and in demo runs two honest replicas
-at the same epoch answered 7.6-8.8% apart (one optimizer step moves a stage's output by
-more than the tolerance early in training).
+alone did not say enough: a replica that stepped on its own gradients, or that has not yet
+copied a delayed update in, holds other parameters than its partner at the same epoch, and
+in demo runs honest replicas at the same epoch answered 6-26% apart (one optimizer step
+moves a stage's output by more than the tolerance early in training).
 
 Two answers agree when the error is within ``max_relative_error`` (outputs) or
 ``max_loss_error`` (losses). The bound is calibrated to what two honest replicas can

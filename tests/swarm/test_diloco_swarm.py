@@ -55,8 +55,6 @@ def _averaging_spec(directory: Path, averaging: str) -> Path:
     ``[averaging]`` section, rounds timing out after ``ROUND_TIMEOUT_S``."""
     text = TINY.read_text()
     text = re.sub(r"(?m)^target_batch_size = \d+", "target_batch_size = 16", text)
-    # the tiny run's own [averaging] (its last section: the all-reduce's) gives way
-    text = text[: text.index("\n[averaging]")] if "\n[averaging]" in text else text
     text += f"\n[averaging]\n{averaging}round_timeout_s = {ROUND_TIMEOUT_S}\n"
     path = directory / "spec.toml"
     path.write_text(text)

@@ -132,9 +132,8 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
         last_round=None, pending_updates=set(),
         finished_optimizer_step=threading.Event(), finished_averaging_round=threading.Event(),
     )
-    opt._ledger = ParamsLedger(  # as the constructor builds it, with average_moments on
+    opt._ledger = ParamsLedger(  # as the constructor builds it
         state_rounds=lambda epoch: getattr(opt._opt.state_averager, "rounds", {}).get(epoch),
-        rounds_average_moments=True,
     )
     opt._step_in_flight = None
     opt.parameter_rounds_landed = 0

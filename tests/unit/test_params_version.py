@@ -56,10 +56,10 @@ def test_a_round_counts_only_when_it_finished_with_a_partner() -> None:
 
 
 def test_a_steps_parameter_round_is_found_by_its_epoch() -> None:
-    """hivemind starts the parameter round in the background, or pre-schedules it before
-    the epoch ends: the step then looks it up by the epoch it moved to."""
+    """hivemind starts the parameter round in the background: the step looks it up by the
+    epoch it moved to."""
     rounds = {7: _round(group=2)}
-    ledger = ParamsLedger(state_rounds=rounds.get, rounds_average_moments=True)
+    ledger = ParamsLedger(state_rounds=rounds.get)
     ledger.stepped(EpochStep(None, None, _done(), epoch=6))  # local, no round for 6
     assert ledger.version(6, applied=True) is None
     ledger.stepped(EpochStep(None, None, _done(), epoch=7))  # local, but 7's round averaged
@@ -80,25 +80,47 @@ def test_the_version_is_withheld_while_an_update_is_on_its_way() -> None:
 
 
 def test_a_local_step_sets_the_replica_apart_until_a_parameter_round() -> None:
-    """With the moments averaged in parameter rounds (the run spec's average_moments)."""
-    ledger = ParamsLedger(rounds_average_moments=True)
+    """A parameter round brings the parameters back, not AdamW's moments: the promise holds
+    until the next optimizer step takes the replicas apart again, and comes back with each
+    parameter round, for good only with an installed state."""
+    changes: list[tuple[bool, str]] = []
+    ledger = ParamsLedger(on_change=lambda shared, why: changes.append((shared, why)))
     # the gradient round failed: hivemind stepped on this replica's gradients
-    ledger.stepped(EpochStep(_round(error=TimeoutError()), None, _done()))
+    ledger.stepped(EpochStep(_round(error=TimeoutError()), None, _done(), epoch=1))
     assert ledger.version(1, applied=True) is None
-    assert not ledger.shared and ledger.unshared_epochs == 1
+    assert not ledger.shared and not ledger.moments_shared and ledger.unshared_epochs == 1
     # an averaged gradient applied to parameters that differ keeps them different
-    ledger.stepped(EpochStep(_round(group=2), None, _done()))
+    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=2))
     assert ledger.version(2, applied=True) is None
-    # a parameter round with a partner makes them the stage's again
-    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done()))
-    assert ledger.version(3, applied=True) == 3
-    # the fallback after a round that reported success counts as a local step
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), local=True))
+    # a parameter round with a partner makes the parameters the stage's again
+    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=3))
+    assert ledger.version(3, applied=True) == 3 and not ledger.moments_shared
+    # ... until the next optimizer step, taken with this replica's own moments
+    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=4))
     assert ledger.version(4, applied=True) is None
+    # where every step averages parameters, the promise holds after each one
+    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=5))
+    assert ledger.version(5, applied=True) == 5
+    # an installed state brings the moments too: averaged steps keep the promise
+    ledger.installed()
+    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=6))
+    assert ledger.version(6, applied=True) == 6 and ledger.moments_shared
+    # the fallback after a round that reported success counts as a local step
+    ledger.stepped(EpochStep(_round(group=2), None, _done(), local=True, epoch=7))
+    assert ledger.version(7, applied=True) is None
     # no round at all (skipped, no partner known): local gradients
     ledger.installed()
-    ledger.stepped(EpochStep(None, None, None))
-    assert ledger.version(5, applied=True) is None
+    ledger.stepped(EpochStep(None, None, None, epoch=8))
+    assert ledger.version(8, applied=True) is None
+    assert changes == [
+        (False, "a gradient round that failed or lost parts at epoch 1"),
+        (True, "parameter round of epoch 3"),
+        (False, "the optimizer step of epoch 4, with this replica's own moments"),
+        (True, "parameter round of epoch 5"),
+        (False, "local gradients at epoch 7"),
+        (True, "a state installed"),
+        (False, "local gradients at epoch 8"),
+    ]
 
 
 def test_a_failed_parameter_round_after_an_averaged_step_keeps_the_promise() -> None:
@@ -131,22 +153,3 @@ def test_epochs_fold_in_order_even_when_nobody_asks_in_between() -> None:
         stuck.stepped(EpochStep(_round(group=2), None, Future()))
     assert len(stuck._open) == MAX_OPEN_EPOCHS
     assert stuck.unshared_epochs == 5 and stuck.version(70, applied=True) is None
-
-
-def test_without_the_moments_a_parameter_round_does_not_bring_the_promise_back() -> None:
-    """A parameter round that averages parameters only leaves a replica that once stepped on
-    its own gradients with its own AdamW moments: equal averaged gradients then take the
-    replicas apart again (7% of a stage's output four epochs after such a round in a demo
-    run). Only an installed state (a download, a checkpoint) brings both back."""
-    changes: list[tuple[bool, str]] = []
-    ledger = ParamsLedger(on_change=lambda shared, why: changes.append((shared, why)))
-    ledger.stepped(EpochStep(None, None, _done(), epoch=1))  # local
-    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=2))
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=3))
-    assert ledger.version(3, applied=True) is None and ledger.unshared_epochs == 3
-    ledger.installed()
-    assert ledger.version(3, applied=True) == 3
-    # a replica whose state was never set apart keeps its promise through rounds of either
-    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=4))
-    assert ledger.version(4, applied=True) == 4
-    assert changes == [(False, "local gradients at epoch 1"), (True, "a state installed")]
