@@ -340,6 +340,21 @@ def test_a_round_whose_partners_are_all_gone_is_abandoned_after_the_grace(
     assert not finishing.cancelled
 
 
+def _stepping_optimizer(
+    epoch: int, others: dict[int, float], reason: str, *, samples: int
+) -> CollaborativeOptimizer:
+    """``_stage_optimizer`` ready for ``_timed_epoch_step``: an epoch that ended for
+    ``reason`` with ``samples`` of ours, every step fast enough not to be logged."""
+    opt = _stage_optimizer(epoch, others)
+    opt._opt.tracker.epoch_end_reason = lambda: reason
+    opt._opt.local_progress = SimpleNamespace(samples_accumulated=samples)
+    opt._opt.tracker.global_epoch = epoch
+    opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
+    opt.run_id = "run_stage"
+    opt.slow_steps, opt.last_slow_step = 0, None
+    return opt
+
+
 def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     monkeypatch: Any,
 ) -> None:
@@ -349,13 +364,7 @@ def test_a_parameter_round_left_running_is_given_up_once_every_partner_moved_on(
     from wanswarm.node.stage import averaging
 
     monkeypatch.setattr(averaging, "ROUND_POLL_S", 0.0)
-    opt = _stage_optimizer(45, {46: 0.0})
-    opt._opt.tracker.epoch_end_reason = lambda: "ahead"
-    opt._opt.local_progress = SimpleNamespace(samples_accumulated=16)
-    opt._opt.tracker.global_epoch = 45
-    opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
-    opt.run_id = "run_stage2"
-    opt.slow_steps, opt.last_slow_step = 0, None
+    opt = _stepping_optimizer(45, {46: 0.0}, "ahead", samples=16)
     averager = opt._opt.state_averager
     stuck = _Round(finish_after=None)
     averager.last_round = stuck
@@ -388,13 +397,7 @@ def test_a_parameter_round_lands_before_the_next_optimizer_step() -> None:
     over it: one optimizer step lost on that replica alone. The next epoch step now waits
     for the round and for the worker's background work, and copies the result in first; a
     round not yet triggered (one hivemind would start for this very step) is left alone."""
-    opt = _stage_optimizer(20, {20: 8.0})
-    opt._opt.tracker.epoch_end_reason = lambda: "target"
-    opt._opt.local_progress = SimpleNamespace(samples_accumulated=32)
-    opt._opt.tracker.global_epoch = 20
-    opt.config = SimpleNamespace(matchmaking_time=2.0, averaging_timeout=30.0)
-    opt.run_id = "run_stage0"
-    opt.slow_steps, opt.last_slow_step = 0, None
+    opt = _stepping_optimizer(20, {20: 8.0}, "target", samples=32)
     averager = opt._opt.state_averager
     order: list[str] = []
     finishing = _Round(finish_after=2)  # triggered: epoch 20's step used it
