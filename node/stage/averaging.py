@@ -576,7 +576,7 @@ class CollaborativeOptimizer:
         synchronous steps, every partner is past our epoch (``_skip_round``). hivemind
         calls it once per epoch step, after waiting for the previous step's background work:
         the step's record (``_step_in_flight``) starts here."""
-        step = self._step_in_flight = EpochStep(grad_round=None, state_round=None, work=None)
+        step = self._step_in_flight = EpochStep(grad_round=None, work=None)
         if self._sync and self._behind_every_partner():
             return self._skip_round()
         began = bool(begin(grad_scaler))
@@ -684,7 +684,7 @@ class CollaborativeOptimizer:
             step = self._step_in_flight
             if self.local_epoch != epoch:
                 if step is None or step is previous:  # the epoch moved without a gradient round
-                    step = EpochStep(grad_round=None, state_round=None, work=None)
+                    step = EpochStep(grad_round=None, work=None)
                 step.epoch = self.local_epoch  # its parameter round gathers this epoch
                 work = [u for u in state_averager.pending_updates if u not in work_before]
                 step.work = work[-1] if work else None

@@ -91,16 +91,16 @@ def averaged_with_a_partner(round_: Outcome | None) -> bool:
 
 @dataclass
 class EpochStep:
-    """One epoch's step: its gradient round (None: none began, local gradients), its
-    parameter round (None: none this epoch), hivemind's background job (None: nothing ran
-    in the background), and whether the optimizer stepped on this replica's own gradients
-    all the same (``local``: hivemind's fallback after a failed round)."""
+    """One epoch's step: its gradient round (None: none began, local gradients),
+    hivemind's background job (None: nothing ran in the background), whether the optimizer
+    stepped on this replica's own gradients all the same (``local``: hivemind's fallback
+    after a failed round), and the epoch it moved to, by which its parameter round is found
+    (hivemind starts that round in the background, after the step returned)."""
 
     grad_round: Outcome | None
-    state_round: Outcome | None
     work: Outcome | None
     local: bool = False
-    epoch: int | None = None  # the epoch the step moved to (finds its parameter round)
+    epoch: int | None = None
 
     def finished(self) -> bool:
         return self.work is None or self.work.done()
@@ -122,17 +122,12 @@ class ParamsLedger:
     ) -> None:
         # told (shared or not, why) when the parameters stop or start being the stage's
         self._on_change = on_change
-        # a step's parameter round, by the epoch the step moved to, when the step itself
-        # did not see it start (hivemind starts it in the background)
+        # a step's parameter round (None: none), by the epoch the step moved to
         self._state_rounds = state_rounds
         # every replica builds the same initial parameters (the seed) and empty moments
         self._params = self._moments = True
         self._open: deque[EpochStep] = deque()
         self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
-
-    @property
-    def _shared(self) -> bool:
-        return self._params
 
     def stepped(self, step: EpochStep) -> None:
         """An epoch's step began (its background work may still run)."""
@@ -146,7 +141,7 @@ class ParamsLedger:
         """A state from a peer or a checkpoint replaced this one: the donor's exactly,
         parameters and moments."""
         self._open.clear()
-        if not self._shared:
+        if not self._params:
             self._on_change(True, "a state installed")
         self._params = self._moments = True
 
@@ -155,7 +150,7 @@ class ParamsLedger:
         None. ``applied``: no finished background result waits to be copied into the
         module."""
         self._settle()
-        if self._open or not applied or not self._shared:
+        if self._open or not applied or not self._params:
             return None
         return epoch
 
@@ -163,7 +158,7 @@ class ParamsLedger:
     def shared(self) -> bool:
         """Whether the parameters were the stage's shared ones after the last finished epoch."""
         self._settle()
-        return self._shared
+        return self._params
 
     @property
     def moments_shared(self) -> bool:
@@ -188,18 +183,16 @@ class ParamsLedger:
                 why = ("local gradients" if step.grad_round is None or step.local
                        else "a gradient round that failed or lost parts")
                 why = f"{why} at epoch {step.epoch}"
-            state = step.state_round
-            if state is None and step.epoch is not None:
-                state = self._state_rounds(step.epoch)
+            state = None if step.epoch is None else self._state_rounds(step.epoch)
             if averaged_with_a_partner(state):
                 params = True
                 why = f"parameter round of epoch {step.epoch}"
             self._fold(params, moments, why)
 
     def _fold(self, params: bool, moments: bool, why: str) -> None:
-        was = self._shared
+        was = self._params
         self._params, self._moments = params, moments
-        if not self._shared:
+        if not self._params:
             self.unshared_epochs += 1
-        if self._shared != was:
-            self._on_change(self._shared, why)
+        if self._params != was:
+            self._on_change(self._params, why)

@@ -126,7 +126,6 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
     opt.rounds_skipped_behind = 0
     opt.state_rounds_abandoned = 0
     opt._round = {}
-    opt._state_round = None
     opt._sync = True  # synchronous steps: where the rules for a replica left behind hold
     opt._opt.state_averager = SimpleNamespace(
         last_round=None, pending_updates=set(),

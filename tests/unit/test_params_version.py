@@ -60,9 +60,9 @@ def test_a_steps_parameter_round_is_found_by_its_epoch() -> None:
     epoch it moved to."""
     rounds = {7: _round(group=2)}
     ledger = ParamsLedger(state_rounds=rounds.get)
-    ledger.stepped(EpochStep(None, None, _done(), epoch=6))  # local, no round for 6
+    ledger.stepped(EpochStep(None, _done(), epoch=6))  # local, no round for 6
     assert ledger.version(6, applied=True) is None
-    ledger.stepped(EpochStep(None, None, _done(), epoch=7))  # local, but 7's round averaged
+    ledger.stepped(EpochStep(None, _done(), epoch=7))  # local, but 7's round averaged
     assert ledger.version(7, applied=True) == 7
 
 
@@ -72,7 +72,7 @@ def test_the_version_is_withheld_while_an_update_is_on_its_way() -> None:
     ledger = ParamsLedger()
     assert ledger.version(0, applied=True) == 0  # the seed's parameters: every replica's
     work: Future[Any] = Future()
-    ledger.stepped(EpochStep(grad_round=_round(group=2), state_round=None, work=work))
+    ledger.stepped(EpochStep(grad_round=_round(group=2), work=work))
     assert ledger.version(1, applied=True) is None  # running in the background
     work.set_result(None)
     assert ledger.version(1, applied=False) is None  # finished, not copied in yet
@@ -84,33 +84,35 @@ def test_a_local_step_sets_the_replica_apart_until_a_parameter_round() -> None:
     until the next optimizer step takes the replicas apart again, and comes back with each
     parameter round, for good only with an installed state."""
     changes: list[tuple[bool, str]] = []
-    ledger = ParamsLedger(on_change=lambda shared, why: changes.append((shared, why)))
+    rounds = {3: _round(group=2), 5: _round(group=2)}  # the parameter rounds, by epoch
+    ledger = ParamsLedger(state_rounds=rounds.get,
+                          on_change=lambda shared, why: changes.append((shared, why)))
     # the gradient round failed: hivemind stepped on this replica's gradients
-    ledger.stepped(EpochStep(_round(error=TimeoutError()), None, _done(), epoch=1))
+    ledger.stepped(EpochStep(_round(error=TimeoutError()), _done(), epoch=1))
     assert ledger.version(1, applied=True) is None
     assert not ledger.shared and not ledger.moments_shared and ledger.unshared_epochs == 1
     # an averaged gradient applied to parameters that differ keeps them different
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=2))
+    ledger.stepped(EpochStep(_round(group=2), _done(), epoch=2))
     assert ledger.version(2, applied=True) is None
     # a parameter round with a partner makes the parameters the stage's again
-    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=3))
+    ledger.stepped(EpochStep(_round(group=2), _done(), epoch=3))
     assert ledger.version(3, applied=True) == 3 and not ledger.moments_shared
     # ... until the next optimizer step, taken with this replica's own moments
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=4))
+    ledger.stepped(EpochStep(_round(group=2), _done(), epoch=4))
     assert ledger.version(4, applied=True) is None
     # where every step averages parameters, the promise holds after each one
-    ledger.stepped(EpochStep(_round(group=2), _round(group=2), _done(), epoch=5))
+    ledger.stepped(EpochStep(_round(group=2), _done(), epoch=5))
     assert ledger.version(5, applied=True) == 5
     # an installed state brings the moments too: averaged steps keep the promise
     ledger.installed()
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), epoch=6))
+    ledger.stepped(EpochStep(_round(group=2), _done(), epoch=6))
     assert ledger.version(6, applied=True) == 6 and ledger.moments_shared
     # the fallback after a round that reported success counts as a local step
-    ledger.stepped(EpochStep(_round(group=2), None, _done(), local=True, epoch=7))
+    ledger.stepped(EpochStep(_round(group=2), _done(), local=True, epoch=7))
     assert ledger.version(7, applied=True) is None
     # no round at all (skipped, no partner known): local gradients
     ledger.installed()
-    ledger.stepped(EpochStep(None, None, None, epoch=8))
+    ledger.stepped(EpochStep(None, None, epoch=8))
     assert ledger.version(8, applied=True) is None
     assert changes == [
         (False, "a gradient round that failed or lost parts at epoch 1"),
@@ -124,16 +126,16 @@ def test_a_local_step_sets_the_replica_apart_until_a_parameter_round() -> None:
 
 
 def test_a_failed_parameter_round_after_an_averaged_step_keeps_the_promise() -> None:
-    ledger = ParamsLedger()
-    ledger.stepped(EpochStep(_round(group=3), _round(error=TimeoutError()), _done()))
+    ledger = ParamsLedger(state_rounds={1: _round(error=TimeoutError())}.get)
+    ledger.stepped(EpochStep(_round(group=3), _done(), epoch=1))
     assert ledger.version(1, applied=True) == 1
 
 
 def test_an_installed_state_is_shared_and_drops_what_was_open() -> None:
     ledger = ParamsLedger()
-    ledger.stepped(EpochStep(None, None, _done()))
+    ledger.stepped(EpochStep(None, _done()))
     assert ledger.version(1, applied=True) is None
-    ledger.stepped(EpochStep(_round(group=2), None, Future()))  # never finishes
+    ledger.stepped(EpochStep(_round(group=2), Future()))  # never finishes
     ledger.installed()  # a catch-up replaced everything, the open step included
     assert ledger.version(9, applied=True) == 9
 
@@ -142,14 +144,14 @@ def test_epochs_fold_in_order_even_when_nobody_asks_in_between() -> None:
     """Replies may not come for many epochs: every finished epoch is folded as the next one
     begins, so a local step in the middle is not lost, and the ledger stays bounded."""
     ledger = ParamsLedger()
-    ledger.stepped(EpochStep(_round(group=2), None, _done()))
-    ledger.stepped(EpochStep(None, None, _done()))  # local
-    ledger.stepped(EpochStep(_round(group=2), None, _done()))
+    ledger.stepped(EpochStep(_round(group=2), _done()))
+    ledger.stepped(EpochStep(None, _done()))  # local
+    ledger.stepped(EpochStep(_round(group=2), _done()))
     assert ledger.version(3, applied=True) is None
     assert ledger.unshared_epochs == 2
     # work that never finishes: the oldest are given up as not shared, the ledger bounded
     stuck = ParamsLedger()
     for _ in range(MAX_OPEN_EPOCHS + 5):
-        stuck.stepped(EpochStep(_round(group=2), None, Future()))
+        stuck.stepped(EpochStep(_round(group=2), Future()))
     assert len(stuck._open) == MAX_OPEN_EPOCHS
     assert stuck.unshared_epochs == 5 and stuck.version(70, applied=True) is None
