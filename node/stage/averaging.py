@@ -257,6 +257,17 @@ class AveragingConfig(BaseModel):
             "false: when hivemind's extrapolated estimate does (earlier, smaller steps)."
         ),
     )
+    partner_wait_s: float = Field(
+        default=15.0,
+        ge=0.0,
+        le=600.0,
+        description=(
+            "Once per start: while the membership lists another server of the stage but "
+            "hivemind's progress records show none, hold the epoch open for up to this many "
+            "seconds, so that the first step averages with that replica instead of both "
+            "stepping alone and holding different optimizer moments from then on (0: never)."
+        ),
+    )
     push_progress: bool = Field(
         default=True,
         description=(
@@ -331,10 +342,13 @@ class CollaborativeOptimizer:
         dht: OptimizerHost,
         config: AveragingConfig,
         departed: Callable[[], Collection[bytes]] | None = None,
+        partners: Callable[[], int] | None = None,
     ) -> None:
         """``departed``: the peer ids (bytes) of the replicas known to have stopped serving
         the stage (membership/peers.py ``gone_from``); their progress records do not count.
-        Called from the progress tracker's thread."""
+        ``partners``: how many other servers of the stage the membership lists (the start-up
+        hold, ``_waiting_for_a_partner``). Both are called from the progress tracker's
+        thread."""
         if threading.current_thread() is not threading.main_thread():
             raise AveragingError(
                 "construct CollaborativeOptimizer on the main thread "
@@ -417,8 +431,14 @@ class CollaborativeOptimizer:
         except (RuntimeError, OSError, TimeoutError) as exc:
             self._opt.shutdown()
             raise AveragingError(f"cannot screen the progress of {self.run_id}: {exc}") from exc
-        if delayed:
-            self._opt.tracker.hold_epoch = self._hold_epoch
+        # the start-up hold (_waiting_for_a_partner): once, until hivemind's records show
+        # another replica or partner_wait_s has passed since the epoch was first due
+        self._partners = partners
+        self._partner_hold: Literal["open", "seen", "spent"] = "open"
+        self._partner_wait_since: float | None = None
+        self.partner_hold_s = 0.0  # how long the start-up hold held the epoch
+        self._clock = time.monotonic
+        self._opt.tracker.hold_epoch = self._hold_epoch
         # steps taken with this replica's own gradients, not the stage's average (hivemind
         # falls back to them when a round fails or finds nobody): each one sets the replicas
         # apart until parameters are averaged again
@@ -493,7 +513,7 @@ class CollaborativeOptimizer:
             self._prepare_round()
             if self.config.exact_epochs and self._due_without_us():
                 self._end_epoch_before_this_batch()
-        elif self._hold_epoch() and _due(self._opt.tracker):
+        elif self._background_hold() and _due(self._opt.tracker):
             self.epochs_held += 1  # the tracker holds it (module docstring)
         epoch, before, resyncs = self.local_epoch, self.samples_accumulated, self._resyncs()
         try:
@@ -576,7 +596,7 @@ class CollaborativeOptimizer:
         synchronous steps, every partner is past our epoch (``_skip_round``). hivemind
         calls it once per epoch step, after waiting for the previous step's background work:
         the step's record (``_step_in_flight``) starts here."""
-        step = self._step_in_flight = EpochStep(grad_round=None, work=None)
+        step = self._step_in_flight = EpochStep(grad_round=None, work=None, stepped=self._sync)
         if self._sync and self._behind_every_partner():
             return self._skip_round()
         began = bool(begin(grad_scaler))
@@ -684,7 +704,7 @@ class CollaborativeOptimizer:
             step = self._step_in_flight
             if self.local_epoch != epoch:
                 if step is None or step is previous:  # the epoch moved without a gradient round
-                    step = EpochStep(grad_round=None, work=None)
+                    step = EpochStep(grad_round=None, work=None, stepped=self._sync)
                 step.epoch = self.local_epoch  # its parameter round gathers this epoch
                 work = [u for u in state_averager.pending_updates if u not in work_before]
                 step.work = work[-1] if work else None
@@ -842,6 +862,68 @@ class CollaborativeOptimizer:
             self._snapshot_waiting_since = time.monotonic()
 
     def _hold_epoch(self) -> bool:
+        """The tracker's hold (membership/dht.py): the start-up hold for a partner, or, with
+        delayed updates, a background round still running (``_background_hold``)."""
+        if self._waiting_for_a_partner():
+            return True
+        return self.config.delayed_updates and self._background_hold()
+
+    def _waiting_for_a_partner(self) -> bool:
+        """The start-up hold: whether to keep the epoch open because the membership lists
+        another server of the stage that hivemind's progress records do not show yet.
+
+        hivemind looks for a gradient round only when its tracker counts another replica;
+        otherwise it steps on this replica's own gradients. Replicas that start together
+        see each other's server records before their progress records (hivemind fetches
+        those every 3 s while it sees nobody, and a record is stored a moment after the
+        first micro-batch): in demo runs both replicas of two stages out of three reached
+        the first epoch's target alone, each stepped on its own gradients, and from then on
+        their AdamW moments differed, so they never again held equal parameters for longer
+        than from a parameter round to the next step (params_version.py; spot checks
+        compared a third of the hops they drew). The hold makes that first step an averaged
+        one. It runs once per optimizer: from the moment the epoch would end until
+        hivemind counts another replica (``seen``: it never holds again) or
+        ``partner_wait_s`` has passed (``spent``: a listed server whose records never come,
+        a hostile record included, costs this wait once). Without another listed server
+        nothing is held: a replica alone in its stage steps alone, and a newcomer installs
+        its state."""
+        if self._partner_hold != "open" or self._partners is None:
+            return False
+        tracker = self._opt.tracker
+        if tracker.global_progress.num_peers > 1:
+            if self._partner_wait_since is not None:
+                self.partner_hold_s = self._clock() - self._partner_wait_since
+                logger.info("%s: another replica's progress is visible after holding the epoch "
+                         "%.1f s: stepping together", self.run_id, self.partner_hold_s)
+            self._partner_hold = "seen"
+            return False
+        try:
+            listed = self._partners()
+        except Exception as exc:  # the peer table changed under us: no hold this time
+            logger.debug("%s: counting the stage's servers failed: %r", self.run_id, exc)
+            return False
+        # the wait runs from the moment the epoch would end without the hold
+        due = tracker.epoch_end_reason() is not None if tracker.exact_epochs else _due(tracker)
+        if listed <= 0 or not due:
+            return False
+        now = self._clock()
+        if self._partner_wait_since is None:
+            self._partner_wait_since = now
+            logger.info("%s: epoch %d is due but hivemind counts no other replica while the "
+                     "membership lists %d other server(s) of the stage: holding it for up to "
+                     "%.0f s so that the step averages with them", self.run_id,
+                     self.local_epoch, listed, self.config.partner_wait_s)
+        self.partner_hold_s = now - self._partner_wait_since
+        if self.partner_hold_s < self.config.partner_wait_s:
+            return True
+        self._partner_hold = "spent"
+        logger.warning("%s: no other replica's progress appeared within %.0f s although the "
+                    "membership lists %d other server(s) of the stage: stepping alone (the "
+                    "replicas' optimizer moments will differ)", self.run_id,
+                    self.config.partner_wait_s, listed)
+        return False
+
+    def _background_hold(self) -> bool:
         """Whether to hold the epoch open: a background round runs, and has run for less
         than ``hold_limit_s`` (one that hangs past it is hivemind's to wait for and cancel);
         or a state donor's snapshot waits for the round to end (``hold_for_snapshot``), for
@@ -863,9 +945,11 @@ class CollaborativeOptimizer:
 
     def params_version(self) -> int | None:
         averager = self._opt.state_averager
-        # a finished background result not yet copied into the served module
+        # a finished background result not yet copied into the served module: with
+        # synchronous steps only a parameter round runs there, and the ledger knows what
+        # the module serves until its result lands (params_version.py)
         waiting = averager.finished_optimizer_step.is_set() or (
-            averager.finished_averaging_round.is_set()
+            not self._sync and averager.finished_averaging_round.is_set()
         )
         return self._ledger.version(self.local_epoch, applied=not waiting)
 
@@ -913,6 +997,9 @@ class CollaborativeOptimizer:
             "departed_records": int(getattr(self._opt.tracker, "departed_records", 0)),
             "failed_rounds_dropped": self.failed_rounds_dropped,
             "epochs_held": self.epochs_held,
+            # the start-up hold for a partner (_waiting_for_a_partner): open, seen or
+            # spent, and how long it held the epoch
+            "partner_hold": {"state": self._partner_hold, "held_s": round(self.partner_hold_s, 1)},
             # epochs already full when a micro-batch of ours arrived: stepped without it
             "epochs_ended_before_a_batch": self.epochs_ended_before_a_batch,
             "local_gradient_steps": self.local_gradient_steps,

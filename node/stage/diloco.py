@@ -611,13 +611,14 @@ def make_stage_optimizer(
 ) -> Any:
     """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
     hivemind's collaborative Optimizer (``allreduce``), :class:`DilocoOptimizer` or
-    gossip_optimizer's ``GossipOptimizer``. ``others`` counts the stage's other servers;
-    ``departed`` names the replicas that stopped serving it (``allreduce`` only)."""
+    gossip_optimizer's ``GossipOptimizer``. ``others`` counts the stage's other servers
+    (``allreduce``: its start-up hold for a partner); ``departed`` names the replicas that
+    stopped serving it (``allreduce`` only)."""
     mode = spec.averaging.mode
     if mode == "allreduce":
         from .averaging import CollaborativeOptimizer
 
-        return CollaborativeOptimizer(module, spec, stage, dht, config, departed)
+        return CollaborativeOptimizer(module, spec, stage, dht, config, departed, others)
     if mode == "diloco":
         return make_diloco_optimizer(module, spec, stage, dht, config, others)
     if mode == "gossip":

@@ -22,8 +22,13 @@ failed its micro-batch and banned both servers.
 So each reply carries ``params``: the epoch of the parameters that computed it when this
 replica's parameters are the stage's shared ones, or None when they may not be:
 
-- while an epoch's background work runs or waits to be copied into the module (the
-  transition: the module holds one state or the other);
+- with delayed updates, while an epoch's background work runs or waits to be copied into
+  the module (the transition: the module holds one state or the other). With synchronous
+  steps the optimizer step has run when the step returns, and only the parameter round
+  runs in the background; the module keeps what the optimizer step left until the next
+  step lands the round's result (``EpochStep.stepped``), so the promise follows that
+  optimizer step meanwhile, and the round is folded in when it lands (in the demo,
+  parameter rounds every 5th epoch withheld the promise for one epoch in five before);
 - after an epoch whose gradient round did not average with a partner (a local step), or
   whose round lost some part's average (hivemind calls such a round a success and keeps
   the member's own values there; exact_allreduce.py marks the result), until a complete
@@ -101,6 +106,10 @@ class EpochStep:
     work: Outcome | None
     local: bool = False
     epoch: int | None = None
+    # the optimizer step ran on the served module before the step returned (synchronous
+    # steps): what runs in the background is only the parameter round, whose result the
+    # module takes at the next epoch step (or a flush), not before
+    stepped: bool = False
 
     def finished(self) -> bool:
         return self.work is None or self.work.done()
@@ -130,8 +139,9 @@ class ParamsLedger:
         self.unshared_epochs = 0  # epochs after which the parameters were not the shared ones
 
     def stepped(self, step: EpochStep) -> None:
-        """An epoch's step began (its background work may still run)."""
-        self._settle()
+        """An epoch's step began (its background work may still run). The steps before it
+        have landed: their parameter rounds' results are in the module."""
+        self._settle(landing=True)
         self._open.append(step)
         while len(self._open) > MAX_OPEN_EPOCHS:
             self._open.popleft()
@@ -150,9 +160,16 @@ class ParamsLedger:
         None. ``applied``: no finished background result waits to be copied into the
         module."""
         self._settle()
-        if self._open or not applied or not self._params:
+        if not applied:
             return None
-        return epoch
+        params, moments = self._params, self._moments
+        for step in self._open:
+            if not step.stepped or not _settled(step.grad_round):
+                return None  # the module holds one state or the other
+            # only its parameter round is pending: the module serves what the optimizer
+            # step left, which is shared as that step's gradient round says
+            params, moments, _ = _optimizer_step(step, params, moments)
+        return epoch if params else None
 
     @property
     def shared(self) -> bool:
@@ -167,22 +184,18 @@ class ParamsLedger:
         self._settle()
         return self._moments
 
-    def _settle(self) -> None:
+    def _settle(self, *, landing: bool = False) -> None:
         """Fold in the epochs whose background work finished, oldest first: the optimizer
         step (equal averaged gradients keep equal parameters equal if the moments are equal
-        too; local ones set both apart), then the parameter round (equal parameters)."""
+        too; local ones set both apart), then the parameter round (equal parameters). A
+        ``stepped`` epoch (synchronous steps) is folded only once it landed (``landing``:
+        the next epoch step began): until then the module holds what its optimizer step
+        left, not its round's result."""
         while self._open and self._open[0].finished():
+            if self._open[0].stepped and not landing:
+                return
             step = self._open.popleft()
-            if not step.local and averaged_with_a_partner(step.grad_round):
-                params, moments = self._params and self._moments, self._moments
-                why = (f"gradient round of epoch {step.epoch}" if self._moments else
-                       f"the optimizer step of epoch {step.epoch}, with this replica's own "
-                       "moments")
-            else:
-                params = moments = False
-                why = ("local gradients" if step.grad_round is None or step.local
-                       else "a gradient round that failed or lost parts")
-                why = f"{why} at epoch {step.epoch}"
+            params, moments, why = _optimizer_step(step, self._params, self._moments)
             state = None if step.epoch is None else self._state_rounds(step.epoch)
             if averaged_with_a_partner(state):
                 params = True
@@ -196,3 +209,20 @@ class ParamsLedger:
             self.unshared_epochs += 1
         if self._params != was:
             self._on_change(self._params, why)
+
+
+def _settled(round_: Outcome | None) -> bool:
+    """Whether a gradient round's outcome is known (none began, or it ended)."""
+    return round_ is None or round_.done()
+
+
+def _optimizer_step(step: EpochStep, params: bool, moments: bool) -> tuple[bool, bool, str]:
+    """Whether the parameters and the moments are the stage's after ``step``'s optimizer
+    step, from what they were before it, and why."""
+    if not step.local and averaged_with_a_partner(step.grad_round):
+        why = (f"gradient round of epoch {step.epoch}" if moments else
+               f"the optimizer step of epoch {step.epoch}, with this replica's own moments")
+        return params and moments, moments, why
+    why = ("local gradients" if step.grad_round is None or step.local
+           else "a gradient round that failed or lost parts")
+    return False, False, f"{why} at epoch {step.epoch}"

@@ -10,7 +10,7 @@ they are shown as (progress line, stage table) is formatted here too.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 Status = dict[str, Any]
@@ -43,10 +43,27 @@ def totals(statuses: Sequence[Status], retired: Sequence[Status] = ()) -> dict[s
         # trainers' spot checks (docs/hostile.md): checked, skipped (no second replica, or
         # answers from parameters not promised equal), disagreements, convictions
         "spot_checks": {
-            key: sum(int((t.get("spot_checks") or {}).get(key, 0)) for t in everyone)
-            for key in ("checked", "skipped", "disagreements", "convicted")
+            **{
+                key: sum(int((t.get("spot_checks") or {}).get(key, 0)) for t in everyone)
+                for key in ("checked", "skipped", "disagreements", "convicted")
+            },
+            # the reasons as the trainers name them (training/spot_checks.py SKIP_REASONS:
+            # not imported here, the status path must not load torch)
+            "skipped_by": _summed(
+                (t.get("spot_checks") or {}).get("skipped_by") or {} for t in everyone
+            ),
         },
     }
+
+
+def _summed(counts: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Counts by name, summed over dicts (a non-integer count is skipped)."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, value in one.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[str(key)] = out.get(str(key), 0) + value
+    return out
 
 
 def traffic(statuses: Sequence[Status], n_stages: int) -> dict[str, Any]:

@@ -65,6 +65,10 @@ from .routing import Router
 log = get_logger(__name__)
 
 VerdictKind = Literal["agree", "skipped", "first_lied", "second_lied", "unresolved"]
+# why a check compared nothing: no other replica answered; one answer promised no
+# parameters (params null); both promised, different ones
+SkipReason = Literal["no_other_replica", "unpromised", "other_params"]
+SKIP_REASONS: tuple[SkipReason, ...] = ("no_other_replica", "unpromised", "other_params")
 # (epoch, params) of a reply: its stage's epoch and its parameters' version (Answer)
 Stamp = tuple[int, int | None]
 
@@ -131,6 +135,10 @@ class Answer:
     def comparable(self, other: Answer) -> bool:
         """Whether both promise the same parameters (equal, non-null ``params``)."""
         return self.params is not None and self.params == other.params
+
+    def why_not_comparable(self, other: Answer) -> SkipReason:
+        """Why two answers that are not ``comparable`` are not."""
+        return "unpromised" if None in (self.params, other.params) else "other_params"
 
 
 def payload_digest(data: bytes | bytearray | memoryview | float) -> str:
@@ -224,6 +232,12 @@ class SpotChecker:
         self.rng = rng
         self.clock = clock
         self.evidence: deque[dict[str, object]] = deque(maxlen=config.evidence_kept)
+        # the skipped checks by reason (their sum is the counters' spot_checks_skipped)
+        self.skipped: dict[SkipReason, int] = dict.fromkeys(SKIP_REASONS, 0)
+
+    def _skip(self, reason: SkipReason) -> None:
+        self.counters.spot_checks_skipped += 1
+        self.skipped[reason] += 1
 
     def due(self) -> bool:
         """Whether to check the hop just made (a ``fraction`` of them, at random)."""
@@ -239,11 +253,11 @@ class SpotChecker:
         try:
             second = await recompute(frozenset({first.peer}))
         except HopFailed:  # NoOtherReplica included: nothing to compare with
-            self.counters.spot_checks_skipped += 1
+            self._skip("no_other_replica")
             return Verdict("skipped", {})
         verdict = judge(first, second, None, tolerance)
         if verdict.kind == "skipped":
-            self.counters.spot_checks_skipped += 1
+            self._skip(first.why_not_comparable(second))
         if verdict.kind != "unresolved":
             return verdict
         self.counters.spot_check_disagreements += 1
@@ -286,8 +300,10 @@ def _finite_or_str(value: float) -> float | str:
 
 
 __all__ = [
+    "SKIP_REASONS",
     "Answer",
     "SpotCheckConfig",
+    "SkipReason",
     "SpotChecker",
     "Verdict",
     "judge",

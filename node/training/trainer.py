@@ -208,6 +208,9 @@ class Trainer:
             "spot_checks": {
                 "checked": c.spot_checks,
                 "skipped": c.spot_checks_skipped,
+                # why: no other replica answered, an answer promised no parameters, or
+                # both promised different ones (docs/hostile.md)
+                "skipped_by": dict(self.spot_checker.skipped),
                 "disagreements": c.spot_check_disagreements,
                 "convicted": c.convicted,
                 "extra_compute_fraction": (

@@ -150,3 +150,38 @@ def test_spot_checks_compare_only_answers_promising_the_same_parameters() -> Non
     assert Answer("p", 6, 5, y, "a").summary()["params"] == 5
     assert relative_error(y, y[:1]) == float("inf")
     assert relative_error(torch.full((2,), float("nan")), torch.zeros(2)) == float("inf")
+
+
+def test_a_skipped_spot_check_says_why() -> None:
+    """No other replica answered, an answer promised no parameters, or both promised
+    different ones: the checker counts each reason (the status's ``skipped_by``)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wanswarm.node.training.hops import HopFailed
+    from wanswarm.node.training.spot_checks import Recompute, SpotCheckConfig, SpotChecker
+
+    counters = SimpleNamespace(spot_checks=0, spot_checks_skipped=0,
+                               spot_check_disagreements=0, convicted=0)
+    checker = SpotChecker(SpotCheckConfig(fraction=1.0), router=None,  # type: ignore[arg-type]
+                          counters=counters, rng=random.Random(0), clock=lambda: 0.0)
+    y = torch.randn(2, 8, 16)
+    first = Answer("p", 5, 5, y, "a")
+
+    def answering(answer: Answer | None) -> Recompute:
+        async def recompute(_exclude: frozenset[str]) -> Answer:
+            if answer is None:
+                raise HopFailed("no other replica of stage 1")
+            return answer
+        return recompute
+
+    async def run() -> list[str]:
+        return [
+            (await checker.check("forward", first, answering(a))).kind
+            for a in (None, Answer("q", 5, None, y, "b"), Answer("q", 5, 4, y, "b"),
+                      Answer("q", 5, 5, y, "a"))
+        ]
+
+    assert asyncio.run(run()) == ["skipped", "skipped", "skipped", "agree"]
+    assert checker.skipped == {"no_other_replica": 1, "unpromised": 1, "other_params": 1}
+    assert (counters.spot_checks, counters.spot_checks_skipped) == (4, 3)

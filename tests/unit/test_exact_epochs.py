@@ -224,6 +224,8 @@ def test_each_epoch_step_is_recorded_for_the_replies_params_version() -> None:
         opt._timed_epoch_step(update, None)
         return work
 
+    # delayed updates: the optimizer step runs in the background, the epoch moves first
+    opt._sync = False
     averaged = _Finished({"a": 1, "b": 1})
     work = hivemind_step(averaged, None)
     assert opt.params_version() is None  # the update runs in the background
@@ -233,15 +235,32 @@ def test_each_epoch_step_is_recorded_for_the_replies_params_version() -> None:
     averager.finished_optimizer_step.clear()
     assert opt.params_version() == 6
 
-    # every partner moved past our epoch: no round, this replica's own gradients
-    opt._opt.tracker.others_samples = {9: 0.0}
+    # synchronous steps: the optimizer step ran before the step returned; only the
+    # parameter round runs in the background, and the module serves what the step left
+    # until the next step lands the round's result: the promise holds meanwhile
     opt._sync = True
+    running: Future[Any] = Future()
+    work = hivemind_step(averaged, running)
+    assert opt.params_version() == 7
+    running.set_result({"a": 1, "b": 1})
+    work.set_result(None)
+    averager.finished_averaging_round.set()  # finished, lands at the next step
+    assert opt.params_version() == 7
+    averager.finished_averaging_round.clear()
+
+    # every partner moved past our epoch: no round, this replica's own gradients
+    opt._opt.tracker.others_samples = {10: 0.0}
     hivemind_step(averaged, None).set_result(None)
-    assert opt.params_version() is None and opt._ledger.unshared_epochs == 1
-    # a later parameter round with a partner makes them the stage's again
-    opt._opt.tracker.others_samples = {8: 8.0}
+    assert opt.params_version() is None
+    # a later parameter round with a partner makes the parameters the stage's again once
+    # it lands, at the next step; that step's optimizer step, on moments that stayed this
+    # replica's own, takes them apart again (params_version.py)
+    opt._opt.tracker.others_samples = {9: 8.0}
     hivemind_step(averaged, _Finished({"a": 8, "b": 8})).set_result(None)
-    assert opt.params_version() == 8
+    assert opt.params_version() is None and opt._ledger.unshared_epochs == 1
+    hivemind_step(averaged, None).set_result(None)
+    assert opt._ledger.shared and not opt._ledger.moments_shared
+    assert opt.params_version() is None
 
 
 class _Round(_Control):
@@ -446,3 +465,66 @@ def test_with_delayed_updates_a_partner_ahead_does_not_skip_our_round() -> None:
     opt._sync = False
     assert opt._begin_unless_behind(begin, None) is True  # delayed: hivemind's round
     assert began == [None] and opt.rounds_skipped_behind == 0
+
+
+def _starting_optimizer(listed: int | None, wait_s: float = 15.0) -> Any:
+    """A stage optimizer at epoch 0 whose tracker counts only itself and whose epoch is
+    due (its own samples reached the target); ``listed``: the stage's other servers in the
+    membership (None: no membership callable)."""
+    opt = _stage_optimizer(0, {})
+    tracker = opt._opt.tracker
+    tracker.global_progress = SimpleNamespace(num_peers=1)
+    tracker.exact_epochs = True
+    tracker.epoch_end_reason = lambda: "target"
+    opt.config = SimpleNamespace(partner_wait_s=wait_s, delayed_updates=False)
+    opt.run_id = "run_stage0"
+    opt._partners = None if listed is None else (lambda: listed)
+    opt._partner_hold, opt._partner_wait_since, opt.partner_hold_s = "open", None, 0.0
+    opt.now = 100.0
+    opt._clock = lambda: opt.now
+    return opt
+
+
+def test_a_replica_holds_its_first_epoch_until_hivemind_sees_a_listed_partner() -> None:
+    """Replicas that start together: the membership lists the partner before hivemind's
+    progress records show it. Stepping then would be a step on this replica's own
+    gradients, and the replicas' moments would differ for good (params_version.py)."""
+    opt = _starting_optimizer(listed=1)
+    assert opt._hold_epoch() and opt._partner_hold == "open"
+    opt.now += 10.0
+    assert opt._hold_epoch() and opt.partner_hold_s == 10.0
+    opt._opt.tracker.global_progress.num_peers = 2  # hivemind counts the partner: a round
+    assert not opt._hold_epoch() and opt._partner_hold == "seen"
+    # once seen, never again: a partner that later vanishes is hivemind's business
+    opt._opt.tracker.global_progress.num_peers = 1
+    assert not opt._hold_epoch()
+
+
+def test_the_hold_starts_when_the_epoch_is_due_and_ends_after_partner_wait_s() -> None:
+    opt = _starting_optimizer(listed=2, wait_s=15.0)
+    opt._opt.tracker.epoch_end_reason = lambda: None  # not due: nothing to hold, no clock
+    opt.now = 50.0
+    assert not opt._hold_epoch() and opt._partner_wait_since is None
+    opt._opt.tracker.epoch_end_reason = lambda: "target"
+    opt.now = 100.0
+    assert opt._hold_epoch()
+    opt.now = 114.9
+    assert opt._hold_epoch()
+    opt.now = 115.0  # a listed server whose progress never comes costs this once
+    assert not opt._hold_epoch() and opt._partner_hold == "spent"
+    opt.now = 500.0
+    assert not opt._hold_epoch()
+
+
+def test_no_hold_without_a_listed_partner() -> None:
+    # alone in the stage: step alone (a newcomer later installs this replica's state)
+    assert not _starting_optimizer(listed=0)._hold_epoch()
+    assert not _starting_optimizer(listed=None)._hold_epoch()
+    assert not _starting_optimizer(listed=1, wait_s=0.0)._hold_epoch()
+    opt = _starting_optimizer(listed=1)
+
+    def broken() -> int:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    opt._partners = broken
+    assert not opt._hold_epoch() and opt._partner_hold == "open"

@@ -155,3 +155,30 @@ def test_epochs_fold_in_order_even_when_nobody_asks_in_between() -> None:
         stuck.stepped(EpochStep(_round(group=2), Future()))
     assert len(stuck._open) == MAX_OPEN_EPOCHS
     assert stuck.unshared_epochs == 5 and stuck.version(70, applied=True) is None
+
+
+def test_with_synchronous_steps_the_promise_holds_while_a_parameter_round_runs() -> None:
+    """A ``stepped`` epoch (synchronous steps): its optimizer step ran before the step
+    returned, and the module keeps what it left until the next step lands the parameter
+    round. The promise follows the optimizer step's gradient round meanwhile; the round is
+    folded in only at that landing, so a round that finished early does not vouch for
+    parameters the module does not hold yet."""
+    running = _round()  # the parameter round, still running
+    ledger = ParamsLedger(state_rounds=lambda e: running if e == 5 else None)
+    ledger.stepped(EpochStep(grad_round=_round(group=2), work=running, epoch=5, stepped=True))
+    assert ledger.version(5, applied=True) == 5
+    running.set_result({"a": 1, "b": 1})
+    assert ledger.version(5, applied=True) == 5
+    assert len(ledger._open) == 1  # not folded before it lands
+    # a local step: set apart at once, while its (complete) round waits to land
+    after_local = _round()
+    ledger = ParamsLedger(state_rounds=lambda e: after_local)
+    ledger.stepped(EpochStep(grad_round=None, work=after_local, epoch=5, stepped=True))
+    after_local.set_result({"a": 1, "b": 1})
+    assert ledger.version(5, applied=True) is None
+    assert ledger.shared  # the state before the step: nothing folded yet
+    # the next step lands it: shared parameters, this replica's own moments
+    ledger.stepped(EpochStep(grad_round=_round(group=2), work=None, epoch=6, stepped=True))
+    assert ledger.shared and not ledger.moments_shared
+    assert ledger.version(6, applied=True) is None  # its optimizer step, own moments
+    assert ledger.unshared_epochs == 0  # the round made them the stage's again
