@@ -181,10 +181,12 @@ class LyingRegistry:
     on a fraction of hops (rolled along the sequence) and huge on another fraction."""
 
     def __init__(
-        self, endpoint: Endpoint, *, wrong: float, huge: float, rng: random.Random
+        self, endpoint: Endpoint, *, wrong: float, huge: float, rng: random.Random,
+        dodge: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.wrong, self.huge = wrong, huge
+        self.dodge = dodge  # every forward reply promises no parameters (params null)
         self.rng = rng
         self.lies = 0
         self.replies = 0
@@ -198,6 +200,8 @@ class LyingRegistry:
         async def lie(request: Request) -> Response:
             reply = await handler(request)
             self.replies += 1
+            if self.dodge:
+                reply = Response({**reply.header, "params": None}, reply.tensors, reply.codec)
             draw = self.rng.random()
             if draw >= self.wrong + self.huge or not reply.tensors:
                 return reply
@@ -226,6 +230,9 @@ class RunResult:
     skipped: int
     extra_compute_fraction: float
     liar_share_before: float | None
+    liar_share: float | None  # over the whole run
+    outvoted: int  # answers outvoted at one epoch (banned, not convicted)
+    liar_convicted: bool
     lies: int
     evidence: list[dict[str, Any]]
     seconds: float
@@ -250,13 +257,20 @@ async def run_swarm(
     seed: int,
     log: Callable[[str], None],
     honest_claim: float | None = None,
+    dodge: bool = False,
+    by_epoch: bool = True,
+    outvotes_to_convict: int = 3,
 ) -> RunResult:
     """Train ``micro_batches`` through a swarm of ``replicas[s]`` servers per stage; the
     first server of ``liar_stage`` lies when given. The honest servers announce the
     throughput their one-iteration benchmark measured, or ``honest_claim`` (a test that
     must not depend on how loaded the machine was while they measured: the router gives an
     unmeasured peer at most 4x the lower median of the others' figures, and one honest
-    server that measured itself 10x faster than the other under load takes the liar's hops)."""
+    server that measured itself 10x faster than the other under load takes the liar's hops).
+    ``dodge``: the liar's forward replies promise no parameters (params null);
+    ``by_epoch``: the trainer's spot checks compare answers at one epoch without that
+    promise (``compare_same_epoch``). A dodging liar counts as caught at its first answer
+    outvoted there (banned for a while: no conviction in that tier)."""
     torch.manual_seed(seed)
     endpoints: list[Endpoint] = []
     servers: list[StageServer] = []
@@ -274,7 +288,7 @@ async def run_swarm(
             registry: Any = ep
             if stage == liar_stage and r == 0:
                 liar = registry = LyingRegistry(
-                    ep, wrong=wrong, huge=huge, rng=random.Random(seed + 1)
+                    ep, wrong=wrong, huge=huge, rng=random.Random(seed + 1), dodge=dodge
                 )
 
             def make(module: nn.Module, group: LockstepGroup = group) -> LockstepOptimizer:
@@ -303,12 +317,23 @@ async def run_swarm(
     trainer: Trainer | None = None
     stream = TrainStream(spec, seed=seed)
 
+    def found_out() -> bool:
+        """The liar convicted, or one of its answers outvoted (evidence of its lie)."""
+        if liar_id is None or trainer is None:
+            return False
+        if trainer.router.is_convicted(liar_id):
+            return True
+        for record in trainer.spot_checker.evidence:
+            answers: Any = record["answers"]
+            verdict = record["verdict"]
+            if verdict in ("first_lied", "second_lied"):
+                if answers[0 if verdict == "first_lied" else 1]["peer"] == liar_id:
+                    return True
+        return False
+
     def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(micro_batches):
-            if (
-                not caught and liar_id is not None and trainer is not None
-                and trainer.router.is_convicted(liar_id)
-            ):
+            if not caught and found_out():
                 caught.append(i)
             yield next(stream)
 
@@ -317,7 +342,10 @@ async def run_swarm(
         TrainerConfig(
             max_in_flight=4, request_timeout_s=30.0, max_attempts=6,
             router=RouterConfig(ban_max_s=5.0),
-            spot_checks=SpotCheckConfig(fraction=spot_fraction),
+            spot_checks=SpotCheckConfig(
+                fraction=spot_fraction, compare_same_epoch=by_epoch,
+                outvotes_to_convict=outvotes_to_convict,
+            ),
         ),
         endpoint=trainer_ep,
         servers=view,
@@ -325,16 +353,21 @@ async def run_swarm(
         data=data(),
         spot_rng=random.Random(seed + 2),
     )
-    # the liar's share of its stage's hops before it was caught: counted at each hop's send
+    # the liar's share of its stage's hops before it was caught: counted at each hop's send;
+    # and over the whole run (a dodging liar is banned for a while, then back)
     liar_hops = [0, 0]  # [to the liar, to its stage]
+    liar_hops_all = [0, 0]
     sender = trainer._pipeline.hops
     original_send = sender.send
 
     async def counting_send(stage: int, *args: Any, **kwargs: Any) -> Any:
         result = await original_send(stage, *args, **kwargs)
-        if stage == liar_stage and not kwargs.get("spot_check") and not caught:
-            liar_hops[1] += 1
-            liar_hops[0] += result[1] == liar_id
+        if stage == liar_stage and not kwargs.get("spot_check"):
+            liar_hops_all[1] += 1
+            liar_hops_all[0] += result[1] == liar_id
+            if not caught:
+                liar_hops[1] += 1
+                liar_hops[0] += result[1] == liar_id
         return result
 
     sender.send = counting_send  # type: ignore[method-assign]
@@ -343,7 +376,7 @@ async def run_swarm(
         for server in servers:
             await server.open()
         await trainer.run(max_micro_batches=micro_batches)
-        if liar_id is not None and not caught and trainer.router.is_convicted(liar_id):
+        if not caught and found_out():
             caught.append(micro_batches)
         log(f"  trained {micro_batches} micro-batches in {time.monotonic() - started:.1f} s")
         val = await trainer.evaluate(validation_set(spec))
@@ -373,6 +406,9 @@ async def run_swarm(
         skipped=c.spot_checks_skipped,
         extra_compute_fraction=c.spot_check_compute_s / training if training > 0 else 0.0,
         liar_share_before=liar_hops[0] / liar_hops[1] if liar_hops[1] else None,
+        liar_share=liar_hops_all[0] / liar_hops_all[1] if liar_hops_all[1] else None,
+        outvoted=trainer.spot_checker.outvoted,
+        liar_convicted=liar_id is not None and trainer.router.is_convicted(liar_id),
         lies=liar.lies if liar is not None else 0,
         evidence=evidence,
         seconds=time.monotonic() - started,
@@ -395,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
+    parser.add_argument("--no-dodging", action="store_true",
+                        help="Skip the two runs where the liar also promises no parameters.")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     replicas = tuple(int(x) for x in args.replicas.split(","))
@@ -406,25 +444,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(line, file=sys.stderr, flush=True)
 
     runs: dict[str, RunResult] = {}
-    for name, liar in (("honest", None), ("attacked", 1)):
+    plan: list[tuple[str, int | None, bool, bool]] = [  # name, liar stage, dodge, by epoch
+        ("honest", None, False, True), ("attacked", 1, False, True),
+    ]
+    if not args.no_dodging:
+        plan += [("dodging", 1, True, True), ("dodging_without_epoch_checks", 1, True, False)]
+    for name, liar, dodge, by_epoch in plan:
         log(f"{name} run: {args.micro_batches} micro-batches, replicas {replicas}")
         runs[name] = asyncio.run(
             run_swarm(
                 spec, replicas=replicas, micro_batches=args.micro_batches,
                 spot_fraction=args.spot_fraction, liar_stage=liar,
                 wrong=args.wrong_fraction, huge=args.huge_fraction, seed=args.seed, log=log,
+                dodge=dodge, by_epoch=by_epoch,
             )
         )
         r = runs[name]
         log(f"  val loss {r.val_loss:.4f}; completed {r.completed}, failed {r.failed}; "
             f"spot checks {r.spot_checks} (skipped {r.skipped}); caught after {r.caught_after}; "
-            f"lies told {r.lies}; {r.seconds:.1f} s")
+            f"outvoted {r.outvoted}; liar's share {r.liar_share}; lies told {r.lies}; "
+            f"{r.seconds:.1f} s")
     honest, attacked = runs["honest"], runs["attacked"]
     result: dict[str, Any] = {
         "caught_after_micro_batches": attacked.caught_after,
         "false_positives": sum(
             r.honest_convicted + r.disagreements_honest for r in runs.values()
-        ),
+        ),  # every run's
         "extra_compute_fraction": round(attacked.extra_compute_fraction, 4),
         "val_loss_honest": round(honest.val_loss, 4),
         "val_loss_attacked": round(attacked.val_loss, 4),
@@ -438,6 +483,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name: {"completed": r.completed, "failed": r.failed} for name, r in runs.items()
         },
         "evidence": attacked.evidence[:2],
+        # the liar also promises no parameters in every reply (params null): caught by the
+        # same-epoch comparison, and never without it (the baseline)
+        "dodging": {
+            name.removeprefix("dodging_") if name != "dodging" else "with_epoch_checks": {
+                "caught_after_micro_batches": r.caught_after,
+                "outvoted": r.outvoted,
+                "liar_share": None if r.liar_share is None else round(r.liar_share, 3),
+                "lies_told": r.lies,
+                "val_loss": round(r.val_loss, 4),
+                "val_loss_gap": round(r.val_loss / honest.val_loss - 1.0, 4),
+            }
+            for name, r in runs.items() if name.startswith("dodging")
+        },
         "meta": {
             "micro_batches": args.micro_batches, "spot_fraction": args.spot_fraction,
             "wrong_fraction": args.wrong_fraction, "huge_fraction": args.huge_fraction,
@@ -449,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["false_positives"] == 0
         and attacked.caught_after is not None
         and abs(result["val_loss_gap"]) <= 0.02
+        and ("dodging" not in runs or runs["dodging"].caught_after is not None)
     )
     if not args.json:
         for key in ("caught_after_micro_batches", "false_positives", "extra_compute_fraction",

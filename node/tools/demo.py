@@ -453,13 +453,15 @@ class Demo:
                 f"kill(s) skipped; seconds each stage had no server: {faults['stage_empty_s']}"
             )
         spot = totals["spot_checks"]
-        why = spot["skipped_by"]
+        why, tier = spot["skipped_by"], spot["compared_by"]
         self.say(
-            f"spot checks: {spot['checked']} checked, {spot['skipped']} skipped "
-            f"({why.get('no_other_replica', 0)} no other replica, "
-            f"{why.get('unpromised', 0)} an answer promising no parameters, "
-            f"{why.get('other_params', 0)} other parameters), "
-            f"{spot['disagreements']} disagreement(s), {spot['convicted']} peer(s) convicted"
+            f"spot checks: {spot['checked']} checked, {tier.get('params', 0)} compared at "
+            f"equal parameters and {tier.get('epoch', 0)} at the same epoch; "
+            f"{spot['skipped']} skipped ({why.get('no_other_replica', 0)} no other "
+            f"replica, {why.get('other_epoch', 0)} other epochs, "
+            f"{why.get('unpromised', 0) + why.get('other_params', 0)} without equal "
+            f"parameters); {spot['disagreements']} disagreement(s), {spot['convicted']} "
+            "peer(s) convicted"
         )
         wire = demo_figures.wire_bytes_per_token(statuses)
         bf16 = 2 * self.spec.model.d_model

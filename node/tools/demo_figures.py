@@ -52,6 +52,9 @@ def totals(statuses: Sequence[Status], retired: Sequence[Status] = ()) -> dict[s
             "skipped_by": _summed(
                 (t.get("spot_checks") or {}).get("skipped_by") or {} for t in everyone
             ),
+            "compared_by": _summed(
+                (t.get("spot_checks") or {}).get("compared_by") or {} for t in everyone
+            ),
         },
     }
 

@@ -130,6 +130,9 @@ class Trainer:
             counters=self.counters,
             rng=spot_rng if spot_rng is not None else random.SystemRandom(),
             clock=time.monotonic,
+            # the per-step all-reduce's replicas answer alike at one epoch; DiLoCo's and
+            # gossip's drift apart within a round (their inner steps on their own data)
+            by_epoch=spec.averaging.mode == "allreduce",
         )
         self._pipeline = Pipeline(
             spec, config, trainer_id=self.peer_id, hops=hops, ef=self._ef, spot=self.spot_checker
@@ -211,6 +214,12 @@ class Trainer:
                 # why: no other replica answered, an answer promised no parameters, or
                 # both promised different ones (docs/hostile.md)
                 "skipped_by": dict(self.spot_checker.skipped),
+                # the checks that compared answers: with equal promised parameters, or at
+                # the same epoch within the looser bound
+                "compared_by": dict(self.spot_checker.compared),
+                # answers that both other replicas contradicted at the same epoch without
+                # equal parameters: a timed ban, not a conviction
+                "outvoted": self.spot_checker.outvoted,
                 "disagreements": c.spot_check_disagreements,
                 "convicted": c.convicted,
                 "extra_compute_fraction": (

@@ -87,6 +87,35 @@ def test_a_lying_server_is_caught_convicted_and_its_hops_redone(
     assert logged and json.dumps(evidence, sort_keys=True) in logged[0].getMessage()
 
 
+def test_a_server_that_promises_no_parameters_is_still_checked_and_convicted() -> None:
+    """A liar whose replies all carry ``params`` null would dodge the checks that compare
+    only equal promises: at the same epoch its answers are compared within the looser
+    bound and outvoted by the two honest replicas, and convicted after
+    ``outvotes_to_convict`` outvotes (1 here: each earlier one is a timed ban, and how many
+    come before the run ends depends on the bans' clock; tests/unit/test_claims.py counts
+    them); its hops are redone elsewhere."""
+    spec = hostile.bench_spec(d_model=32, seq_len=16)
+    result = run(
+        hostile.run_swarm(
+            spec, replicas=(1, 3, 1), micro_batches=10, spot_fraction=1.0, liar_stage=1,
+            wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=10.0, dodge=True,
+            outvotes_to_convict=1,
+        ),
+        timeout=240,
+    )
+    assert result.caught_after is not None and result.caught_after <= 4
+    assert result.liar_convicted and result.outvoted >= 1
+    assert result.honest_convicted == 0 and result.disagreements_honest == 0
+    assert (result.completed, result.failed) == (10, 0)
+    outvotes = [e for e in result.evidence if e["tier"] == "epoch"]
+    assert outvotes and all(e["verdict"] in ("first_lied", "second_lied") for e in outvotes)
+    for evidence in outvotes:
+        answers = evidence["answers"]
+        liar = answers[0] if evidence["verdict"] == "first_lied" else answers[1]
+        assert liar["params"] is None and evidence["tolerance"] == 0.5
+        assert evidence["errors"]["second_third" if liar is answers[0] else "first_third"] == 0.0
+
+
 def test_an_honest_pair_is_never_flagged() -> None:
     spec = hostile.bench_spec(d_model=32, seq_len=16)
     result = run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -163,8 +164,10 @@ def test_a_skipped_spot_check_says_why() -> None:
 
     counters = SimpleNamespace(spot_checks=0, spot_checks_skipped=0,
                                spot_check_disagreements=0, convicted=0)
+    # the same-epoch tier off (as in DiLoCo and gossip runs)
     checker = SpotChecker(SpotCheckConfig(fraction=1.0), router=None,  # type: ignore[arg-type]
-                          counters=counters, rng=random.Random(0), clock=lambda: 0.0)
+                          counters=counters, rng=random.Random(0), clock=lambda: 0.0,
+                          by_epoch=False)
     y = torch.randn(2, 8, 16)
     first = Answer("p", 5, 5, y, "a")
 
@@ -183,5 +186,103 @@ def test_a_skipped_spot_check_says_why() -> None:
         ]
 
     assert asyncio.run(run()) == ["skipped", "skipped", "skipped", "agree"]
-    assert checker.skipped == {"no_other_replica": 1, "unpromised": 1, "other_params": 1}
+    assert checker.skipped == {"no_other_replica": 1, "unpromised": 1, "other_params": 1,
+                               "other_epoch": 0}
     assert (counters.spot_checks, counters.spot_checks_skipped) == (4, 3)
+    assert checker.compared == {"params": 1, "epoch": 0}
+
+    # on (the per-step all-reduce): answers at one epoch are compared whatever they promise
+    checker = SpotChecker(SpotCheckConfig(fraction=1.0), router=None,  # type: ignore[arg-type]
+                          counters=counters, rng=random.Random(0), clock=lambda: 0.0)
+
+    async def run_by_epoch() -> list[str]:
+        return [
+            (await checker.check("forward", first, answering(a))).kind
+            for a in (Answer("q", 5, None, y, "b"), Answer("q", 5, 4, y, "b"),
+                      Answer("q", 6, None, y, "b"), Answer("q", 5, 5, y, "a"))
+        ]
+
+    assert asyncio.run(run_by_epoch()) == ["agree", "agree", "skipped", "agree"]
+    assert checker.skipped["other_epoch"] == 1 and sum(checker.skipped.values()) == 1
+    assert checker.compared == {"params": 1, "epoch": 2}
+
+
+def test_answers_at_one_epoch_without_equal_parameters_are_held_to_a_looser_bound() -> None:
+    """A server that promises no parameters (params null) cannot dodge every check: at the
+    same epoch its answer is compared within ``max_epoch_error`` (0.5), which two honest
+    replicas one optimizer step apart stay within (at most 0.25 in the tiny run) and a
+    wrong answer does not (an output rolled along the sequence was 0.92-0.98 away)."""
+    y = torch.randn(2, 8, 16)
+    step_apart = y + 0.2 * y.norm() / y.numel() ** 0.5 * torch.randn_like(y)
+    assert 0.1 < relative_error(y, step_apart) < 0.3
+    honest, dodger = Answer("p", 5, 5, y, "a"), Answer("q", 5, None, step_apart, "b")
+    verdict = judge(honest, dodger, None, 0.05, 0.5)
+    assert (verdict.kind, verdict.tier, verdict.tolerance) == ("agree", "epoch", 0.5)
+    assert judge(honest, dodger, None, 0.05).kind == "skipped"  # the tier off
+    liar = Answer("q", 5, None, torch.roll(y, 1, dims=1), "w")
+    assert judge(honest, liar, None, 0.05, 0.5).kind == "unresolved"
+    # a third at the epoch decides; one at another epoch does not count
+    third = Answer("r", 5, None, step_apart, "c")
+    verdict = judge(honest, liar, third, 0.05, 0.5)
+    assert (verdict.kind, verdict.tier) == ("second_lied", "epoch")
+    assert judge(liar, honest, third, 0.05, 0.5).kind == "first_lied"
+    assert judge(honest, liar, Answer("r", 6, None, y, "c"), 0.05, 0.5).kind == "unresolved"
+    # equal promises keep the tight bound: a step apart is a disagreement there
+    assert judge(honest, Answer("q", 5, 5, step_apart, "b"), None, 0.05, 0.5).kind == (
+        "unresolved"
+    )
+    # another epoch: nothing compared
+    assert judge(honest, Answer("q", 6, None, y, "b"), None, 0.05, 0.5).kind == "skipped"
+
+
+def test_an_answer_outvoted_at_one_epoch_is_banned_not_convicted() -> None:
+    """The same-epoch tier decides who lied the same way, but its bound rests on how far
+    honest replicas drift: the answer both others contradict is banned for a while (the
+    hop redone), not convicted for good; at equal promised parameters it is convicted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wanswarm.node.training.spot_checks import SpotCheckConfig, SpotChecker
+
+    y = torch.randn(2, 8, 16)
+    rolled = torch.roll(y, 1, dims=1)
+
+    def checker() -> tuple[SpotChecker, Router, Any]:
+        counters = SimpleNamespace(spot_checks=0, spot_checks_skipped=0,
+                                   spot_check_disagreements=0, convicted=0)
+        router = Router(RouterConfig())
+        return (SpotChecker(SpotCheckConfig(fraction=1.0), router=router, counters=counters,
+                            rng=random.Random(0), clock=lambda: 100.0), router, counters)
+
+    def replicas(*answers: Answer) -> Any:
+        async def recompute(exclude: frozenset[str]) -> Answer:
+            return next(a for a in answers if a.peer not in exclude)
+        return recompute
+
+    spot, router, counters = checker()
+    dodger = Answer("liar", 5, None, rolled, "w")  # promises nothing, answers wrong
+    recompute = replicas(Answer("p", 5, 5, y, "a"), Answer("r", 5, 5, y, "a"))
+    verdict = asyncio.run(spot.check("forward", dodger, recompute))
+    assert (verdict.kind, verdict.tier) == ("first_lied", "epoch")
+    assert router.is_banned("liar", 100.0) and not router.is_convicted("liar")
+    assert (spot.outvoted, counters.convicted) == (1, 0)
+    assert not router.is_banned("p", 100.0) and not router.is_banned("r", 100.0)
+    # outvoted again by witnesses that agree closely: at the third time, convicted
+    asyncio.run(spot.check("forward", dodger, recompute))
+    assert not router.is_convicted("liar")
+    asyncio.run(spot.check("forward", dodger, recompute))
+    assert router.is_convicted("liar") and (spot.outvoted, counters.convicted) == (3, 1)
+    # witnesses that agree only within the loose bound: bans, never a conviction
+    spot, router, counters = checker()
+    drifted = y + 0.2 * y.norm() / y.numel() ** 0.5 * torch.randn_like(y)
+    loosely = replicas(Answer("p", 5, None, y, "a"), Answer("r", 5, None, drifted, "c"))
+    for _ in range(5):
+        assert asyncio.run(spot.check("forward", dodger, loosely)).kind == "first_lied"
+    assert router.is_banned("liar", 100.0) and not router.is_convicted("liar")
+    assert spot.outvoted == 5
+
+    spot, router, counters = checker()
+    promising = Answer("liar", 5, 5, rolled, "w")  # the same lie at a promise: convicted
+    verdict = asyncio.run(spot.check("forward", promising, recompute))
+    assert (verdict.kind, verdict.tier) == ("first_lied", "params")
+    assert router.is_convicted("liar") and (spot.outvoted, counters.convicted) == (0, 1)

@@ -42,7 +42,8 @@ def _status(index: int, tokens: int = 0, online: bool = True) -> dict[str, Any]:
                 "spot_checks": {"checked": tokens // 1024, "skipped": 1, "disagreements": 0,
                                 "convicted": 0, "evidence": [],
                                 "skipped_by": {"no_other_replica": 0, "unpromised": 1,
-                                               "other_params": 0}},
+                                               "other_params": 0},
+                                "compared_by": {"params": 2, "epoch": 1}},
             },
         },
     }
@@ -115,7 +116,8 @@ def test_a_daemon_that_dies_is_reported_and_training_goes_on(
     assert t["spot_checks"] == {"checked": 1 + 2 + 3 + 4, "skipped": 4, "disagreements": 0,
                                 "convicted": 0, "skipped_by": {"no_other_replica": 0,
                                                                "unpromised": 4,
-                                                               "other_params": 0}}
+                                                               "other_params": 0},
+                                "compared_by": {"params": 8, "epoch": 4}}
 
     # the stage's last replica exits too: the stage is reported empty, the demo goes on
     nodes[3].kill()
