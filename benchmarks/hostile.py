@@ -9,7 +9,12 @@ with the same data, initialization and seed:
   ``forward`` replies are wrong (its output rolled by one position along the sequence:
   in-bounds, plausible values that no limit can refuse), a ``--huge-fraction`` are
   multiplied by 1e6 (beyond the run's ``max_activation``), and it claims 1e12 samples/s
-  in its record.
+  in its record;
+- **dodging** (unless ``--no-dodging``): the same liar, whose replies also promise no
+  parameters (``params`` null), so that the checks comparing equal promises skip them;
+  the trainer compares answers at one epoch within the looser bound;
+- **dodging_without_epoch_checks**: the same, that comparison off (the baseline: the
+  liar is never caught).
 
 Replicas of a stage step together (``LockstepOptimizer``: an in-process synchronous
 all-reduce; every replica of the stage joins at its next step or periodic step check and
@@ -22,14 +27,17 @@ Measured:
 - ``caught_after_micro_batches``: micro-batches the trainer had started when the liar was
   convicted (null if never);
 - ``false_positives``: honest servers convicted, plus spot-check disagreements between
-  honest replicas, in both runs (the target is 0);
+  honest replicas, in every run (the target is 0);
 - ``extra_compute_fraction``: device seconds the servers spent on spot checks' second
   and third replicas / device seconds of the training hops (the attacked run);
 - ``val_loss_honest``, ``val_loss_attacked``: validation loss through the swarm after
   training (the attacked run's must be within 2% of the honest run's);
 - ``liar_share_before_conviction``: the liar's share of its stage's hops before it was
   caught (three replicas: about 1/3 when its claim is clamped to measurement, nearly 1
-  if its claim were believed).
+  if its claim were believed);
+- ``dodging``: for both dodging runs, when the liar was first outvoted
+  (``caught_after_micro_batches``) and convicted, the outvotes, its share of its stage's
+  hops over the whole run, the lies it told and the validation loss.
 
 Output: progress on stderr, then one JSON line on stdout (the last line). ::
 
@@ -233,6 +241,7 @@ class RunResult:
     liar_share: float | None  # over the whole run
     outvoted: int  # answers outvoted at one epoch (banned, not convicted)
     liar_convicted: bool
+    convicted_after: int | None  # micro-batches started when it was convicted
     lies: int
     evidence: list[dict[str, Any]]
     seconds: float
@@ -331,10 +340,15 @@ async def run_swarm(
                     return True
         return False
 
+    convicted: list[int] = []  # when the liar was convicted (a dodging liar: later)
+
     def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(micro_batches):
             if not caught and found_out():
                 caught.append(i)
+            if (not convicted and liar_id is not None and trainer is not None
+                    and trainer.router.is_convicted(liar_id)):
+                convicted.append(i)
             yield next(stream)
 
     trainer = Trainer(
@@ -409,6 +423,11 @@ async def run_swarm(
         liar_share=liar_hops_all[0] / liar_hops_all[1] if liar_hops_all[1] else None,
         outvoted=trainer.spot_checker.outvoted,
         liar_convicted=liar_id is not None and trainer.router.is_convicted(liar_id),
+        convicted_after=(
+            convicted[0] if convicted
+            else micro_batches if liar_id is not None and trainer.router.is_convicted(liar_id)
+            else None
+        ),
         lies=liar.lies if liar is not None else 0,
         evidence=evidence,
         seconds=time.monotonic() - started,
@@ -488,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dodging": {
             name.removeprefix("dodging_") if name != "dodging" else "with_epoch_checks": {
                 "caught_after_micro_batches": r.caught_after,
+                "convicted_after_micro_batches": r.convicted_after,
                 "outvoted": r.outvoted,
                 "liar_share": None if r.liar_share is None else round(r.liar_share, 3),
                 "lies_told": r.lies,

@@ -371,7 +371,9 @@ class SpotChecker:
             if verdict.tier == "params":
                 self._convict(liar.peer)
             else:
-                self._outvote(liar.peer, verdict.errors.get("second_third", math.inf)
+                # the two witnesses' own error: the pair without the outvoted answer
+                witnesses = "second_third" if liar is first else "first_third"
+                self._outvote(liar.peer, verdict.errors.get(witnesses, math.inf)
                               <= tolerance, now)
         else:
             for answer in answers:

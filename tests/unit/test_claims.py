@@ -267,9 +267,12 @@ def test_an_answer_outvoted_at_one_epoch_is_banned_not_convicted() -> None:
     assert router.is_banned("liar", 100.0) and not router.is_convicted("liar")
     assert (spot.outvoted, counters.convicted) == (1, 0)
     assert not router.is_banned("p", 100.0) and not router.is_banned("r", 100.0)
-    # outvoted again by witnesses that agree closely: at the third time, convicted
-    asyncio.run(spot.check("forward", dodger, recompute))
-    assert not router.is_convicted("liar")
+    # outvoted again by witnesses that agree closely, the second time as the recomputed
+    # answer (the witnesses are then the first and the third): at the third time, convicted
+    honest = Answer("p", 5, 5, y, "a")
+    verdict = asyncio.run(spot.check("forward", honest,
+                                     replicas(dodger, Answer("r", 5, 5, y, "a"))))
+    assert verdict.kind == "second_lied" and not router.is_convicted("liar")
     asyncio.run(spot.check("forward", dodger, recompute))
     assert router.is_convicted("liar") and (spot.outvoted, counters.convicted) == (3, 1)
     # witnesses that agree only within the loose bound: bans, never a conviction
