@@ -20,7 +20,7 @@ Replicas of a stage step together (``LockstepOptimizer``: an in-process synchron
 all-reduce; every replica of the stage joins at its next step or periodic step check and
 applies the same mean gradient), so honest replicas hold bit-identical parameters within
 an epoch, as hivemind's synchronous averaging leaves them. Spot checks compare answers
-only within an epoch.
+only within an epoch (equal promised parameters within 5%, the dodger's within 50%).
 
 Measured:
 

@@ -43,8 +43,9 @@ replica's parameters are the stage's shared ones, or None when they may not be:
   (diloco.py, gossip_optimizer.py), so two replicas never promise equal parameters.
 
 A state installed from a peer or a checkpoint (catch-up, ``import_state``) is the donor's
-exactly: shared again, at its epoch. Trainers compare two answers only when both carry the
-same ``params``. A round that split the replicas into two groups that each succeeded
+exactly: shared again, at its epoch. Trainers hold two answers to the spot checks' tight
+bound only when both carry the same ``params`` (other answers of one epoch only to a looser
+one). A round that split the replicas into two groups that each succeeded
 leaves each group agreeing within itself but not across; hivemind forms one group per
 round, so this needs a matchmaking failure at the same moment, and the check then reports
 ``unresolved`` as before.
