@@ -347,8 +347,8 @@ class CollaborativeOptimizer:
         """``departed``: the peer ids (bytes) of the replicas known to have stopped serving
         the stage (membership/peers.py ``gone_from``); their progress records do not count.
         ``partners``: how many other servers of the stage the membership lists (the start-up
-        hold, ``_waiting_for_a_partner``). Both are called from the progress tracker's
-        thread."""
+        hold, ``_waiting_for_a_partner``). Both are called off the event loop (the progress
+        tracker's thread, the device thread)."""
         if threading.current_thread() is not threading.main_thread():
             raise AveragingError(
                 "construct CollaborativeOptimizer on the main thread "
@@ -893,8 +893,10 @@ class CollaborativeOptimizer:
         if tracker.global_progress.num_peers > 1:
             if self._partner_wait_since is not None:
                 self.partner_hold_s = self._clock() - self._partner_wait_since
-                logger.info("%s: another replica's progress is visible after holding the epoch "
-                         "%.1f s: stepping together", self.run_id, self.partner_hold_s)
+                logger.info(
+                    "%s: another replica's progress is visible after holding the epoch %.1f s: "
+                    "stepping together", self.run_id, self.partner_hold_s,
+                )
             self._partner_hold = "seen"
             return False
         try:
@@ -909,18 +911,21 @@ class CollaborativeOptimizer:
         now = self._clock()
         if self._partner_wait_since is None:
             self._partner_wait_since = now
-            logger.info("%s: epoch %d is due but hivemind counts no other replica while the "
-                     "membership lists %d other server(s) of the stage: holding it for up to "
-                     "%.0f s so that the step averages with them", self.run_id,
-                     self.local_epoch, listed, self.config.partner_wait_s)
+            logger.info(
+                "%s: epoch %d is due but hivemind counts no other replica while the membership "
+                "lists %d other server(s) of the stage: holding it for up to %.0f s so that the "
+                "step averages with them", self.run_id, self.local_epoch, listed,
+                self.config.partner_wait_s,
+            )
         self.partner_hold_s = now - self._partner_wait_since
         if self.partner_hold_s < self.config.partner_wait_s:
             return True
         self._partner_hold = "spent"
-        logger.warning("%s: no other replica's progress appeared within %.0f s although the "
-                    "membership lists %d other server(s) of the stage: stepping alone (the "
-                    "replicas' optimizer moments will differ)", self.run_id,
-                    self.config.partner_wait_s, listed)
+        logger.warning(
+            "%s: no other replica's progress appeared within %.0f s although the membership "
+            "lists %d other server(s) of the stage: stepping alone (the replicas' optimizer "
+            "moments will differ)", self.run_id, self.config.partner_wait_s, listed,
+        )
         return False
 
     def _background_hold(self) -> bool:
