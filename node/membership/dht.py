@@ -911,6 +911,11 @@ def tidy_optimizer_class() -> type:
         def ready_to_update_epoch(self) -> bool:
             if self.hold_epoch is not None and self.hold_epoch():
                 return False
+            return self.due_without_hold()
+
+        def due_without_hold(self) -> bool:
+            """Whether the epoch is over as the counts stand now, whatever ``hold_epoch``
+            says (the hold itself asks this: averaging.py's start-up hold)."""
             if self.exact_epochs:
                 return self.epoch_end_reason() is not None
             return bool(super().ready_to_update_epoch)

@@ -905,8 +905,7 @@ class CollaborativeOptimizer:
             logger.debug("%s: counting the stage's servers failed: %r", self.run_id, exc)
             return False
         # the wait runs from the moment the epoch would end without the hold
-        due = tracker.epoch_end_reason() is not None if tracker.exact_epochs else _due(tracker)
-        if listed <= 0 or not due:
+        if listed <= 0 or not tracker.due_without_hold():
             return False
         now = self._clock()
         if self._partner_wait_since is None:

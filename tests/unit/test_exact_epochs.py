@@ -70,6 +70,8 @@ def _tracker_state(local_epoch: int, local_samples: int, global_epoch: int, repo
         others_samples=others,
     )
     state.epoch_end_reason = lambda: reason(state)
+    due = tidy_optimizer_class().tracker_class.due_without_hold
+    state.due_without_hold = lambda: due(state)
     return state
 
 
@@ -474,8 +476,7 @@ def _starting_optimizer(listed: int | None, wait_s: float = 15.0) -> Any:
     opt = _stage_optimizer(0, {})
     tracker = opt._opt.tracker
     tracker.global_progress = SimpleNamespace(num_peers=1)
-    tracker.exact_epochs = True
-    tracker.epoch_end_reason = lambda: "target"
+    tracker.due_without_hold = lambda: True
     opt.config = SimpleNamespace(partner_wait_s=wait_s, delayed_updates=False)
     opt.run_id = "run_stage0"
     opt._partners = None if listed is None else (lambda: listed)
@@ -502,10 +503,10 @@ def test_a_replica_holds_its_first_epoch_until_hivemind_sees_a_listed_partner() 
 
 def test_the_hold_starts_when_the_epoch_is_due_and_ends_after_partner_wait_s() -> None:
     opt = _starting_optimizer(listed=2, wait_s=15.0)
-    opt._opt.tracker.epoch_end_reason = lambda: None  # not due: nothing to hold, no clock
+    opt._opt.tracker.due_without_hold = lambda: False  # not due: nothing to hold, no clock
     opt.now = 50.0
     assert not opt._hold_epoch() and opt._partner_wait_since is None
-    opt._opt.tracker.epoch_end_reason = lambda: "target"
+    opt._opt.tracker.due_without_hold = lambda: True
     opt.now = 100.0
     assert opt._hold_epoch()
     opt.now = 114.9
