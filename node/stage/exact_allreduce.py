@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -155,17 +156,15 @@ class _MissingResults(DecentralizedAverager):
     """Marks each round's result with whether every part's average arrived (``Gathered``).
     Runs in the averager's process; the mark travels with the result to the caller."""
 
+    @cached_property
     def _missing(self) -> dict[Any, int]:
         """Group id -> elements whose average did not arrive, per round (this process)."""
-        missing: dict[Any, int] | None = self.__dict__.get("_missing_by_group")
-        if missing is None:
-            missing = self.__dict__["_missing_by_group"] = {}
-        return missing
+        return {}
 
     def _record_missing(self, group_id: Any, runner: AllReduceRunner | None) -> None:
         container = getattr(runner, "tensor_part_container", None)
         failed = getattr(container, "failed_size", None)
-        self._missing()[group_id] = int(failed) if isinstance(failed, int) else -1
+        self._missing[group_id] = int(failed) if isinstance(failed, int) else -1
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None,
@@ -186,7 +185,7 @@ class _MissingResults(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int,
                                     **kwargs: Any) -> Any:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        missing = self._missing().pop(group_info.group_id, -1)
+        missing = self._missing.pop(group_info.group_id, -1)
         return Gathered(gathered, complete=missing == 0)
 
 
@@ -216,13 +215,10 @@ class _ParameterRoundHook(_MissingResults):
                     rounds.pop(next(iter(rounds)))
         return control
 
-    @property
+    @cached_property
     def rounds(self) -> dict[int, Any]:
         """The last ``ROUNDS_KEPT`` parameter rounds' controls, by the epoch they gather."""
-        rounds: dict[int, Any] | None = self.__dict__.get("_rounds_by_epoch")
-        if rounds is None:
-            rounds = self.__dict__["_rounds_by_epoch"] = {}
-        return rounds
+        return {}
 
 
 class EpochKeyedStateAverager(TrainingStateAverager, _ParameterRoundHook):

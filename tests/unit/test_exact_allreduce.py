@@ -169,7 +169,7 @@ def test_the_mark_counts_what_the_runner_missed() -> None:
     partial = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=1234))
     averager._record_missing(b"g2", partial)  # type: ignore[arg-type]
     averager._record_missing(b"g3", None)
-    assert averager._missing() == {b"g1": 0, b"g2": 1234, b"g3": -1}
+    assert averager._missing == {b"g1": 0, b"g2": 1234, b"g3": -1}
 
     async def aggregate(group_id: bytes) -> Gathered:
         # DecentralizedAverager's, with the all-reduce replaced: it returns the metadata
@@ -189,4 +189,4 @@ def test_the_mark_counts_what_the_runner_missed() -> None:
     assert asyncio.run(aggregate(b"g2")).complete is False
     assert asyncio.run(aggregate(b"g3")).complete is False
     assert asyncio.run(aggregate(b"never-ran")).complete is False
-    assert averager._missing() == {}  # each round's mark taken once
+    assert averager._missing == {}  # each round's mark taken once
