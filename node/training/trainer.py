@@ -211,8 +211,9 @@ class Trainer:
             "spot_checks": {
                 "checked": c.spot_checks,
                 "skipped": c.spot_checks_skipped,
-                # why: no other replica answered, an answer promised no parameters, or
-                # both promised different ones (docs/hostile.md)
+                # why: no other replica answered, the answers came from different epochs,
+                # or (the same-epoch comparison off) they promised no equal parameters
+                # (docs/hostile.md)
                 "skipped_by": dict(self.spot_checker.skipped),
                 # the checks that compared answers: with equal promised parameters, or at
                 # the same epoch within the looser bound
