@@ -121,7 +121,10 @@ def test_the_record_of_a_replica_that_stopped_serving_does_not_count() -> None:
         a, b = trackers
         a.report_local_progress(3, 24)
         b.report_local_progress(4, 8)
-        wait_for(lambda: _records_seen(b, b_dht), 30.0, "A's progress record in B's DHT")
+        # both records: hivemind's number of peers counts B's own too, which B's reporter
+        # thread stores on its own time (the wait on A's alone lost that race once)
+        wait_for(lambda: _records_seen(b, b_dht) and b.global_progress.num_peers == 2, 30.0,
+                 "A's and B's progress records in B's DHT")
         assert b.others_samples == {3: 24.0}
         assert b.global_progress.num_peers == 2 and b.departed_records == 0
 
