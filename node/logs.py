@@ -50,6 +50,8 @@ class LogContext:
 
 
 _CONTEXT = LogContext()
+# libraries whose INFO lines describe their internals: WARNING and above unless DEBUG
+QUIET_LIBRARIES = ("hivemind", "quic")
 
 
 def set_log_context(*, peer: str | None = None, stage: int | None = None) -> None:
@@ -183,8 +185,10 @@ def setup_logging(config: LogConfig, stream: TextIO | None = None) -> None:
     """Send every logger's records to ``stream`` (stderr) in the configured format.
 
     Replaces the root logger's handlers (so calling it twice does not duplicate lines).
-    hivemind's loggers are kept at WARNING unless the level is DEBUG: its INFO lines are
-    about its own internals, not about the swarm.
+    hivemind's and aioquic's loggers are kept at WARNING unless the level is DEBUG: their
+    INFO lines are about their own internals, not about the swarm (aioquic's were four in
+    five of a demo daemon's lines: "Stream 36 reset by peer" for every finished request,
+    the version and ALPN of every connection).
     """
     out = stream if stream is not None else sys.stderr
     handler = logging.StreamHandler(out)
@@ -199,4 +203,5 @@ def setup_logging(config: LogConfig, stream: TextIO | None = None) -> None:
     root.addHandler(handler)
     root.setLevel(config.level)
     level = logging.DEBUG if config.level == "DEBUG" else logging.WARNING
-    logging.getLogger("hivemind").setLevel(level)
+    for library in QUIET_LIBRARIES:
+        logging.getLogger(library).setLevel(level)

@@ -9,7 +9,14 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from wanswarm.node.logs import LogConfig, get_logger, log_context, set_log_context, setup_logging
+from wanswarm.node.logs import (
+    QUIET_LIBRARIES,
+    LogConfig,
+    get_logger,
+    log_context,
+    set_log_context,
+    setup_logging,
+)
 from wanswarm.node.membership.peers import PeerTable
 from wanswarm.node.membership.records import ServerRecord
 from wanswarm.node.metrics import NodeMetrics
@@ -71,7 +78,10 @@ def stream() -> Iterator[io.StringIO]:
         log_context().peer,
         log_context().stage,
     )
+    libraries = {name: logging.getLogger(name).level for name in QUIET_LIBRARIES}
     yield buffer
+    for name, level in libraries.items():
+        logging.getLogger(name).setLevel(level)
     root = logging.getLogger()
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
@@ -89,6 +99,21 @@ def test_text_lines_carry_peer_and_stage(stream: io.StringIO) -> None:
     assert len(lines) == 2
     assert f"[peer=…{A[-8:]} stage=3] wanswarm.node.test: joined with 2 peers" in lines[0]
     assert f"[peer=…{A[-8:]} stage=3] somelib: third-party line" in lines[1]
+
+
+def test_library_internals_stay_out_of_info_logs(stream: io.StringIO) -> None:
+    """aioquic's and hivemind's INFO lines (a stream reset at the end of every request, the
+    version of every connection) are their internals: left out at INFO, kept at DEBUG;
+    their warnings always pass."""
+    setup_logging(LogConfig(level="INFO", format="text"), stream)
+    logging.getLogger("quic").info("[abc] Stream 36 reset by peer (error code 512)")
+    logging.getLogger("hivemind.averaging.averager").info("internal progress")
+    logging.getLogger("quic").warning("[abc] a warning")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and "quic: [abc] a warning" in lines[0]
+    setup_logging(LogConfig(level="DEBUG", format="text"), stream)
+    logging.getLogger("quic").info("[abc] Stream 40 reset by peer (error code 512)")
+    assert "Stream 40 reset by peer" in stream.getvalue()
 
 
 def test_json_lines(stream: io.StringIO) -> None:

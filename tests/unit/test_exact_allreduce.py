@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from types import SimpleNamespace
+from typing import Any
 
 import hivemind
 import pytest
@@ -107,12 +109,12 @@ def test_the_state_averager_starts_its_rounds_through_the_hook() -> None:
     from hivemind.optim.state_averager import TrainingStateAverager
     from wanswarm.node.stage.exact_allreduce import (
         EpochKeyedStateAverager,
-        _MissingResults,
+        _GuardedRounds,
         _ParameterRoundHook,
     )
 
     mro = EpochKeyedStateAverager.__mro__
-    assert mro[1:5] == (TrainingStateAverager, _ParameterRoundHook, _MissingResults,
+    assert mro[1:5] == (TrainingStateAverager, _ParameterRoundHook, _GuardedRounds,
                         DecentralizedAverager)
     source = inspect.getsource(TrainingStateAverager._do)
     assert "super().step(" in source and "gather=self.local_epoch" in source
@@ -134,7 +136,7 @@ def test_a_round_result_says_whether_every_part_arrived() -> None:
     the plain mapping."""
     import pickle
 
-    from wanswarm.node.stage.exact_allreduce import Gathered, _MissingResults
+    from wanswarm.node.stage.exact_allreduce import Gathered, _GuardedRounds
 
     aggregate = inspect.getsource(DecentralizedAverager._aggregate_with_group)
     assert "await self._run_allreduce_inplace_(" in aggregate
@@ -144,7 +146,7 @@ def test_a_round_result_says_whether_every_part_arrived() -> None:
     failed = inspect.getsource(TensorPartContainer.register_failed_reducer)
     assert "self.failed_size +=" in failed
     assert "self.failed_size = 0" in inspect.getsource(TensorPartContainer.__init__)
-    assert issubclass(ExactGradientAverager, _MissingResults)
+    assert issubclass(ExactGradientAverager, _GuardedRounds)
 
     gathered = pickle.loads(pickle.dumps(Gathered({"a": 3, "b": 4}, complete=False)))
     assert gathered == {"a": 3, "b": 4} and gathered.complete is False
@@ -152,41 +154,131 @@ def test_a_round_result_says_whether_every_part_arrived() -> None:
     assert pickle.loads(pickle.dumps(Gathered({"a": 1}))).complete is True
 
 
+def _probe() -> Any:
+    """A _GuardedRounds that was never started (no process, nothing to shut down)."""
+    from wanswarm.node.stage.exact_allreduce import _GuardedRounds
+
+    class Probe(_GuardedRounds):
+        def __del__(self) -> None:
+            pass
+
+    return Probe.__new__(Probe)
+
+
+async def _aggregate(averager: Any, group_id: bytes, peers: int = 2) -> Any:
+    """``averager._aggregate_with_group`` with hivemind's own (the all-reduce) replaced by
+    one that returns the gathered metadata."""
+    from types import SimpleNamespace
+
+    async def base(self: object, group_info: object, min_vector_size: int,
+                   **kwargs: object) -> dict[str, int]:
+        return {"a": 1, "b": 2}
+
+    original = DecentralizedAverager._aggregate_with_group
+    DecentralizedAverager._aggregate_with_group = base  # type: ignore[method-assign]
+    try:
+        return await averager._aggregate_with_group(
+            SimpleNamespace(group_id=group_id, peer_ids=["p"] * peers), 0)
+    finally:
+        DecentralizedAverager._aggregate_with_group = original  # type: ignore[method-assign]
+
+
 def test_the_mark_counts_what_the_runner_missed() -> None:
-    """``_MissingResults`` reads the runner's container after the all-reduce (a runner that
+    """``_GuardedRounds`` reads the runner's container after the all-reduce (a runner that
     never registered counts as missing everything)."""
     from types import SimpleNamespace
 
-    from wanswarm.node.stage.exact_allreduce import Gathered, _MissingResults
-
-    class Probe(_MissingResults):
-        def __del__(self) -> None:  # never started: nothing to shut down
-            pass
-
-    averager = Probe.__new__(Probe)
+    averager = _probe()
     runner = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=0))
-    averager._record_missing(b"g1", runner)  # type: ignore[arg-type]
+    averager._record_outcome(b"g1", runner)
     partial = SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=1234))
-    averager._record_missing(b"g2", partial)  # type: ignore[arg-type]
-    averager._record_missing(b"g3", None)
-    assert averager._missing == {b"g1": 0, b"g2": 1234, b"g3": -1}
+    averager._record_outcome(b"g2", partial)
+    averager._record_outcome(b"g3", None)
+    assert averager._outcomes == {b"g1": (0, False), b"g2": (1234, False), b"g3": (-1, False)}
 
-    async def aggregate(group_id: bytes) -> Gathered:
-        # DecentralizedAverager's, with the all-reduce replaced: it returns the metadata
-        async def base(self: object, group_info: object, min_vector_size: int,
-                       **kwargs: object) -> dict[str, int]:
-            return {"a": 1, "b": 2}
+    assert asyncio.run(_aggregate(averager, b"g1")).complete is True
+    assert asyncio.run(_aggregate(averager, b"g2")).complete is False
+    assert asyncio.run(_aggregate(averager, b"g3")).complete is False
+    assert asyncio.run(_aggregate(averager, b"never-ran")).complete is False
+    assert averager._outcomes == {}  # each round's mark taken once
 
-        original = DecentralizedAverager._aggregate_with_group
-        DecentralizedAverager._aggregate_with_group = base  # type: ignore[method-assign]
+
+def test_a_round_nobody_else_took_part_in_is_looked_for_again_under_its_key() -> None:
+    """A round in which no other member delivered anything raises hivemind's
+    ``MatchmakingException`` (its step loop then looks for a group again) and puts back the
+    group bits the round began with: hivemind's key manager had moved them on assembly."""
+    from hivemind.averaging.matchmaking import MatchmakingException
+
+    averager = _probe()
+    key_manager = SimpleNamespace(group_bits="01001111")
+    averager._matchmaking = SimpleNamespace(group_key_manager=key_manager,
+                                            look_for_group=None)
+    future = SimpleNamespace(set_result=lambda value: None)
+
+    async def begin() -> None:
+        original = DecentralizedAverager._set_group_bits
+
+        async def base(self: Any, group_bits: str, future: Any) -> None:
+            self._matchmaking.group_key_manager.group_bits = group_bits
+
+        DecentralizedAverager._set_group_bits = base  # type: ignore[method-assign]
         try:
-            return await averager._aggregate_with_group(  # type: ignore[no-any-return]
-                SimpleNamespace(group_id=group_id), 0)
+            await averager._set_group_bits(group_bits="00100111", future=future)
         finally:
-            DecentralizedAverager._aggregate_with_group = original  # type: ignore[method-assign]
+            DecentralizedAverager._set_group_bits = original  # type: ignore[method-assign]
 
-    assert asyncio.run(aggregate(b"g1")).complete is True
-    assert asyncio.run(aggregate(b"g2")).complete is False
-    assert asyncio.run(aggregate(b"g3")).complete is False
-    assert asyncio.run(aggregate(b"never-ran")).complete is False
-    assert averager._missing == {}  # each round's mark taken once
+    asyncio.run(begin())
+    key_manager.group_bits = "01001111"  # what update_key_on_group_assembled left
+    averager._outcomes[b"lonely"] = (4096, True)
+    with pytest.raises(MatchmakingException, match="no other member"):
+        asyncio.run(_aggregate(averager, b"lonely"))
+    assert key_manager.group_bits == "00100111"
+    assert averager._outcomes == {}
+
+
+def test_hivemind_retries_a_round_that_raises_matchmaking_exception() -> None:
+    """What the retry relies on: hivemind's step loop catches ``MatchmakingException`` from
+    the aggregation and looks for a group again while the step allows retries and its
+    deadline has not passed; its key manager rewrites the group bits when a group
+    assembles; its handler for members' parts waited for any group to register."""
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    step = inspect.getsource(DecentralizedAverager._step)
+    assert "MatchmakingException," in step and "retrying" in step
+    assert "while not step.done():" in step
+    assert "step.allow_retries" in step and "step.deadline" in step
+    assert "self.group_bits =" in inspect.getsource(GroupKeyManager.update_key_on_group_assembled)
+    assert "self._matchmaking.group_key_manager.group_bits = group_bits" in inspect.getsource(
+        DecentralizedAverager._set_group_bits)
+    handler = inspect.getsource(DecentralizedAverager.rpc_aggregate_part)
+    assert "await self._pending_groups_registered.wait()" in handler
+    assert "group.rpc_aggregate_part(" in handler
+
+
+def test_the_runner_reads_the_counts_it_relies_on() -> None:
+    """GuardedAllReduceRunner reads the reducer's per-sender counts and the container's
+    per-peer output counts."""
+    from hivemind.averaging.partition import TensorPartReducer
+
+    reducer = inspect.getsource(TensorPartReducer.__init__)
+    assert "self.num_parts_received" in reducer and "self.sender_failed_after" in reducer
+    assert "self._outputs_registered_by_peer" in inspect.getsource(TensorPartContainer.__init__)
+    assert "self.num_parts_by_peer" in inspect.getsource(TensorPartContainer.__init__)
+
+
+@pytest.mark.parametrize("name", ["ExactGradientAverager", "EpochKeyedStateAverager"])
+def test_the_parts_handler_is_registered_as_streaming(name: str) -> None:
+    """hivemind's servicer reads a handler's streaming from its hints (typing's
+    ``AsyncIterator``): collected on our averagers, the overridden handler for members'
+    parts must still stream both ways, or no all-reduce could run."""
+    from wanswarm.node.stage import exact_allreduce
+
+    cls = getattr(exact_allreduce, name)
+    saved = cls.__dict__.get("_rpc_handlers"), cls.__dict__.get("_stub_type")
+    cls._rpc_handlers = None
+    try:
+        cls._collect_rpc_handlers()
+        (handler,) = (h for h in cls._rpc_handlers if h.method_name == "rpc_aggregate_part")
+        assert handler.stream_input and handler.stream_output
+    finally:
+        cls._rpc_handlers, cls._stub_type = saved
