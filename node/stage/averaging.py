@@ -440,8 +440,8 @@ class CollaborativeOptimizer:
         self._clock = time.monotonic
         self._opt.tracker.hold_epoch = self._hold_epoch
         # steps taken with this replica's own gradients, not the stage's average (hivemind
-        # falls back to them when a round fails or finds nobody): each one sets the replicas
-        # apart until parameters are averaged again
+        # falls back to them when a round fails or finds nobody; _skip_round takes them on
+        # purpose): each one sets the replicas apart until parameters are averaged again
         self.local_gradient_steps = 0
         fallback = self._opt._load_local_gradients_into_optimizer
         # whether the served parameters are the stage's shared ones, for the replies' params
@@ -630,6 +630,7 @@ class CollaborativeOptimizer:
             control.cancel()
         opt.scheduled_grads = None
         self.rounds_skipped_behind += 1
+        self.local_gradient_steps += 1  # hivemind steps on the accumulators: ours alone
         self._round["round"] = "skipped (behind)"
         return False
 

@@ -126,6 +126,7 @@ def _stage_optimizer(local_epoch: int, others: dict[int, float]) -> Collaborativ
         scheduled_grads=_Control(),
     )
     opt.rounds_skipped_behind = 0
+    opt.local_gradient_steps = 0
     opt.state_rounds_abandoned = 0
     opt._round = {}
     opt._sync = True  # synchronous steps: where the rules for a replica left behind hold
@@ -155,6 +156,7 @@ def test_a_replica_behind_every_partner_steps_without_a_round() -> None:
     assert opt._skip_round() is False  # hivemind: no round began, its own gradients
     assert control.cancelled and opt._opt.scheduled_grads is None
     assert opt.rounds_skipped_behind == 1
+    assert opt.local_gradient_steps == 1  # counted with the steps on our own gradients
 
 
 def test_a_slow_step_is_logged_with_why_the_epoch_ended(
