@@ -78,6 +78,9 @@ about that round: there the epoch in the key alone applies, and ``hold_epoch`` b
 wait.)
 Without these, a replica one epoch ahead met the other's round of the epoch before, and the
 pair stayed one epoch apart, the one behind waiting in every step (docs/averaging.md).
+A round whose group formed on the leader's side only (its follower stopped waiting for
+``BEGIN_ALLREDUCE`` a moment too early) is looked for again rather than run alone and
+called a success: exact_allreduce.py.
 Every epoch's step is timed; one longer than ``matchmaking_time + SLOW_STEP_MARGIN_S`` is
 logged with why the epoch ended, the counts it ended on and what its round did
 (``slow_steps``, ``last_slow_step``).
