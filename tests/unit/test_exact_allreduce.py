@@ -29,7 +29,7 @@ def test_hivemind_is_the_pinned_version() -> None:
 
 @pytest.mark.parametrize("name", [
     "_communicate_with_peer", "_accumulate_parts_streaming", "_ban_sender",
-    "should_delay_results", "finalize",
+    "should_delay_results", "finalize", "_generate_input_for_peer", "_get_peer_stub",
 ])
 def test_all_reduce_runner_has_what_we_override_or_call(name: str) -> None:
     assert callable(getattr(AllReduceRunner, name))
@@ -282,3 +282,16 @@ def test_the_parts_handler_is_registered_as_streaming(name: str) -> None:
         assert handler.stream_input and handler.stream_output
     finally:
         cls._rpc_handlers, cls._stub_type = saved
+
+
+def test_a_closed_member_stream_ends_the_reducers_wait() -> None:
+    """A reducer that has sent every part waits for the member to close the stream first
+    (exact_allreduce.py); what ends that wait is hivemind's stream handler, which cancels
+    the handler's task when the member's side of the stream closes."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    handler = inspect.getsource(P2P._add_protobuf_stream_handler)
+    assert "except asyncio.IncompleteReadError" in handler
+    assert "processing_task.cancel()" in handler
+    assert "with closing(writer):" in inspect.getsource(P2P._iterate_protobuf_stream_handler)
+    assert "self.reducer_timeout" in inspect.getsource(AllReduceRunner.__init__)
