@@ -60,8 +60,8 @@ optimizer moments stayed apart for the rest of the run. Here (:class:`_GuardedRo
   round in which no other member delivered anything is not a round: the averager raises
   ``MatchmakingException``, which hivemind's step loop answers by looking for a group again
   (until the step's deadline), under the key the round began with (hivemind's key manager
-  had moved it when the group assembled). The follower is still looking under that key: the two meet
-  within a second or two and average for real.
+  had moved it when the group assembled). The follower is still looking under that key:
+  the two meet within a second or two and average for real.
 
 The tail of a reducer's results. A member reads a reducer's results until the stream ends,
 and the reducer closed its side as soon as it had written the last one. hivemind's libp2p
@@ -159,20 +159,18 @@ class GuardedAllReduceRunner(AllReduceRunner):
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
             self._own_index
         )
-
-    def _own_sender_index(self) -> int | None:
-        return (
-            self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids
-            else None
-        )
+        # the other senders' indices in the reducer (an auxiliary member sends nothing)
+        self._other_senders = [
+            index for index, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id
+        ]
 
     def _alone_in(self, part_index: int) -> bool:
         """No other sender's input reached our part ``part_index``."""
-        reducer, own = self.tensor_part_reducer, self._own_sender_index()
+        reducer = self.tensor_part_reducer
         return all(
             min(reducer.num_parts_received[sender], reducer.sender_failed_after[sender])
             <= part_index
-            for sender in range(reducer.num_senders) if sender != own
+            for sender in self._other_senders
         )
 
     def heard_from_nobody(self) -> bool:
@@ -187,11 +185,8 @@ class GuardedAllReduceRunner(AllReduceRunner):
                 continue
             if container.delivered_before_failure.get(index) != 0:
                 return False  # that reducer delivered some or all of its parts
-        reducer, own = self.tensor_part_reducer, self._own_sender_index()
-        return all(
-            reducer.num_parts_received[sender] == 0
-            for sender in range(reducer.num_senders) if sender != own
-        )
+        received = self.tensor_part_reducer.num_parts_received
+        return all(received[sender] == 0 for sender in self._other_senders)
 
     async def _own_result(
         self, part_index: int, part: torch.Tensor, averaged: torch.Tensor
@@ -314,7 +309,7 @@ class ExactAllReduceRunner(GuardedAllReduceRunner):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0
-        ended = "its parts ended"
+        ended: str | None = None  # why, when not because the sender's parts ended
         try:
             async for tensor_part, weight in amap_in_executor(
                 lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
@@ -338,11 +333,11 @@ class ExactAllReduceRunner(GuardedAllReduceRunner):
             raise
         finally:
             short = part_index != self.tensor_part_reducer.num_parts
-            if short or ended != "its parts ended":
+            if short or ended is not None:
                 logger.debug(
                     "%s: the stream of %s ended after %d of %d parts (%s)", self,
                     self.sender_peer_ids[sender_index], part_index,
-                    self.tensor_part_reducer.num_parts, ended,
+                    self.tensor_part_reducer.num_parts, ended or "its parts ended",
                 )
             if short:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -440,8 +435,6 @@ class _GuardedRounds(DecentralizedAverager):
         self._round_bits = group_bits
         await super()._set_group_bits(group_bits=group_bits, future=future)
 
-    # typing's AsyncIterator, not collections.abc's: hivemind's servicer tells a streaming
-    # handler by the hint's ``_name``, which only typing's aliases have
     @property
     def _matchmaking(self) -> Any:
         try:
@@ -509,21 +502,20 @@ class _GuardedRounds(DecentralizedAverager):
         except TimeoutError:
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             return
-        sent = 0
+        sent, parts = 0, group.tensor_part_reducer.num_parts
         try:
             async for message in group.rpc_aggregate_part(
                 achain(as_aiter(request), stream), context
             ):
                 yield message
                 sent += 1
-            if sent == group.tensor_part_reducer.num_parts:
+            if sent == parts:
                 # every result is on its way: the member closes the stream once it has them
                 # all, and only then does this side (module docstring); hivemind's handler
                 # cancels this wait when the member's side closes
                 await asyncio.sleep(reducer_timeout or RUNNER_WAIT_S)
         except BaseException as exc:
-            every = sent == group.tensor_part_reducer.num_parts
-            if not (every and isinstance(exc, asyncio.CancelledError)):  # not the member's close
+            if not (sent == parts and isinstance(exc, asyncio.CancelledError)):  # not its close
                 logger.debug("%s: serving %s ended after %d replies: %r", self,
                              context.remote_id, sent, exc)
             raise
