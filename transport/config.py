@@ -556,6 +556,23 @@ class TransportConfig(_Section):
         "internet paths carry neither. Sizes not above max_udp_payload_bytes are ignored; "
         "() turns probing off.",
     )
+    mtu_confirm_interval_s: float = Field(
+        default=30.0,
+        ge=1.0,
+        le=3600.0,
+        description="Once a larger size is in use, how often it is confirmed with a probe "
+        "while the connection shows no loss (path_mtu.py's black-hole check; loss or "
+        "unanswered packets confirm it within a second). Three unanswered confirmations "
+        "while probes of max_udp_payload_bytes still cross: back to max_udp_payload_bytes.",
+    )
+    mtu_research_s: float = Field(
+        default=120.0,
+        ge=1.0,
+        le=86400.0,
+        description="After the black-hole check went back to max_udp_payload_bytes, how long "
+        "before the path is probed for larger sizes again (doubling after each further black "
+        "hole on the connection, up to 16 times this).",
+    )
     socket_buffer_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=64 * 1024,

@@ -601,9 +601,10 @@ class CongestionController:
             self._pacing_rate = rate
 
     def set_max_datagram_size(self, size: int) -> None:
-        """Packets of up to ``size`` bytes from now on (a larger path MTU was found,
-        path_mtu.py): the windows counted in packets grow with it."""
-        if size <= self._mss:
+        """Packets of up to ``size`` bytes from now on (path_mtu.py: a larger path MTU was
+        found, or the one in use stopped crossing the path): the bounds counted in packets
+        follow; the window in bytes is kept (no lower than the new floor)."""
+        if size == self._mss:
             return
         self._mss = size
         self._min_cwnd = self._cfg.min_window_packets * size

@@ -180,10 +180,13 @@ def install_pacer(quic: QuicConnection, max_datagram_size: int) -> None:
         quic._loss._pacer = ControllerPacer(max_datagram_size=max_datagram_size, adapter=cc.inner)
 
 
-def raise_max_datagram_size(quic: QuicConnection, size: int) -> bool:
-    """Let ``quic`` send datagrams of up to ``size`` bytes (a path MTU probe of that size
-    was acknowledged, path_mtu.py): aioquic's packet builder limit, our controller's segment
-    size (its windows in packets) and our pacer's. Only with our controller (False, and
+def set_max_datagram_size(quic: QuicConnection, size: int) -> bool:
+    """Let ``quic`` send datagrams of up to ``size`` bytes from now on (path_mtu.py: a probe
+    of that size was acknowledged, or the size in use stopped crossing the path): aioquic's
+    packet builder limit, our controller's segment size (its windows in packets) and our
+    pacer's. Stream data lost in larger packets is re-sent by aioquic in packets of the
+    new size (it retransmits frames, not packets); DATAGRAM frames already queued are the
+    caller's (QuicLink.lower_max_udp_payload). Only with our controller (False, and
     nothing changed, with aioquic's Reno or CUBIC, which are for diagnosis). aioquic
     internals, pinned in tests/unit/test_aioquic_internals.py: ``_max_datagram_size``,
     ``_loss._cc``, ``_loss._pacer``."""
@@ -192,9 +195,30 @@ def raise_max_datagram_size(quic: QuicConnection, size: int) -> bool:
     pacer = quic._loss._pacer
     if not isinstance(inner, ControllerAdapter) or not isinstance(pacer, ControllerPacer):
         return False
-    if size <= quic._max_datagram_size:
-        return True
-    quic._max_datagram_size = size
-    inner.controller.set_max_datagram_size(size)
-    pacer.set_max_datagram_size(size)
+    if size != quic._max_datagram_size:
+        quic._max_datagram_size = size
+        inner.controller.set_max_datagram_size(size)
+        pacer.set_max_datagram_size(size)
     return True
+
+
+def resend_smaller(quic: QuicConnection, size: int, max_frame_payload: int, now: float) -> None:
+    """After ``quic``'s datagrams were limited to ``size`` bytes because larger ones stopped
+    crossing the path (path_mtu.py): packets in flight that were larger are taken as lost
+    now, and not as congestion (RFC 8899 §3 item 7), so that their frames go again at once
+    in packets of the new size; queued DATAGRAM frames whose payload is over
+    ``max_frame_payload`` are dropped (aioquic would keep them at the head of its queue
+    forever; to their senders they are lost packets). aioquic internals, pinned in
+    tests/unit/test_aioquic_internals.py: ``_loss.spaces[].sent_packets``, each packet's
+    ``sent_bytes``, ``_loss._on_packets_lost(congestion_event=False)``,
+    ``_datagrams_pending``."""
+    loss = quic._loss
+    for space in loss.spaces:
+        too_big = [p for p in space.sent_packets.values() if p.sent_bytes > size]
+        if too_big:
+            loss._on_packets_lost(now=now, packets=too_big, space=space, congestion_event=False)
+    pending = quic._datagrams_pending
+    kept = [data for data in pending if len(data) <= max_frame_payload]
+    if len(kept) != len(pending):
+        pending.clear()
+        pending.extend(kept)

@@ -40,7 +40,7 @@ from .errors import (
 from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
 from .handshake import ClientHandshake, ServerHandshake
 from .identity import Identity
-from .path_mtu import MtuSearch
+from .path_mtu import MtuSearch, MtuWatch, Verdict
 from .peer_address import PeerAddress
 from .quic_link import Address, CloseCode, QuicLink
 from .quic_socket import QuicSocket
@@ -63,6 +63,9 @@ class Connections:
         self.config = config
         self._on_link = on_link
         self.socket = QuicSocket(identity, config, self._accepted)
+        self.socket.on_mtu_hint = self._mtu_hint
+        # the black-hole check of each connection using a larger size than configured
+        self._mtu_watches: dict[QuicLink, MtuWatch] = {}
         self._by_peer: dict[str, list[QuicLink]] = {}
         self._connecting: dict[str, asyncio.Task[QuicLink]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -297,18 +300,81 @@ class Connections:
                 waiter.set_result(link)
 
     async def _search_mtu(self, link: QuicLink) -> None:
-        """Probe ``link``'s path for larger datagrams, once (path_mtu.py); adopt the largest
-        size acknowledged. Each probe waits four smoothed RTTs, between 0.1 and 1 s."""
-        search = MtuSearch(link.max_udp_payload, self.config.mtu_probe_bytes)
+        """Probe ``link``'s path for larger datagrams (path_mtu.py) and adopt the largest
+        size acknowledged; then watch that it keeps crossing, back to the configured size
+        when it does not, and search again later (after ``mtu_research_s``, doubling)."""
+        base = link.max_udp_payload
+        research = self.config.mtu_research_s
+        while not link.is_closed:
+            size = await self._find_mtu(link, base)
+            if size <= base or not link.raise_max_udp_payload(size):
+                return
+            logger.info("the path to %s at %s carries %d-byte datagrams",
+                        link.peer_id, link.remote_address, size)
+            if not await self._watch_mtu(link, size, base):
+                return
+            await asyncio.sleep(research)
+            research = min(2 * research, 16 * self.config.mtu_research_s)
+
+    async def _find_mtu(self, link: QuicLink, base: int) -> int:
+        """The largest candidate size acknowledged, or ``base``. Each probe waits four
+        smoothed RTTs, between 0.1 and 1 s."""
+        search = MtuSearch(base, self.config.mtu_probe_bytes)
         while (size := search.next_probe()) is not None and not link.is_closed:
-            timeout = min(1.0, max(0.1, 4 * link.stats().smoothed_rtt))
-            if await self.socket.probe_mtu(link.remote_address, size, timeout):
+            if await self.socket.probe_mtu(link.remote_address, size, _probe_timeout(link)):
                 search.on_acked(size)
             else:
                 search.on_lost(size)
-        if link.raise_max_udp_payload(search.size):
-            logger.info("the path to %s at %s carries %d-byte datagrams",
-                        link.peer_id, link.remote_address, search.size)
+        return search.size
+
+    async def _watch_mtu(self, link: QuicLink, size: int, base: int) -> bool:
+        """Confirm ``size`` while the connection lives (path_mtu.MtuWatch); True once it
+        went back to ``base`` because ``size`` stopped crossing the path."""
+        loop = asyncio.get_running_loop()
+        watch = MtuWatch(loop.time(), link.stats().packets_lost,
+                         interval=self.config.mtu_confirm_interval_s)
+        self._mtu_watches[link] = watch
+        try:
+            return await self._run_watch(link, watch, size, base)
+        finally:
+            self._mtu_watches.pop(link, None)
+
+    def _mtu_hint(self, addr: Address) -> None:
+        """The peer at ``addr`` sent a probe of our base size: it found its larger size
+        lost, so ours toward it is worth confirming now (path_mtu.MtuWatch.hint)."""
+        now = asyncio.get_running_loop().time()
+        for link, watch in self._mtu_watches.items():
+            if link.remote_address == addr:
+                watch.hint(now)
+
+    async def _run_watch(self, link: QuicLink, watch: MtuWatch, size: int, base: int) -> bool:
+        loop = asyncio.get_running_loop()
+        while not link.is_closed:
+            stats = link.stats()
+            await asyncio.sleep(min(0.5, max(0.05, 2 * stats.smoothed_rtt)))
+            stats = link.stats()
+            if link.is_closed or not watch.due(loop.time(), stats.packets_lost, stats.pto_count):
+                continue
+            verdict = Verdict.AGAIN
+            while verdict is Verdict.AGAIN and not link.is_closed:
+                size_acked = await self.socket.probe_mtu(
+                    link.remote_address, size, _probe_timeout(link))
+                # only after a loss: a probe of the base size tells the peer to confirm its
+                # own direction's size (its watch's hint), as routes often shrink both ways
+                base_acked = size_acked or await self.socket.probe_mtu(
+                    link.remote_address, base, _probe_timeout(link))
+                verdict = watch.attempt(loop.time(), link.stats().packets_lost,
+                                        size_acked, base_acked)
+            if verdict is Verdict.KEEP:
+                self.socket.counts["mtu_probe.confirmed"] += 1
+            elif verdict is Verdict.LOWER and link.lower_max_udp_payload(base):
+                self.socket.counts["mtu_probe.black_hole"] += 1
+                logger.warning(
+                    "the path to %s at %s stopped carrying %d-byte datagrams (%d probes "
+                    "lost while %d-byte ones crossed): back to %d bytes",
+                    link.peer_id, link.remote_address, size, watch.attempts, base, base)
+                return True
+        return False
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -328,6 +394,12 @@ class Connections:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
         await self.socket.close(timeout)
+
+
+def _probe_timeout(link: QuicLink) -> float:
+    """How long a path MTU probe on ``link`` waits for its answer: four smoothed RTTs,
+    0.1-1 s."""
+    return min(1.0, max(0.1, 4 * link.stats().smoothed_rtt))
 
 
 def _settle(task: asyncio.Task[Any]) -> None:

@@ -158,6 +158,12 @@ class _StaleConnection(Exception):
     """The request's connection predates it and died with no byte of reply."""
 
 
+class _Outgrown(Exception):
+    """The path's MTU shrank under the request (path_mtu.py): one of its transfers had to
+    stop, and the peer answered that it could not receive the request (its handler never
+    ran, so the request may go again)."""
+
+
 class Endpoint:
     """Authenticated request/response over QUIC. See the module docstring."""
 
@@ -477,6 +483,12 @@ class Endpoint:
                             raise link.closed_error() from None
                         logger.info("connection to %s was dead; re-sending request %d",
                                     peer.peer_id, request_id)
+                    except _Outgrown as exc:
+                        if attempt == 1:
+                            raise exc.__cause__ or RemoteError("transfer_failed", "") from None
+                        self._count("requests_resent.path_shrank")
+                        logger.info("the path to %s shrank under request %d; re-sending it "
+                                    "in smaller datagrams", peer.peer_id, request_id)
                 received = _received(message, allow_nonfinite, peer.peer_id)
                 if lazy:
                     tensors_out: list[Sendable] = list(received)
@@ -540,9 +552,14 @@ class Endpoint:
             if not done:
                 stream.abort(StreamCode.CANCELLED)
         if message.header.type == "error":
-            raise RemoteError(
+            error = RemoteError(
                 message.header.error_code or "error", message.header.error_message or ""
             )
+            if error.code == "transfer_failed" and outgoing is not None and any(
+                t.outgrown for t in outgoing.transfers
+            ):
+                raise _Outgrown() from error
+            raise error
         return message
 
     async def ping(self, peer: PeerAddress, *, timeout: float) -> float:

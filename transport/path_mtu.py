@@ -24,18 +24,37 @@ timeout is lost; after ``attempts`` losses the next smaller candidate is tried. 
 are outside QUIC's congestion control and its loss accounting: a lost probe is not
 congestion (RFC 8899 §4.1).
 
-What is not done: after a size was adopted, no black-hole detection follows (a path
-that changes under a connection to one with a smaller MTU would lose every large
-packet until the connection is declared dead and redialed). The candidates are sizes
-that only same-host and LAN paths carry, where routes do not change under a
-connection.
+Black holes (RFC 8899 §4.3). A size found once may stop crossing later: the path moved
+onto a route with a smaller MTU, and nothing says so (routers drop what is too big, ICMP
+is filtered). Every larger packet is then lost while small ones may still cross: requests
+stall until the connection is declared dead (``dead_peer_timeout_s``, only once nothing
+at all comes back) and redialled, failing every exchange on it, or until each request
+times out. So once a larger size is in use it is confirmed with a probe of that size
+every ``mtu_confirm_interval_s``, and within a second of any sign of trouble (a packet
+declared lost, a probe timeout without an acknowledgement, a hint from the peer). A
+confirmation sends a probe of the size in use and, if it is lost, one of the configured
+base size; the size is kept as soon as its probe is acknowledged. The path is taken for
+a black hole only when ``attempts`` attempts in a row lost the larger probe while the
+base one crossed (a path that answers neither is down or congested, not shrunk: nothing
+changes, and the connection's own timeouts deal with it). The base-size probe, sent only
+after a larger one was lost, is also the hint: the peer confirms its own direction
+within a second, as routes often shrink both ways (without it the peer would find out
+only once its next large packets were lost, with whatever they carried).
 
-This module holds the wire format and :class:`MtuSearch`, the decisions without I/O;
-quic_socket.py sends and answers probes, connections.py runs one search per connection.
+Then the connection goes back to the base size: packets in flight that were larger are
+re-sent at once in smaller ones (stream data survives on the same connection), FEC
+transfers whose symbols no longer fit stop (a request whose own transfer stopped is sent
+again by the endpoint, as its handler never ran; a response's fails its exchange), and
+larger sizes are probed for again after ``mtu_research_s``, doubling each time.
+
+This module holds the wire format and :class:`MtuSearch` and :class:`MtuWatch`, the
+decisions without I/O; quic_socket.py sends and answers probes, connections.py runs the
+search and the watch of each connection.
 """
 
 from __future__ import annotations
 
+import enum
 import struct
 from collections.abc import Sequence
 from typing import Final
@@ -46,6 +65,8 @@ __all__ = [
     "MTU_NONCE_BYTES",
     "MTU_PROBE_BYTE",
     "MtuSearch",
+    "MtuWatch",
+    "Verdict",
     "decode_mtu_ack",
     "decode_mtu_probe",
     "encode_mtu_ack",
@@ -142,3 +163,68 @@ class MtuSearch:
         if self._lost >= self._attempts:
             self._left.pop(0)
             self._lost = 0
+
+
+class Verdict(enum.Enum):
+    """What one confirmation attempt (a probe of the size in use, then one of the base
+    size) says about the path."""
+
+    KEEP = "keep"  # the size in use was acknowledged: it still crosses
+    AGAIN = "again"  # only the base size crossed: evidence of a black hole, try again
+    LOWER = "lower"  # only the base size crossed, ``attempts`` times in a row
+    UNDECIDED = "undecided"  # neither crossed: the path is down or congested, not shrunk
+
+
+class MtuWatch:
+    """When to confirm a size in use, and what the answers mean (RFC 8899 §4.3).
+
+    ``due`` is asked every tick with the connection's loss counters: a confirmation is due
+    ``interval`` seconds after the last one, or ``min_gap`` seconds after it when packets
+    were declared lost since, or a probe timeout is running (nothing sent lately was
+    acknowledged), or the peer hinted at trouble (:meth:`hint`). ``attempt`` takes the
+    answers of one attempt."""
+
+    def __init__(
+        self, now: float, packets_lost: int, *, interval: float, min_gap: float = 1.0,
+        attempts: int = 3,
+    ) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.interval = interval
+        self.min_gap = min_gap
+        self.attempts = attempts
+        self._since = now
+        self._lost = packets_lost
+        self._evidence = 0
+        self._hinted = False
+
+    def hint(self, now: float) -> None:
+        """The peer sent a probe of the base size, which it does only after its own larger
+        probe was lost: the route may have shrunk both ways, so confirm (as on loss)."""
+        self._hinted = True
+
+    def due(self, now: float, packets_lost: int, pto_count: int) -> bool:
+        waited = now - self._since
+        if waited >= self.interval:
+            return True
+        trouble = packets_lost > self._lost or pto_count > 0 or self._hinted
+        return trouble and waited >= self.min_gap
+
+    def attempt(self, now: float, packets_lost: int, size_acked: bool,
+                base_acked: bool) -> Verdict:
+        """The answers of one attempt; after KEEP, UNDECIDED and LOWER the next
+        confirmation is counted from ``now`` (and losses from ``packets_lost``)."""
+        if size_acked:
+            verdict = Verdict.KEEP
+        elif not base_acked:
+            verdict = Verdict.UNDECIDED
+        else:
+            self._evidence += 1
+            if self._evidence < self.attempts:
+                return Verdict.AGAIN
+            verdict = Verdict.LOWER
+        self._evidence = 0
+        self._hinted = False
+        self._since = now
+        self._lost = packets_lost
+        return verdict

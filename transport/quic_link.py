@@ -29,7 +29,7 @@ from aioquic.quic.connection import QuicConnection, QuicConnectionState
 
 from .config import TransportConfig
 from .congestion_adapter import Meter
-from .congestion_control import install_pacer, raise_max_datagram_size
+from .congestion_control import install_pacer, resend_smaller, set_max_datagram_size
 from .errors import AuthenticationError, ConnectError, IdentityError
 from .handshake import ChannelBinding
 from .quic_config import ALPN, certificate_peer_id, channel_binding, window_bytes
@@ -93,7 +93,10 @@ class LinkStats:
     bytes_sent: int
     bytes_received: int
     connected: bool
-    max_udp_payload: int = 0  # largest datagram it sends (path_mtu.py may raise it)
+    max_udp_payload: int = 0  # largest datagram it sends (path_mtu.py may change it)
+    # probe timeouts in a row with no acknowledgement since (RFC 9002 §6.2): > 0 while
+    # nothing the connection sent lately has been acknowledged
+    pto_count: int = 0
 
     @property
     def loss_rate(self) -> float:
@@ -139,6 +142,8 @@ class QuicLink:
         self.on_stream: Callable[[QuicStream], None] | None = None
         self.on_datagram: Callable[[bytes], None] | None = None
         self.on_closed: list[Callable[[QuicLink], None]] = []
+        # run when the largest datagram it sends was lowered (lower_max_udp_payload)
+        self.on_payload_lowered: list[Callable[[QuicLink], None]] = []
         self.handshake_done: asyncio.Future[None] = self._loop.create_future()
         self.confirmed = asyncio.Event()  # RFC 9001 §4.1.2: handshake confirmed
         self.close_code: int | None = None
@@ -196,6 +201,7 @@ class QuicLink:
             bytes_received=self.bytes_received,
             connected=not self.is_closed,
             max_udp_payload=self.max_udp_payload,
+            pto_count=loss._pto_count,
         )
 
     # streams, datagrams, pings
@@ -230,8 +236,26 @@ class QuicLink:
         follow (aioquic's own), the connection is closed, or ``size`` is not larger."""
         if self.is_closed or size <= self.max_udp_payload:
             return False
-        if not raise_max_datagram_size(self._quic, size):
+        if not set_max_datagram_size(self._quic, size):
             return False
+        self.schedule_transmit()
+        return True
+
+    def lower_max_udp_payload(self, size: int) -> bool:
+        """Send datagrams of at most ``size`` bytes from now on: the larger size in use
+        stopped crossing the path (path_mtu.py's black-hole check). Stream data lost in
+        larger packets goes again in smaller ones at once (aioquic re-sends frames); queued
+        DATAGRAM frames that no longer fit are dropped (lost, to their senders) and the
+        ``on_payload_lowered`` callbacks run, so that FEC transfers whose symbols no longer
+        fit stop. False when the connection is closed, ``size`` is not smaller, or the
+        congestion controller cannot follow."""
+        if self.is_closed or size >= self.max_udp_payload:
+            return False
+        if not set_max_datagram_size(self._quic, size):
+            return False
+        resend_smaller(self._quic, size, self.max_datagram_payload or 0, self._loop.time())
+        for callback in list(self.on_payload_lowered):
+            _guarded(callback, self)
         self.schedule_transmit()
         return True
 

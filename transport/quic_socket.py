@@ -149,6 +149,8 @@ class QuicSocket:
         self._mtu_probes: dict[bytes, tuple[Address, int, asyncio.Future[None]]] = {}
         self._mtu_ack_credit = MTU_ACKS_PER_S
         self._mtu_ack_at = 0.0
+        # told of a probe of the base size from a connection's address (path_mtu.py)
+        self.on_mtu_hint: Callable[[Address], None] | None = None
 
     @property
     def links(self) -> list[QuicLink]:
@@ -398,6 +400,9 @@ class QuicSocket:
             return
         self.counts["mtu_probe.answered"] += 1
         self.sendto(encode_mtu_ack(*probe), addr)
+        if probe[1] <= self.config.max_udp_payload_bytes and self.on_mtu_hint is not None:
+            # a probe of the base size follows a lost larger one (path_mtu.py): a hint
+            self.on_mtu_hint(addr)
 
     def _take_mtu_ack(self, data: bytes, addr: Address) -> None:
         ack = decode_mtu_ack(data)

@@ -136,6 +136,8 @@ class SenderTransfer:
         self.repair_requests = 0
         self.stale_requests = 0
         self.repair_symbols_sent = 0
+        # stopped because its symbols no longer fit the path's datagrams (path_mtu.py)
+        self.outgrown = False
         self._config = config
         self._view = view
         self._loss_rate = loss_rate

@@ -79,6 +79,7 @@ class TransferHub:
         self._timer_at: float | None = None
         link.on_datagram = self._on_datagram
         link.on_closed.append(self._on_link_closed)
+        link.on_payload_lowered.append(self._on_payload_lowered)
 
     def reserve(self, nbytes: int) -> None:
         """Count a message's payload against the connection's in-flight budget
@@ -246,6 +247,25 @@ class TransferHub:
             except Exception as exc:
                 logger.debug("repair request not sent: %s", exc)
         self._arm()
+
+    def _on_payload_lowered(self, link: QuicLink) -> None:
+        """The connection sends smaller datagrams from now on (path_mtu.py found its larger
+        size lost on the path): transfers whose symbols no longer fit one stop sending.
+        Their receivers ask for repairs that go unanswered and fail them (bounded by
+        ``fec.max_repair_requests``); a request whose own transfer failed that way is sent
+        again by the endpoint (its handler never ran), a response's fails its exchange.
+        What is sent from now on is cut into symbols of the new size."""
+        size = link.max_datagram_payload
+        try:
+            largest = symbol_size_for(size) if size is not None else 0
+        except FecError:
+            largest = 0
+        for transfer_id, source in list(self._sources.items()):
+            if source.transfer.layout.symbol_size > largest:
+                logger.info("transfer %d stopped: its %d-byte symbols no longer fit the "
+                            "path's datagrams", transfer_id, source.transfer.layout.symbol_size)
+                source.transfer.outgrown = True
+                self.finish(source.transfer)
 
     def _on_link_closed(self, link: QuicLink) -> None:
         error = link.closed_error()

@@ -418,6 +418,14 @@ class WanEmulator:
     ) -> None:
         await self.close()
 
+    def set_mtu(self, mtu_bytes: int) -> None:
+        """Change both directions' MTU while running (``LinkEmulator.set_mtu``): the path
+        moves onto a route that carries smaller (or larger) packets, silently."""
+        for pump in (self._up, self._down):
+            if pump is None:
+                raise RuntimeError("the emulator is not running")
+            pump.link.set_mtu(mtu_bytes)
+
     def stats(self) -> dict[str, Any]:
         """Counters per direction (see ``LinkCounters``) plus how late the relay
         actually delivered against the schedule, and relay-level counts:

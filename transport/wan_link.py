@@ -262,6 +262,7 @@ class LinkEmulator(Generic[T]):
         self._loss = make_loss_model(profile.loss)
         # bytes per second, or None when the link is not rate limited
         self._byte_rate = profile.rate_bps / 8.0 if profile.rate_bps is not None else None
+        self._mtu = profile.mtu_bytes  # set_mtu changes it: a route change
         # packets not yet serialized: (serialization end time, size), in FIFO order
         self._backlog: deque[tuple[float, int]] = deque()
         self._backlog_bytes = 0
@@ -286,6 +287,19 @@ class LinkEmulator(Generic[T]):
             raise ValueError("rate_bps must be positive")
         self._byte_rate = rate_bps / 8.0
 
+    @property
+    def mtu_bytes(self) -> int:
+        """The largest IP packet the link carries now."""
+        return self._mtu
+
+    def set_mtu(self, mtu_bytes: int) -> None:
+        """Change the largest IP packet the link carries (a route change onto a path with
+        a smaller or larger MTU, with no ICMP telling the sender: a black hole for what no
+        longer fits). Packets already queued are delivered."""
+        if not 1228 <= mtu_bytes <= 65535:
+            raise ValueError(f"mtu_bytes must be 1228-65535, got {mtu_bytes}")
+        self._mtu = mtu_bytes
+
     def queue_bytes(self, now: float) -> int:
         """Bytes queued or on the wire at ``now``."""
         self._expire_backlog(now)
@@ -305,7 +319,7 @@ class LinkEmulator(Generic[T]):
         c = self.counters
         c.offered_packets += 1
         c.offered_bytes += size
-        if not stream and size + _IPV4_UDP_HEADER_BYTES > self.profile.mtu_bytes:
+        if not stream and size + _IPV4_UDP_HEADER_BYTES > self._mtu:
             c.too_big_packets += 1
             c.too_big_bytes += size
             return Verdict.TOO_BIG

@@ -30,7 +30,8 @@ from wanswarm.transport.congestion_adapter import ControllerAdapter, Meter
 from wanswarm.transport.congestion_control import (
     ControllerPacer,
     install_pacer,
-    raise_max_datagram_size,
+    resend_smaller,
+    set_max_datagram_size,
 )
 from wanswarm.transport.handshake import ChannelBinding
 from wanswarm.transport.identity import Identity
@@ -238,14 +239,14 @@ def test_aioquic_controllers_keep_aioquic_pacer(congestion: str) -> None:
 
 
 def test_a_larger_datagram_size_takes_effect_from_the_next_packets() -> None:
-    """congestion_control.raise_max_datagram_size sets ``_max_datagram_size`` after the
+    """congestion_control.set_max_datagram_size sets ``_max_datagram_size`` after the
     handshake (a path MTU probe succeeded, path_mtu.py): aioquic must build every later
     datagram up to it, and a DATAGRAM frame that needs it must go out whole."""
     pair = _connected_pair()
     quic = pair.client.quic
     assert _require(quic, "_max_datagram_size", "quic_link.py and congestion_control.py") == MSS
     big = 16448
-    assert raise_max_datagram_size(quic, big)
+    assert set_max_datagram_size(quic, big)
     assert quic._max_datagram_size == big
     assert quic._loss._cc.inner.controller.congestion_window >= 2 * big
     sizes: list[int] = []
@@ -265,10 +266,60 @@ def test_a_larger_datagram_size_takes_effect_from_the_next_packets() -> None:
     assert len(got) == 3 and all(len(e.data) == big - 64 for e in got)
 
 
+def test_a_smaller_datagram_size_resends_what_larger_packets_carried() -> None:
+    """congestion_control.resend_smaller, after the size went back down (a path MTU black
+    hole, path_mtu.py): packets in flight that were larger are declared lost without a
+    congestion event and their stream data goes again in packets of the new size; queued
+    DATAGRAM frames too large for it are dropped, smaller ones kept. ``_pto_count`` is
+    what quic_link.LinkStats reports."""
+    pair = _connected_pair()
+    quic = pair.client.quic
+    big = 16448
+    assert set_max_datagram_size(quic, big)
+    stream_id = quic.get_next_available_stream_id()
+    data = bytes(range(256)) * 256  # 64 KiB
+    quic.send_stream_data(stream_id, data, end_stream=True)
+    pair.now += 0.002
+    lost = quic.datagrams_to_send(now=pair.now)  # the black hole: none of these arrive
+    assert max(len(d) for d, _ in lost) > MSS
+    spaces = _require(quic, "_loss.spaces", "congestion_control.py")
+    in_flight = [p for space in spaces for p in space.sent_packets.values()]
+    assert in_flight and all(hasattr(p, "sent_bytes") for p in in_flight)
+    assert _require(quic, "_loss._pto_count", "quic_link.py") == 0
+    meter = quic._loss._cc
+    assert isinstance(meter, Meter)
+    lost_before = meter.packets_lost
+    quic.send_datagram_frame(bytes(big - 64))
+    quic.send_datagram_frame(bytes(100))
+    assert set_max_datagram_size(quic, MSS)
+    resend_smaller(quic, MSS, MSS - 64, pair.now)
+    assert list(_require(quic, "_datagrams_pending", "congestion_control.py")) == [bytes(100)]
+    assert not [p for space in spaces for p in space.sent_packets.values()
+                if p.sent_bytes > MSS]
+    assert meter.packets_lost == lost_before  # expired, not lost to congestion
+    sizes: list[int] = []
+    for _ in range(200):
+        pair.now += 0.002
+        timer = quic.get_timer()
+        if timer is not None and timer <= pair.now:
+            quic.handle_timer(now=pair.now)
+        for datagram, _ in quic.datagrams_to_send(now=pair.now):
+            sizes.append(len(datagram))
+            pair.server.deliver(datagram, CLIENT_ADDR, pair.now)
+        for datagram, _ in pair.server.quic.datagrams_to_send(now=pair.now):
+            pair.client.deliver(datagram, SERVER_ADDR, pair.now)
+    assert sizes and max(sizes) <= MSS, sizes
+    got = b"".join(e.data for e in pair.server.seen
+                   if isinstance(e, events.StreamDataReceived) and e.stream_id == stream_id)
+    assert got == data
+    datagrams = [e for e in pair.server.seen if isinstance(e, events.DatagramFrameReceived)]
+    assert [len(e.data) for e in datagrams] == [100]
+
+
 @pytest.mark.parametrize("congestion", ["reno", "cubic"])
 def test_aioquic_controllers_keep_their_datagram_size(congestion: str) -> None:
     quic = _connected_pair(congestion).client.quic
-    assert not raise_max_datagram_size(quic, 16448)
+    assert not set_max_datagram_size(quic, 16448)
     assert quic._max_datagram_size == MSS
 
 

@@ -1,4 +1,5 @@
-"""Path MTU probing's wire format and search (transport/path_mtu.py), without sockets."""
+"""Path MTU probing's wire format, search and black-hole check (transport/path_mtu.py),
+without sockets."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from wanswarm.transport.path_mtu import (
     MTU_ACK_BYTES,
     MTU_NONCE_BYTES,
     MtuSearch,
+    MtuWatch,
+    Verdict,
     decode_mtu_ack,
     decode_mtu_probe,
     encode_mtu_ack,
@@ -92,3 +95,49 @@ def test_late_or_stray_answers_change_nothing() -> None:
     assert MtuSearch(1452, []).done and MtuSearch(16448, [8952]).done
     with pytest.raises(ValueError):
         MtuSearch(1452, [16448], attempts=0)
+
+
+def test_a_confirmation_is_due_after_the_interval_or_soon_after_trouble() -> None:
+    watch = MtuWatch(100.0, packets_lost=5, interval=30.0, min_gap=1.0)
+    assert not watch.due(100.5, packets_lost=5, pto_count=0)
+    assert not watch.due(100.5, packets_lost=9, pto_count=0)  # within the gap
+    assert watch.due(101.0, packets_lost=9, pto_count=0)  # packets declared lost
+    assert watch.due(101.0, packets_lost=5, pto_count=1)  # a probe timeout running
+    assert not watch.due(129.0, packets_lost=5, pto_count=0)
+    assert watch.due(130.0, packets_lost=5, pto_count=0)  # the interval, without trouble
+
+
+def test_a_black_hole_takes_every_attempt_losing_the_size_while_the_base_crosses() -> None:
+    watch = MtuWatch(0.0, packets_lost=0, interval=30.0, attempts=3)
+    assert watch.attempt(1.0, 7, size_acked=False, base_acked=True) is Verdict.AGAIN
+    assert watch.attempt(1.1, 7, size_acked=False, base_acked=True) is Verdict.AGAIN
+    assert watch.attempt(1.2, 7, size_acked=False, base_acked=True) is Verdict.LOWER
+
+
+def test_an_answered_probe_or_a_silent_path_ends_the_confirmation_without_a_change() -> None:
+    watch = MtuWatch(0.0, packets_lost=0, interval=30.0, attempts=3)
+    assert watch.attempt(1.0, 4, size_acked=False, base_acked=True) is Verdict.AGAIN
+    assert watch.attempt(1.1, 4, size_acked=True, base_acked=True) is Verdict.KEEP
+    # the evidence starts again, and losses count from the confirmation
+    assert not watch.due(1.5, packets_lost=4, pto_count=0)
+    assert watch.due(2.1, packets_lost=5, pto_count=0)
+    assert watch.attempt(2.2, 5, size_acked=False, base_acked=True) is Verdict.AGAIN
+    assert watch.attempt(2.3, 5, size_acked=False, base_acked=True) is Verdict.AGAIN
+    # neither probe answered: the path is down or congested, not shrunk
+    assert watch.attempt(2.4, 5, size_acked=False, base_acked=False) is Verdict.UNDECIDED
+    assert watch.attempt(3.5, 6, size_acked=False, base_acked=True) is Verdict.AGAIN
+
+
+def test_a_hint_from_the_peer_makes_a_confirmation_due_like_loss() -> None:
+    """The peer probed our base size (its own larger probe was lost): confirm soon."""
+    watch = MtuWatch(0.0, packets_lost=0, interval=30.0, min_gap=1.0)
+    watch.hint(0.5)
+    assert not watch.due(0.5, packets_lost=0, pto_count=0)  # within the gap
+    assert watch.due(1.0, packets_lost=0, pto_count=0)
+    assert watch.attempt(1.1, 0, size_acked=True, base_acked=True) is Verdict.KEEP
+    assert not watch.due(2.5, packets_lost=0, pto_count=0)  # the hint was used up
+
+
+def test_a_watch_needs_at_least_one_attempt() -> None:
+    with pytest.raises(ValueError):
+        MtuWatch(0.0, 0, interval=30.0, attempts=0)

@@ -191,6 +191,20 @@ def test_a_datagram_beyond_the_links_mtu_is_dropped() -> None:
     assert jumbo.submit(2, 8973, 0.0) is Verdict.TOO_BIG
 
 
+def test_a_links_mtu_can_shrink_while_it_runs() -> None:
+    """A route change onto a path with a smaller MTU (set_mtu): what no longer fits is
+    dropped from then on, silently; what was queued before is delivered."""
+    link: LinkEmulator[int] = LinkEmulator(LinkProfile(mtu_bytes=65535), random.Random(0))
+    assert link.submit(1, 16448, 0.0) is Verdict.QUEUED
+    link.set_mtu(1500)
+    assert link.mtu_bytes == 1500
+    assert link.submit(2, 16448, 0.0) is Verdict.TOO_BIG
+    assert link.submit(3, 1452, 0.0) is Verdict.QUEUED
+    assert [p for _, p in _drain(link)] == [1, 3]
+    with pytest.raises(ValueError):
+        link.set_mtu(576)
+
+
 def test_delay_and_jitter_added() -> None:
     profile = LinkProfile(delay_s=0.05, jitter_s=0.01)
     link: LinkEmulator[int] = LinkEmulator(profile, random.Random(7))
