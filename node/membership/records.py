@@ -105,6 +105,8 @@ class ServerRecord(OwnedRecord):
     stage: int | None = Field(default=None, ge=0, lt=MAX_STAGES)
     server: bool = True
     trainer: bool = True
+    # rebalancing may move this server (false: pinned to its stage by the operator, node.stage)
+    movable: bool = True
     throughput: float = Field(default=0.0, ge=0, le=1e12, allow_inf_nan=False)
     queue: int = Field(default=0, ge=0, le=1_000_000)
     quic: QuicAddress | None = None

@@ -66,6 +66,7 @@ class Membership:
         self.throughput = 0.0
         self.queue = 0
         self.run_id = ""
+        self.movable = True
         self.quic: QuicAddress | None = None
         self.reach: Reach | None = None
         self.published = 0
@@ -85,6 +86,7 @@ class Membership:
         quic: QuicAddress | None | object = _UNSET,
         reach: Reach | None | object = _UNSET,
         run_id: str | object = _UNSET,
+        movable: bool | object = _UNSET,
     ) -> None:
         """Change announced fields; a stage, address or reachability change is announced at
         once."""
@@ -101,6 +103,9 @@ class Membership:
             urgent = True
         if isinstance(run_id, str) and run_id != self.run_id:
             self.run_id = run_id
+            urgent = True
+        if isinstance(movable, bool) and movable != self.movable:
+            self.movable = movable
             urgent = True
         if isinstance(throughput, int | float):
             self.throughput = float(throughput)
@@ -121,6 +126,7 @@ class Membership:
             stage=self.stage,
             server=self.config.server,
             trainer=self.config.trainer,
+            movable=self.movable,
             throughput=self.throughput,
             queue=self.queue,
             quic=self.quic,

@@ -159,7 +159,8 @@ class ServerComponent:
         # have counted us as its server
         check_fits(self.spec, stage, self.config, resolve_device(self.config.device))
         self._remember(ctx, stage)
-        ctx.membership.update(stage=stage, throughput=PLACEHOLDER_THROUGHPUT, queue=0)
+        ctx.membership.update(stage=stage, throughput=PLACEHOLDER_THROUGHPUT, queue=0,
+                              movable=self._rebalances())
         await ctx.membership.announce()
         await self._serve(ctx, stage)
         if self._rebalances():
@@ -258,7 +259,8 @@ class ServerComponent:
         """The other servers as stage selection counts them (joining and online), their
         claims capped relative to the others' (``clamp_claims``) unless ``clamp`` is off."""
         view = [
-            ServerLoad(s.peer.peer_id, s.stage, s.record.throughput, s.record.state)
+            ServerLoad(s.peer.peer_id, s.stage, s.record.throughput, s.record.state,
+                       s.record.movable)
             for s in ctx.peers.servers(COUNTED_STATES, run_id=self.spec.run_id)
         ]
         if not clamp:

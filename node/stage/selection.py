@@ -21,6 +21,8 @@ servers are already gone.
   acts only on its own entry of the plan: servers with the same view compute the same
   plan, so a move is made by exactly the server it names, and no two servers race for
   the same gap. Ties between equal servers are broken by a hash of (peer id, view).
+  A server pinned to its stage (its record's ``movable`` is false) is never named; it
+  still counts as its stage's online server.
 
 Why it does not oscillate: a plan is accepted only if it raises the bottleneck by a
 factor, and only online servers move, so with a fixed membership the bottleneck rises
@@ -71,6 +73,7 @@ class ServerLoad:
     stage: int
     throughput: float  # samples/s this server processes at its stage
     state: ServerState = "online"
+    movable: bool = True  # False: pinned to its stage (node.stage), never in a plan
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ def next_rebalance_delay(rng: random.Random, policy: RebalancePolicy) -> float:
 def _view_digest(servers: Sequence[ServerLoad]) -> bytes:
     h = hashlib.sha256()
     for s in sorted(servers, key=lambda s: s.peer_id):
-        h.update(f"{s.peer_id}\0{s.stage}\0{s.throughput!r}\0{s.state}\n".encode())
+        h.update(f"{s.peer_id}\0{s.stage}\0{s.throughput!r}\0{s.state}\0{s.movable}\n".encode())
     return h.digest()
 
 
@@ -251,8 +254,9 @@ def plan_rebalance(
     online = [0] * n_stages
     for server in counted:
         if server.state == "online":
-            movable[server.stage].append(server)
-            online[server.stage] += 1
+            online[server.stage] += 1  # pinned ones too: they keep their stage served
+            if server.movable:
+                movable[server.stage].append(server)
     digest: bytes | None = None  # of the whole view; computed only if a tie must be broken
     tie_keys: dict[str, bytes] = {}
 

@@ -68,6 +68,29 @@ def test_announce_read_and_withdraw() -> None:
     asyncio.run(scenario())
 
 
+def test_a_pinned_server_says_so_in_its_record_and_old_records_read_as_movable() -> None:
+    """``movable`` (stage_selection.md, pinned servers): announced by the server, read by
+    the others' rebalancing; a record written before the field existed reads as movable."""
+    clocks = Clocks()
+    dht = MemoryDht(wall_clock=lambda: clocks.wall)
+    a, b = _node(dht, IDS[0], clocks), _node(dht, IDS[1], clocks)
+
+    async def scenario() -> None:
+        assert a.own_record().movable
+        a.update(stage=0, throughput=5.0, movable=False)
+        a.set_state("online")
+        assert await a.announce()
+        await b.refresh()
+        peer = b.table.get(IDS[0])
+        assert peer is not None and peer.record.movable is False
+
+    asyncio.run(scenario())
+    old = ServerRecord.model_validate_json(
+        f'{{"v": 1, "peer_id": "{IDS[2]}", "state": "online", "stage": 1}}'
+    )
+    assert old.movable is True
+
+
 def test_a_failed_store_still_counts_for_the_tombstone() -> None:
     clocks = Clocks()
     dht = MemoryDht(wall_clock=lambda: clocks.wall)

@@ -229,6 +229,28 @@ def test_equal_servers_one_mover_per_gap() -> None:
     )  # order of records is irrelevant
 
 
+def test_pinned_servers_are_never_named_and_the_gap_goes_to_a_movable_one() -> None:
+    """Stage 0 holds three servers, two pinned (node.stage): the plan names the one that
+    may move, even where the tie-break would have picked a pinned one, and counts the
+    pinned ones as keeping stage 0 served."""
+    policy = RebalancePolicy(load_s=0.0, min_gain=0.0)
+    for movable_one in ("p0", "p1", "p2"):
+        servers = [ServerLoad(f"p{i}", 0, 1.0, ONLINE, movable=f"p{i}" == movable_one)
+                   for i in range(3)] + [ServerLoad("q", 1, 1.0)]
+        plan = plan_rebalance(servers, 2, policy)
+        assert [m.peer_id for m in plan.moves] == [movable_one]
+        deciders = [s.peer_id for s in servers if rebalance_decision(servers, 2, s.peer_id,
+                                                                     policy)]
+        assert deciders == [movable_one]
+    # only pinned servers where the gap could be filled from: no plan (none could carry it)
+    pinned = [ServerLoad(f"p{i}", 0, 1.0, ONLINE, movable=False) for i in range(3)]
+    assert plan_rebalance(pinned + [ServerLoad("q", 1, 1.0)], 2, policy).moves == ()
+    # a pinned server is its stage's online server: the last movable one may leave
+    servers = [ServerLoad("pin", 0, 1.0, ONLINE, movable=False), ServerLoad("m", 0, 1.0),
+               ServerLoad("r", 0, 1.0, ONLINE, movable=False)]
+    assert [m.peer_id for m in plan_rebalance(servers, 2, policy).moves] == ["m"]
+
+
 # ------------------------------------------------------------------- plan_move
 
 
@@ -462,6 +484,7 @@ def test_daemon_moves_when_the_plan_names_it(
 
     async def scenario() -> None:
         await _start_online(component, ctx)
+        assert ctx.membership.own_record().movable
         (old,) = _FakeStageServer.built
         assert old.stage == 0 and old.online_while_loading is None
         assert component.online_server() is old
@@ -534,6 +557,24 @@ def test_pinned_server_does_not_rebalance_unless_allowed(
     assert component.status()["rebalance"]["enabled"] is False
     component.rebalance = pinned.rebalance.model_copy(update={"move_pinned": True})
     assert component.status()["rebalance"]["enabled"] is True
+
+
+def test_a_pinned_server_announces_that_it_does_not_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The others' plans must not name it (stage_selection.md): its record says so."""
+    component, ctx, _ = _component_world(tmp_path, monkeypatch)
+    component.pinned_stage = 1
+
+    async def scenario() -> None:
+        await _start_online(component, ctx)
+        record = ctx.membership.own_record()
+        assert record.stage == 1 and record.movable is False
+        assert component.status()["rebalance"]["enabled"] is False
+        await component.drain(asyncio.get_running_loop().time() + 5)
+        await component.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_restarted_server_keeps_its_stage_unless_the_swarm_filled_the_gap_it_left() -> None:
