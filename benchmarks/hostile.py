@@ -9,7 +9,8 @@ with the same data, initialization and seed:
   ``forward`` replies are wrong (its output rolled by one position along the sequence:
   in-bounds, plausible values that no limit can refuse), a ``--huge-fraction`` are
   multiplied by 1e6 (beyond the run's ``max_activation``), and it claims 1e12 samples/s
-  in its record;
+  in its record; with ``--lie-in backward`` its forwards are honest and the dL/dx of its
+  training backwards (what it sends to the stage before) are the wrong ones;
 - **dodging** (unless ``--no-dodging``): the same liar, whose replies also promise no
   parameters (``params`` null), so that the checks comparing equal promises skip them;
   the trainer compares answers at one epoch within the looser bound;
@@ -185,28 +186,33 @@ class LockstepOptimizer(LocalOptimizer):
 
 
 class LyingRegistry:
-    """The endpoint as a lying server registers on it: its ``forward`` replies are wrong
-    on a fraction of hops (rolled along the sequence) and huge on another fraction."""
+    """The endpoint as a lying server registers on it: its ``forward`` replies (or, with
+    ``lie_in="backward"``, the dL/dx of its training backwards, spot checks answered
+    honestly) are wrong on a fraction of hops (rolled along the sequence) and huge on
+    another fraction."""
 
     def __init__(
         self, endpoint: Endpoint, *, wrong: float, huge: float, rng: random.Random,
-        dodge: bool = False,
+        dodge: bool = False, lie_in: str = "forward",
     ) -> None:
         self.endpoint = endpoint
         self.wrong, self.huge = wrong, huge
-        self.dodge = dodge  # every forward reply promises no parameters (params null)
+        self.lie_in = lie_in
+        self.dodge = dodge  # every lying reply promises no parameters (params null)
         self.rng = rng
         self.lies = 0
         self.replies = 0
 
     def register(self, kind: str, handler: Handler, *, allow_nonfinite: bool = False) -> None:
-        if kind == str(Kind.FORWARD):
+        if kind == str(Kind(self.lie_in)):
             handler = self._lying(handler)
         self.endpoint.register(kind, handler, allow_nonfinite=allow_nonfinite)
 
     def _lying(self, handler: Handler) -> Handler:
         async def lie(request: Request) -> Response:
             reply = await handler(request)
+            if request.header.get("check"):  # checking another replica: honest, unseen
+                return reply
             self.replies += 1
             if self.dodge:
                 reply = Response({**reply.header, "params": None}, reply.tensors, reply.codec)
@@ -269,6 +275,7 @@ async def run_swarm(
     dodge: bool = False,
     by_epoch: bool = True,
     outvotes_to_convict: int = 3,
+    lie_in: str = "forward",
 ) -> RunResult:
     """Train ``micro_batches`` through a swarm of ``replicas[s]`` servers per stage; the
     first server of ``liar_stage`` lies when given. The honest servers announce the
@@ -279,7 +286,8 @@ async def run_swarm(
     ``dodge``: the liar's forward replies promise no parameters (params null);
     ``by_epoch``: the trainer's spot checks compare answers at one epoch without that
     promise (``compare_same_epoch``). A dodging liar counts as caught at its first answer
-    outvoted there (banned for a while: no conviction in that tier)."""
+    outvoted there (banned for a while: no conviction in that tier). ``lie_in``: the request
+    kind whose replies the liar falsifies (``forward`` or ``backward``)."""
     torch.manual_seed(seed)
     endpoints: list[Endpoint] = []
     servers: list[StageServer] = []
@@ -297,7 +305,8 @@ async def run_swarm(
             registry: Any = ep
             if stage == liar_stage and r == 0:
                 liar = registry = LyingRegistry(
-                    ep, wrong=wrong, huge=huge, rng=random.Random(seed + 1), dodge=dodge
+                    ep, wrong=wrong, huge=huge, rng=random.Random(seed + 1), dodge=dodge,
+                    lie_in=lie_in,
                 )
 
             def make(module: nn.Module, group: LockstepGroup = group) -> LockstepOptimizer:
@@ -450,6 +459,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
+    parser.add_argument("--lie-in", choices=("forward", "backward"), default="forward",
+                        help="Which replies the liar falsifies: its forwards' outputs, or "
+                        "the dL/dx of its backwards (forwards honest).")
     parser.add_argument("--no-dodging", action="store_true",
                         help="Skip the two runs where the liar also promises no parameters.")
     args = parser.parse_args(argv)
@@ -475,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 spec, replicas=replicas, micro_batches=args.micro_batches,
                 spot_fraction=args.spot_fraction, liar_stage=liar,
                 wrong=args.wrong_fraction, huge=args.huge_fraction, seed=args.seed, log=log,
-                dodge=dodge, by_epoch=by_epoch,
+                dodge=dodge, by_epoch=by_epoch, lie_in=args.lie_in,
             )
         )
         r = runs[name]
@@ -520,6 +532,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "micro_batches": args.micro_batches, "spot_fraction": args.spot_fraction,
             "wrong_fraction": args.wrong_fraction, "huge_fraction": args.huge_fraction,
             "replicas": list(replicas), "d_model": args.d_model, "seq_len": args.seq_len,
+            "lie_in": args.lie_in,
             "seconds": round(honest.seconds + attacked.seconds, 1),
         },
     }

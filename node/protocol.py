@@ -49,7 +49,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..transport.errors import RemoteError
 from ..transport.tensors import ReceivedTensor
@@ -165,6 +165,18 @@ class BackwardRequest(_Request):
     """``backward``: tensors ``[x, dL/dy]`` if ``input_carried`` else ``[dL/dy]``."""
 
     input_carried: bool = Field(description="Whether x travels with the request.")
+    check: bool = Field(
+        default=False,
+        description="A spot check of another replica's backward (spot_checks.py): dL/dx "
+        "from the carried x at this replica's parameters; nothing is accumulated, cached or "
+        "counted as applied. Needs input_carried.",
+    )
+
+    @model_validator(mode="after")
+    def _check_carries_its_input(self) -> BackwardRequest:
+        if self.check and not self.input_carried:
+            raise ValueError("a backward spot check carries its input (input_carried)")
+        return self
 
 
 class EvalLossRequest(_Request):

@@ -127,6 +127,7 @@ class StageServerCounters:
     forward: int = 0  # computed (an output refused after its copy included)
     forward_loss: int = 0
     backward: int = 0
+    backward_checks: int = 0  # spot checks of another replica's backward (nothing kept)
     eval_loss: int = 0
     info: int = 0
     applied: int = 0  # micro-batches whose gradients were accumulated
@@ -482,6 +483,12 @@ class StageJobs:
         with self._counting():
             self.contract.check_output_grad(_as_float32(tensors[-1]), batch, length, grad_peak)
         grad_y = self._to_device(_as_float32(tensors[-1]))
+        if msg.check:  # another replica's answer checked: nothing of ours is touched
+            self.counters.backward_checks += 1
+            plain = functools.partial(self._emit_grad, None)
+            checked = self._recompute(x, ids, grad_y, plain, accumulate=False)
+            header = BackwardReply(duplicate=False, **self._reply_fields(started))
+            return Response(to_header(header), checked)
         self.counters.backward += 1
         graph = None
         if not msg.input_carried:

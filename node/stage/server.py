@@ -418,14 +418,16 @@ class StageServer:
 
     async def _on_backward(self, request: Request) -> Response:
         msg = parse_request(BackwardRequest, request.header)
-        self._admit(msg.hop, request.peer_id, Lane.FINISH)
+        # a spot check completes nobody's micro-batch here: it waits with the forwards
+        lane = Lane.START if msg.check else Lane.FINISH
+        self._admit(msg.hop, request.peer_id, lane)
         if self.contract.last:
             self.counters.refused += 1
             raise refuse(ErrorCode.BAD_REQUEST, "the last stage's backward is forward_loss")
         return await self._queue.run(
             request.peer_id, msg.budget_s,
             lambda: self._jobs.backward(msg, request.tensors, request.peaks()),
-            Lane.FINISH,
+            lane,
         )
 
     async def _on_eval_loss(self, request: Request) -> Response:

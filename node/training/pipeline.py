@@ -39,8 +39,10 @@ every input after stage 0 goes with the micro-batch's token ids (uint8 for byte-
 figure the compression benchmark predicts.
 
 Spot checks (spot_checks.py): a random fraction of ``forward`` hops is re-run on a second
-replica of the stage (``keep_input=False``: nothing cached or accumulated there), and of
-``forward_loss`` hops as ``eval_loss``; the answers are compared. A server convicted of
+replica of the stage (``keep_input=False``: nothing cached or accumulated there), of
+``forward_loss`` hops as ``eval_loss``, and of ``backward`` hops that return dL/dx (stages
+1 .. S-2) as a ``backward`` with ``check`` (the input carried; nothing accumulated there);
+the answers are compared. A server convicted of
 lying is never used again and its hop is redone on another server before the walk goes
 on; a disagreement nobody can settle drops the micro-batch.
 """
@@ -316,22 +318,51 @@ class Pipeline:
             )
             return msg, [grad] if ref else [*x, grad]
 
-        async def check(response: Response) -> ReceivedTensor | None:
-            parse_reply(BackwardReply, response.header)
+        async def check(response: Response) -> tuple[ReceivedTensor | None, Stamp]:
+            reply = parse_reply(BackwardReply, response.header)
+            stamp = (reply.epoch, reply.params)
             if stage == 0:
                 if response.tensors:
                     raise BadReply("backward on stage 0 returns no tensor")
-                return None
+                return None, stamp
             return await self._stage_output(
                 response, (*shape, self.widths[stage - 1]), self.backward_codec,
                 self.limits.max_gradient, f"backward {stage}",
-            )
+            ), stamp
 
         def size(peer: str) -> int:
             return sendable_nbytes(grad) + (0 if by_reference(peer) else _nbytes(x))
 
-        result, _ = await self.hops.send(stage, Kind.BACKWARD, make, size, check, carry_to=carry_to)
-        return result
+        def make_check(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
+            hop = self._hop_id(mb, stage, attempt)
+            msg = BackwardRequest(hop=hop, budget_s=self.config.request_timeout_s,
+                                  input_carried=True, check=True)
+            return msg, [*x, grad]
+
+        async def recompute(exclude: frozenset[str]) -> Answer:
+            (g2, stamp2), peer2 = await self.hops.send(
+                stage, Kind.BACKWARD, make_check, lambda _: sendable_nbytes(grad) + _nbytes(x),
+                check, exclude=exclude, spot_check=True,
+            )
+            if g2 is None:
+                raise BadReply(f"backward spot check on stage {stage} returned no dL/dx")
+            return await _answer(peer2, stamp2, g2)
+
+        for _ in range(self.config.max_attempts):
+            (result, stamp), peer = await self.hops.send(
+                stage, Kind.BACKWARD, make, size, check, carry_to=carry_to
+            )
+            # stage 0 sends no dL/dx back: nothing there to compare
+            if result is None or self.spot is None or not self.spot.due():
+                return result
+            what = f"backward of micro-batch {mb} on stage {stage}"
+            verdict = await self.spot.check(what, await _answer(peer, stamp, result), recompute)
+            if verdict.kind == "first_lied":
+                continue  # convicted; the next server gets the input carried, and accumulates
+            if verdict.kind == "unresolved":
+                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            return result
+        raise HopFailed(f"backward on stage {stage}: every answer was convicted of lying")
 
     # ---- stage outputs ------------------------------------------------------------------
 

@@ -3,15 +3,19 @@
 No pipeline system checks that a server computed what it was asked. A server can answer
 in-bounds garbage that the value limits (docs/hostile.md) cannot tell from an honest
 reply. Replicas of a stage hold the same parameters between averaging rounds, so for a
-random fraction (``fraction``) of its ``forward`` and ``forward_loss`` hops the trainer
-sends the same input to a second replica and compares the two answers:
+random fraction (``fraction``) of its ``forward``, ``forward_loss`` and ``backward`` hops
+the trainer sends the same input to a second replica and compares the two answers:
 
 - ``forward`` (stages 0 .. S-2) is re-run with ``keep_input=False``: nothing is cached or
   accumulated on the second replica. The outputs are compared by relative L2 error,
   ``||a - b|| / max(||a||, ||b||)``, of their decoded values.
 - ``forward_loss`` (the last stage) is re-run as ``eval_loss`` (no gradients anywhere);
-  the losses are compared by relative difference. Its ``dL/dx`` is not checked (a
-  ``backward`` or ``forward_loss`` cannot be re-run without accumulating twice).
+  the losses are compared by relative difference. Its ``dL/dx`` is not checked.
+- ``backward`` on stages 1 .. S-2 (those that send dL/dx to the stage before) is re-run
+  as a ``backward`` with ``check``: the input and dL/dy carried, dL/dx computed at the
+  second replica's parameters, nothing accumulated, cached or counted as applied there.
+  The dL/dx are compared like outputs. A convicted server's backward is redone on another
+  replica, which accumulates it.
 
 Only answers computed with the same parameters are compared: each reply carries its
 stage's epoch and ``params``, the epoch of the parameters that computed it when they are
@@ -101,8 +105,8 @@ class SpotCheckConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description=(
-            "Fraction of forward and forward_loss hops re-run on a second replica of the "
-            "stage and compared (0: no spot checks)."
+            "Fraction of forward, forward_loss and backward hops re-run on a second replica of "
+            "the stage and compared (0: no spot checks)."
         ),
     )
     max_relative_error: float = Field(

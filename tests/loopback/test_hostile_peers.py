@@ -116,6 +116,27 @@ def test_a_server_that_promises_no_parameters_is_still_checked_and_convicted() -
         assert evidence["errors"]["second_third" if liar is answers[0] else "first_third"] == 0.0
 
 
+def test_a_server_that_lies_only_in_its_backward_gradients_is_caught_and_convicted() -> None:
+    """A middle-stage server whose forwards are honest but whose dL/dx (sent to the stage
+    before, never compared before) is rolled along the sequence: backward hops are
+    spot-checked too (a ``backward`` with ``check`` on another replica, the input carried,
+    nothing accumulated there), the liar convicted, its backwards redone elsewhere."""
+    spec = hostile.bench_spec(d_model=32, seq_len=16)
+    result = run(
+        hostile.run_swarm(
+            spec, replicas=(1, 3, 1), micro_batches=10, spot_fraction=1.0, liar_stage=1,
+            wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=10.0, lie_in="backward",
+        ),
+        timeout=240,
+    )
+    assert result.lies >= 1 and result.liar_convicted
+    assert result.caught_after is not None and result.caught_after <= 4
+    assert result.honest_convicted == 0 and result.disagreements_honest == 0
+    assert (result.completed, result.failed) == (10, 0)
+    convictions = [e for e in result.evidence if e["verdict"] in ("first_lied", "second_lied")]
+    assert convictions and all(str(e["what"]).startswith("backward") for e in convictions)
+
+
 def test_an_honest_pair_is_never_flagged() -> None:
     spec = hostile.bench_spec(d_model=32, seq_len=16)
     result = run(

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic
 import pytest
 import torch
 from torch import nn
@@ -336,6 +337,38 @@ def test_a_duplicate_whose_reply_was_evicted_is_recomputed_without_accumulating(
         assert _opt(servers[1]).steps == [2]
 
     _with_servers(spec, body, config=config)
+
+
+def test_a_backward_spot_check_answers_the_same_dx_and_keeps_nothing() -> None:
+    """``backward`` with ``check`` (spot_checks.py): the dL/dx the training backward sent,
+    from the carried input, with no gradient accumulated, no cache entry taken or left,
+    nothing counted as applied; the same hop's training backward then still accumulates.
+    A check without its input is refused as malformed."""
+    spec = _spec("none")
+    idx, targets = _batch(spec, 7)
+
+    async def body(regs: list[Registry], servers: list[StageServer]) -> None:
+        _, (y0, _y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
+        middle = servers[1]
+        grads = {n: g.clone() for n, g in _opt(middle).grads.items()}
+        applied, cached = middle.counters.applied, middle._jobs.cached_inputs
+        check = BackwardRequest(hop=_hop(spec, 1, mb=1), budget_s=30, input_carried=True,
+                                check=True)
+        reply = await regs[1].call(Kind.BACKWARD, check, [y0, g1])
+        assert reply.header["duplicate"] is False
+        torch.testing.assert_close(_tensor(reply.tensors[0]), g0, rtol=1e-6, atol=1e-7)
+        assert middle.counters.backward_checks == 1 and middle.counters.applied == applied
+        assert middle._jobs.cached_inputs == cached
+        for name, grad in grads.items():
+            assert torch.equal(_opt(middle).grads[name], grad)
+        # the same micro-batch's training backward is not taken for a duplicate
+        train = BackwardRequest(hop=_hop(spec, 1, mb=1), budget_s=30, input_carried=True)
+        assert (await regs[1].call(Kind.BACKWARD, train, [y0, g1])).header["duplicate"] is False
+        assert middle.counters.applied == applied + 1
+    with pytest.raises(pydantic.ValidationError, match="carries its input"):
+        BackwardRequest(hop=_hop(spec, 1), budget_s=30, input_carried=False, check=True)
+
+    _with_servers(spec, body)
 
 
 def test_cache_miss_then_carried_input() -> None:
