@@ -10,7 +10,9 @@ with the same data, initialization and seed:
   in-bounds, plausible values that no limit can refuse), a ``--huge-fraction`` are
   multiplied by 1e6 (beyond the run's ``max_activation``), and it claims 1e12 samples/s
   in its record; with ``--lie-in backward`` its forwards are honest and the dL/dx of its
-  training backwards (what it sends to the stage before) are the wrong ones;
+  training backwards (what it sends to the stage before) are the wrong ones; with
+  ``--lie-in forward_loss`` the liar is a server of the last stage whose losses are honest
+  and whose dL/dx are wrong;
 - **dodging** (unless ``--no-dodging``): the same liar, whose replies also promise no
   parameters (``params`` null), so that the checks comparing equal promises skip them;
   the trainer compares answers at one epoch within the looser bound;
@@ -454,21 +456,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--huge-fraction", type=float, default=0.02,
                         help="Fraction of the liar's forward replies multiplied by 1e6.")
     parser.add_argument("--replicas", type=str, default="2,3,2",
-                        help="Servers per stage, comma-separated (the liar is in stage 1).")
+                        help="Servers per stage, comma-separated (the liar is in stage 1; "
+                        "with --lie-in forward_loss, in stage 2).")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
-    parser.add_argument("--lie-in", choices=("forward", "backward"), default="forward",
-                        help="Which replies the liar falsifies: its forwards' outputs, or "
-                        "the dL/dx of its backwards (forwards honest).")
+    parser.add_argument("--lie-in", choices=("forward", "backward", "forward_loss"),
+                        default="forward",
+                        help="Which replies the liar falsifies: its forwards' outputs, the "
+                        "dL/dx of its backwards (forwards honest), or the dL/dx of the last "
+                        "stage's forward_loss (its loss honest; the liar then in stage 2).")
     parser.add_argument("--no-dodging", action="store_true",
                         help="Skip the two runs where the liar also promises no parameters.")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     replicas = tuple(int(x) for x in args.replicas.split(","))
-    if len(replicas) != 3 or min(replicas) < 1 or replicas[1] < 2:
-        parser.error("--replicas: three stages, at least 2 servers in stage 1")
+    liar_stage = 2 if args.lie_in == "forward_loss" else 1
+    if len(replicas) != 3 or min(replicas) < 1 or replicas[liar_stage] < 2:
+        parser.error(f"--replicas: three stages, at least 2 servers in stage {liar_stage}")
     spec = bench_spec(args.d_model, args.seq_len)
 
     def log(line: str) -> None:
@@ -476,10 +482,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs: dict[str, RunResult] = {}
     plan: list[tuple[str, int | None, bool, bool]] = [  # name, liar stage, dodge, by epoch
-        ("honest", None, False, True), ("attacked", 1, False, True),
+        ("honest", None, False, True), ("attacked", liar_stage, False, True),
     ]
     if not args.no_dodging:
-        plan += [("dodging", 1, True, True), ("dodging_without_epoch_checks", 1, True, False)]
+        plan += [("dodging", liar_stage, True, True),
+                 ("dodging_without_epoch_checks", liar_stage, True, False)]
     for name, liar, dodge, by_epoch in plan:
         log(f"{name} run: {args.micro_batches} micro-batches, replicas {replicas}")
         runs[name] = asyncio.run(

@@ -160,6 +160,13 @@ class ForwardRequest(_Request):
 class ForwardLossRequest(_Request):
     """``forward_loss`` (last stage): tensors ``[x, targets]``; answer ``[dL/dx]``."""
 
+    check: bool = Field(
+        default=False,
+        description="A spot check of another replica's forward_loss (spot_checks.py): the "
+        "loss and dL/dx at this replica's parameters; nothing is accumulated or counted as "
+        "applied.",
+    )
+
 
 class BackwardRequest(_Request):
     """``backward``: tensors ``[x, dL/dy]`` if ``input_carried`` else ``[dL/dy]``."""

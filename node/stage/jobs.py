@@ -128,6 +128,7 @@ class StageServerCounters:
     forward_loss: int = 0
     backward: int = 0
     backward_checks: int = 0  # spot checks of another replica's backward (nothing kept)
+    forward_loss_checks: int = 0  # the same for forward_loss
     eval_loss: int = 0
     info: int = 0
     applied: int = 0  # micro-batches whose gradients were accumulated
@@ -426,6 +427,12 @@ class StageJobs:
         batch, length = int(x.shape[0]), int(x.shape[1])
         self.contract.check_targets(tensors[n_in], batch, length)
         targets = self._on_device(tensors[n_in])
+        if msg.check:  # another replica's answer checked: nothing of ours is touched
+            self.counters.forward_loss_checks += 1
+            plain = functools.partial(self._emit_grad, None)
+            value, checked = self._loss_and_grad(x, ids, targets, plain, accumulate=False)
+            reply = LossReply(loss=value, duplicate=False, **self._reply_fields(started))
+            return Response(to_header(reply), checked)
         key = msg.hop.key
         self.counters.forward_loss += 1
         if key in self._applied:

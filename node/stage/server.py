@@ -408,12 +408,13 @@ class StageServer:
 
     async def _on_forward_loss(self, request: Request) -> Response:
         msg = parse_request(ForwardLossRequest, request.header)
-        self._admit(msg.hop, request.peer_id, Lane.FINISH)
+        lane = Lane.START if msg.check else Lane.FINISH  # a check finishes no micro-batch
+        self._admit(msg.hop, request.peer_id, lane)
         self._require_last("forward_loss")
         return await self._queue.run(
             request.peer_id, msg.budget_s,
             lambda: self._jobs.forward_loss(msg, request.tensors, request.peaks()),
-            Lane.FINISH,
+            lane,
         )
 
     async def _on_backward(self, request: Request) -> Response:

@@ -40,11 +40,11 @@ figure the compression benchmark predicts.
 
 Spot checks (spot_checks.py): a random fraction of ``forward`` hops is re-run on a second
 replica of the stage (``keep_input=False``: nothing cached or accumulated there), of
-``forward_loss`` hops as ``eval_loss``, and of ``backward`` hops that return dL/dx (stages
-1 .. S-2) as a ``backward`` with ``check`` (the input carried; nothing accumulated there);
-the answers are compared. A server convicted of
-lying is never used again and its hop is redone on another server before the walk goes
-on; a disagreement nobody can settle drops the micro-batch.
+``forward_loss`` hops as a ``forward_loss`` with ``check`` (the loss compared, then its
+dL/dx), and of ``backward`` hops that return dL/dx (stages 1 .. S-2) as a ``backward``
+with ``check`` (the input carried); nothing is accumulated on the checking replica. A
+server convicted of lying is never used again and its hop is redone on another server
+before the walk goes on; a disagreement nobody can settle drops the micro-batch.
 """
 
 from __future__ import annotations
@@ -261,22 +261,31 @@ class Pipeline:
                 self.limits.max_gradient, "forward_loss",
             ), (reply.epoch, reply.params)
 
-        def make_eval(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
+        def make_check(peer: str, attempt: int) -> tuple[BaseModel, list[Sendable]]:
             hop = self._hop_id(mb, stage, attempt)
-            return EvalLossRequest(hop=hop, budget_s=self.config.request_timeout_s), [*x, targets]
+            msg = ForwardLossRequest(hop=hop, budget_s=self.config.request_timeout_s, check=True)
+            return msg, [*x, targets]
 
-        async def check_eval(response: Response) -> tuple[float, Stamp]:
-            if response.tensors:
-                raise BadReply("eval_loss returns no tensor")
-            reply = parse_reply(EvalReply, response.header)
-            return self._loss(reply.loss, "eval_loss"), (reply.epoch, reply.params)
+        # a checking replica's dL/dx, by peer: one forward_loss check serves both comparisons
+        grads_seen: dict[str, Answer] = {}
 
         async def recompute(exclude: frozenset[str]) -> Answer:
-            (loss2, stamp2), peer2 = await self.hops.send(
-                stage, Kind.EVAL_LOSS, make_eval, lambda _: size, check_eval,
+            (loss2, grad2, stamp2), peer2 = await self.hops.send(
+                stage, Kind.FORWARD_LOSS, make_check, lambda _: size, check,
                 exclude=exclude, spot_check=True,
             )
+            if grad2 is not None:
+                grads_seen[peer2] = await _answer(peer2, stamp2, grad2)
             return Answer(peer2, *stamp2, loss2, payload_digest(loss2))
+
+        async def recompute_grad(exclude: frozenset[str]) -> Answer:
+            seen = [p for p in grads_seen if p not in exclude]
+            if not seen:
+                peer2 = (await recompute(exclude)).peer
+                if peer2 not in grads_seen:
+                    raise BadReply(f"forward_loss spot check on stage {stage}: no dL/dx")
+                seen = [peer2]
+            return grads_seen.pop(seen[0])
 
         size = _nbytes(x) + sendable_nbytes(targets)
         for _ in range(self.config.max_attempts):
@@ -285,9 +294,14 @@ class Pipeline:
             )
             if self.spot is None or not self.spot.due():
                 return loss, grad
+            grads_seen.clear()
             what = f"forward_loss of micro-batch {mb} on stage {stage}"
             first = Answer(peer, *stamp, loss, payload_digest(loss))
             verdict = await self.spot.check(what, first, recompute, loss=True)
+            if verdict.kind == "agree" and grad is not None:  # the loss agreed: its dL/dx
+                verdict = await self.spot.check(
+                    f"dL/dx of {what}", await _answer(peer, stamp, grad), recompute_grad
+                )
             if verdict.kind == "first_lied":
                 continue  # its server is convicted: the router never picks it again
             if verdict.kind == "unresolved":

@@ -9,13 +9,16 @@ the trainer sends the same input to a second replica and compares the two answer
 - ``forward`` (stages 0 .. S-2) is re-run with ``keep_input=False``: nothing is cached or
   accumulated on the second replica. The outputs are compared by relative L2 error,
   ``||a - b|| / max(||a||, ||b||)``, of their decoded values.
-- ``forward_loss`` (the last stage) is re-run as ``eval_loss`` (no gradients anywhere);
-  the losses are compared by relative difference. Its ``dL/dx`` is not checked.
+- ``forward_loss`` (the last stage) is re-run as a ``forward_loss`` with ``check``: the
+  losses are compared by relative difference and, if they agree, the two answers' dL/dx
+  like outputs (the second comparison reuses the same replicas' answers).
 - ``backward`` on stages 1 .. S-2 (those that send dL/dx to the stage before) is re-run
   as a ``backward`` with ``check``: the input and dL/dy carried, dL/dx computed at the
-  second replica's parameters, nothing accumulated, cached or counted as applied there.
-  The dL/dx are compared like outputs. A convicted server's backward is redone on another
-  replica, which accumulates it.
+  second replica's parameters. The dL/dx are compared like outputs.
+
+A check accumulates nothing, caches nothing and is not counted as applied on the checking
+replica. A convicted server's backward or forward_loss is redone on another replica,
+which accumulates it.
 
 Only answers computed with the same parameters are compared: each reply carries its
 stage's epoch and ``params``, the epoch of the parameters that computed it when they are

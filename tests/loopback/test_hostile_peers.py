@@ -137,6 +137,27 @@ def test_a_server_that_lies_only_in_its_backward_gradients_is_caught_and_convict
     assert convictions and all(str(e["what"]).startswith("backward") for e in convictions)
 
 
+def test_a_last_stage_server_that_lies_only_in_dx_is_caught_after_its_loss_agreed() -> None:
+    """The last stage's forward_loss: the loss honest, the dL/dx rolled. Its spot check (a
+    forward_loss with ``check`` on another replica) compares the loss, then the dL/dx of
+    the same two answers; the liar is convicted on the second comparison."""
+    spec = hostile.bench_spec(d_model=32, seq_len=16)
+    result = run(
+        hostile.run_swarm(
+            spec, replicas=(1, 1, 3), micro_batches=10, spot_fraction=1.0, liar_stage=2,
+            wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=10.0, lie_in="forward_loss",
+        ),
+        timeout=240,
+    )
+    assert result.lies >= 1 and result.liar_convicted
+    assert result.caught_after is not None and result.caught_after <= 4
+    assert result.honest_convicted == 0 and result.disagreements_honest == 0
+    assert (result.completed, result.failed) == (10, 0)
+    convictions = [e for e in result.evidence if e["verdict"] in ("first_lied", "second_lied")]
+    assert convictions and all(str(e["what"]).startswith("dL/dx of forward_loss")
+                               for e in convictions)
+
+
 def test_an_honest_pair_is_never_flagged() -> None:
     spec = hostile.bench_spec(d_model=32, seq_len=16)
     result = run(

@@ -339,16 +339,27 @@ def test_a_duplicate_whose_reply_was_evicted_is_recomputed_without_accumulating(
     _with_servers(spec, body, config=config)
 
 
-def test_a_backward_spot_check_answers_the_same_dx_and_keeps_nothing() -> None:
-    """``backward`` with ``check`` (spot_checks.py): the dL/dx the training backward sent,
-    from the carried input, with no gradient accumulated, no cache entry taken or left,
-    nothing counted as applied; the same hop's training backward then still accumulates.
-    A check without its input is refused as malformed."""
+def test_spot_checks_answer_the_same_values_and_keep_nothing() -> None:
+    """``backward`` and ``forward_loss`` with ``check`` (spot_checks.py): the dL/dx (and
+    loss) the training hops sent, with no gradient accumulated, no cache entry taken or
+    left, nothing counted as applied; the same hop's training backward then still
+    accumulates. A backward check without its input is refused as malformed."""
     spec = _spec("none")
     idx, targets = _batch(spec, 7)
 
     async def body(regs: list[Registry], servers: list[StageServer]) -> None:
-        _, (y0, _y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
+        loss, (y0, y1, g1, g0) = await _through_pipeline(spec, regs, idx, targets)
+        last = servers[2]
+        last_grads = {n: g.clone() for n, g in _opt(last).grads.items()}
+        last_applied = last.counters.applied
+        fl = ForwardLossRequest(hop=_hop(spec, 2, mb=1), budget_s=30, check=True)
+        checked = await regs[2].call(Kind.FORWARD_LOSS, fl, [y1, targets])
+        assert checked.header["loss"] == pytest.approx(loss, rel=1e-6)
+        torch.testing.assert_close(_tensor(checked.tensors[0]), g1, rtol=1e-6, atol=1e-7)
+        assert last.counters.forward_loss_checks == 1
+        assert last.counters.applied == last_applied
+        for name, grad in last_grads.items():
+            assert torch.equal(_opt(last).grads[name], grad)
         middle = servers[1]
         grads = {n: g.clone() for n, g in _opt(middle).grads.items()}
         applied, cached = middle.counters.applied, middle._jobs.cached_inputs
