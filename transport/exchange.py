@@ -160,6 +160,10 @@ class Inbound:
         finally:
             if not everything.done():
                 everything.cancel()
+                # a cancelled gather ends with CancelledError set as its exception: read it,
+                # or asyncio logs "exception was never retrieved" for every exchange
+                # abandoned with transfers under way (a requester's timeout, a reset)
+                everything.add_done_callback(_retrieved)
         message.payloads.update(zip(indices, results, strict=True))
         return message
 
@@ -237,3 +241,9 @@ class Inbound:
         if transfer is None:
             raise FramingError(f"control message for unknown transfer {transfer_id}")
         self.hub.control(transfer, body)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's exception as seen (nobody awaits it any more)."""
+    if not future.cancelled():
+        future.exception()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 from unittest import mock
 
@@ -23,6 +24,7 @@ from wanswarm.transport.tensors import ReceivedTensor
 from wanswarm.transport.wan import WanEmulator, WanProfile
 from wanswarm.transport.wan_link import BernoulliLoss
 
+from ..waiting import async_wait_for
 from .quic_helpers import address, config, endpoint, fec, run
 
 
@@ -283,6 +285,43 @@ def test_request_timeout_cancels_the_handler() -> None:
             # the connection is still good
             server.register("ok", _echo)
             await client.request(address(server), "ok", {}, timeout=10)
+
+    run(main())
+
+
+def test_a_request_abandoned_mid_transfer_leaves_no_unretrieved_error() -> None:
+    """A requester that gives up while its FEC transfer is under way resets the exchange;
+    the server stops waiting for it. Nothing is left for asyncio to report as an
+    exception never retrieved (once an ERROR log line per abandoned exchange: a daemon's
+    log filled with them at shutdown). The path is slow (20 Mb/s) so that the server is
+    surely waiting for the transfer when the requester gives up."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reported: list[str] = []
+        loop.set_exception_handler(lambda _, context: reported.append(str(context["message"])))
+        cfg = config(fec=fec(threshold_bytes=64 * 1024), congestion=CongestionConfig())
+        slow = WanProfile.symmetric("slow", rate_bps=20e6, rtt_s=0.004)
+        payload = encode(torch.randn(1 << 20), CodecSpec("none"))  # 4 MB: 1.6 s
+        async with endpoint(cfg) as server, endpoint(cfg) as client:
+            server.register("echo", _echo)
+            async with WanEmulator(slow, target=server.address, seed=1) as wan:
+                peer = PeerAddress(server.peer_id, *wan.address)
+                await client.request(peer, "echo", {}, [torch.ones(3)], timeout=10)
+                for _ in range(3):
+                    request = loop.create_task(
+                        client.request(peer, "echo", {}, [payload], timeout=30))
+                    await async_wait_for(lambda: bool(server._serving), 10,
+                                         "the server to start receiving the request")
+                    await asyncio.sleep(0.2)  # its transfer under way
+                    request.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await request
+                    await async_wait_for(lambda: not server._serving, 10,
+                                         "the server to stop serving the abandoned request")
+                gc.collect()
+                await asyncio.sleep(0)
+        gc.collect()
+        assert reported == []
 
     run(main())
 
