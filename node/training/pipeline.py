@@ -80,7 +80,7 @@ from ..protocol import (
     within,
 )
 from .hops import HopFailed, HopSender
-from .spot_checks import Answer, SpotChecker, Stamp, payload_digest
+from .spot_checks import Answer, SpotChecker, Stamp, Verdict, payload_digest
 from .subspace import token_id_dtype
 from .trainer_config import TrainerConfig
 
@@ -233,10 +233,8 @@ class Pipeline:
                 return y, peer if cached else None
             what = f"forward of micro-batch {mb} on stage {stage}"
             verdict = await self.spot.check(what, await _answer(peer, stamp, y), recompute)
-            if verdict.kind == "first_lied":
-                continue  # its server is convicted: the router never picks it again
-            if verdict.kind == "unresolved":
-                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            if _redo(verdict, what):
+                continue
             return y, peer if cached else None
         raise HopFailed(f"forward on stage {stage}: every answer was convicted of lying")
 
@@ -302,10 +300,8 @@ class Pipeline:
                 verdict = await self.spot.check(
                     f"dL/dx of {what}", await _answer(peer, stamp, grad), recompute_grad
                 )
-            if verdict.kind == "first_lied":
-                continue  # its server is convicted: the router never picks it again
-            if verdict.kind == "unresolved":
-                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            if _redo(verdict, what):
+                continue
             return loss, grad
         raise HopFailed(f"forward_loss on stage {stage}: every answer was convicted of lying")
 
@@ -371,10 +367,8 @@ class Pipeline:
                 return result
             what = f"backward of micro-batch {mb} on stage {stage}"
             verdict = await self.spot.check(what, await _answer(peer, stamp, result), recompute)
-            if verdict.kind == "first_lied":
-                continue  # convicted; the next server gets the input carried, and accumulates
-            if verdict.kind == "unresolved":
-                raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+            if _redo(verdict, what):
+                continue  # the next server gets the input carried, and accumulates
             return result
         raise HopFailed(f"backward on stage {stage}: every answer was convicted of lying")
 
@@ -432,6 +426,15 @@ class Pipeline:
             return encode(x, codec) if ef_key is None else self._ef.encode(ef_key, x, codec)
 
         return await off_loop(t.decoded_nbytes, run)
+
+
+def _redo(verdict: Verdict, what: str) -> bool:
+    """Whether a spot-checked hop must be redone: its server was convicted of lying (the
+    router never picks it again). HopFailed when the replicas disagree and none can be
+    trusted (the micro-batch is dropped)."""
+    if verdict.kind == "unresolved":
+        raise HopFailed(f"{what}: replicas disagree and none can be trusted")
+    return verdict.kind == "first_lied"
 
 
 def _nbytes(tensors: list[Sendable]) -> int:
