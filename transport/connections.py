@@ -36,6 +36,7 @@ from .errors import (
     PeerIdMismatch,
     ProtocolError,
     TransportError,
+    settle,
 )
 from .framing import AuthReceived, FrameType, StreamDecoder, encode_frame
 from .handshake import ClientHandshake, ServerHandshake
@@ -342,16 +343,14 @@ class Connections:
     def _mtu_hint(self, addr: Address) -> None:
         """The peer at ``addr`` sent a probe of our base size: it found its larger size
         lost, so ours toward it is worth confirming now (path_mtu.MtuWatch.hint)."""
-        now = asyncio.get_running_loop().time()
         for link, watch in self._mtu_watches.items():
             if link.remote_address == addr:
-                watch.hint(now)
+                watch.hint()
 
     async def _run_watch(self, link: QuicLink, watch: MtuWatch, size: int, base: int) -> bool:
         loop = asyncio.get_running_loop()
         while not link.is_closed:
-            stats = link.stats()
-            await asyncio.sleep(min(0.5, max(0.05, 2 * stats.smoothed_rtt)))
+            await asyncio.sleep(min(0.5, max(0.05, 2 * link.stats().smoothed_rtt)))
             stats = link.stats()
             if link.is_closed or not watch.due(loop.time(), stats.packets_lost, stats.pto_count):
                 continue
@@ -379,7 +378,7 @@ class Connections:
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(_settle)
+        task.add_done_callback(settle)
         task.add_done_callback(self._tasks.discard)
         return task
 
@@ -400,12 +399,6 @@ def _probe_timeout(link: QuicLink) -> float:
     """How long a path MTU probe on ``link`` waits for its answer: four smoothed RTTs,
     0.1-1 s."""
     return min(1.0, max(0.1, 4 * link.stats().smoothed_rtt))
-
-
-def _settle(task: asyncio.Task[Any]) -> None:
-    """Mark a finished task's exception as seen (its awaiters, if any, got it too)."""
-    if not task.cancelled():
-        task.exception()
 
 
 # -- the identity handshake, pumped over the first stream ------------------------------

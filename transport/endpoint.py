@@ -160,8 +160,12 @@ class _StaleConnection(Exception):
 
 class _Outgrown(Exception):
     """The path's MTU shrank under the request (path_mtu.py): one of its transfers had to
-    stop, and the peer answered that it could not receive the request (its handler never
-    ran, so the request may go again)."""
+    stop, and the peer answered ``error`` (transfer_failed): it could not receive the
+    request, its handler never ran, so the request may go again."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Endpoint:
@@ -485,7 +489,7 @@ class Endpoint:
                                     peer.peer_id, request_id)
                     except _Outgrown as exc:
                         if attempt == 1:
-                            raise exc.__cause__ or RemoteError("transfer_failed", "") from None
+                            raise exc.error from None
                         self._count("requests_resent.path_shrank")
                         logger.info("the path to %s shrank under request %d; re-sending it "
                                     "in smaller datagrams", peer.peer_id, request_id)
@@ -558,7 +562,7 @@ class Endpoint:
             if error.code == "transfer_failed" and outgoing is not None and any(
                 t.outgrown for t in outgoing.transfers
             ):
-                raise _Outgrown() from error
+                raise _Outgrown(error)
             raise error
         return message
 

@@ -17,9 +17,14 @@ import the library. The tree::
     ├── ConnectError                 could not reach the peer / connection lost
     ├── RequestTimeout               no complete response before the request deadline
     └── RemoteError                  the peer answered with an error code (e.g. busy)
+
+``settle`` marks the exception of a future nobody awaits as seen.
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 
 class TransportError(Exception):
@@ -90,3 +95,10 @@ class RemoteError(TransportError):
         super().__init__(f"{code}: {message}" if message else code)
         self.code = code
         self.message = message
+
+
+def settle(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's exception as seen (its awaiters, if any, got it too), so
+    that asyncio does not log it as never retrieved; a done callback."""
+    if not future.cancelled():
+        future.exception()

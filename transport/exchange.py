@@ -21,7 +21,7 @@ from typing import Any
 
 from .codecs import EncodedTensor
 from .config import TransportConfig
-from .errors import FramingError
+from .errors import FramingError, settle
 from .framing import (
     WIRE_VERSION,
     ControlReceived,
@@ -163,7 +163,7 @@ class Inbound:
                 # a cancelled gather ends with CancelledError set as its exception: read it,
                 # or asyncio logs "exception was never retrieved" for every exchange
                 # abandoned with transfers under way (a requester's timeout, a reset)
-                everything.add_done_callback(_retrieved)
+                everything.add_done_callback(settle)
         message.payloads.update(zip(indices, results, strict=True))
         return message
 
@@ -242,8 +242,3 @@ class Inbound:
             raise FramingError(f"control message for unknown transfer {transfer_id}")
         self.hub.control(transfer, body)
 
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark a finished future's exception as seen (nobody awaits it any more)."""
-    if not future.cancelled():
-        future.exception()

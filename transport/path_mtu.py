@@ -198,7 +198,7 @@ class MtuWatch:
         self._evidence = 0
         self._hinted = False
 
-    def hint(self, now: float) -> None:
+    def hint(self) -> None:
         """The peer sent a probe of the base size, which it does only after its own larger
         probe was lost: the route may have shrunk both ways, so confirm (as on loss)."""
         self._hinted = True

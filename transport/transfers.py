@@ -111,14 +111,18 @@ class TransferHub:
 
     def can_send(self) -> bool:
         """Whether the peer takes DATAGRAM frames large enough for FEC symbols."""
+        return self._largest_symbol() is not None
+
+    def _largest_symbol(self) -> int | None:
+        """The largest FEC symbol one of the connection's datagrams carries now; None when
+        the peer takes no DATAGRAM frames large enough for one."""
         size = self.link.max_datagram_payload
         if size is None:
-            return False
+            return None
         try:
-            symbol_size_for(size)
+            return symbol_size_for(size)
         except FecError:
-            return False
-        return True
+            return None
 
     def send(
         self, payload: bytes | memoryview
@@ -255,11 +259,7 @@ class TransferHub:
         ``fec.max_repair_requests``); a request whose own transfer failed that way is sent
         again by the endpoint (its handler never ran), a response's fails its exchange.
         What is sent from now on is cut into symbols of the new size."""
-        size = link.max_datagram_payload
-        try:
-            largest = symbol_size_for(size) if size is not None else 0
-        except FecError:
-            largest = 0
+        largest = self._largest_symbol() or 0
         for transfer_id, source in list(self._sources.items()):
             if source.transfer.layout.symbol_size > largest:
                 logger.info("transfer %d stopped: its %d-byte symbols no longer fit the "

@@ -131,7 +131,7 @@ def test_an_answered_probe_or_a_silent_path_ends_the_confirmation_without_a_chan
 def test_a_hint_from_the_peer_makes_a_confirmation_due_like_loss() -> None:
     """The peer probed our base size (its own larger probe was lost): confirm soon."""
     watch = MtuWatch(0.0, packets_lost=0, interval=30.0, min_gap=1.0)
-    watch.hint(0.5)
+    watch.hint()
     assert not watch.due(0.5, packets_lost=0, pto_count=0)  # within the gap
     assert watch.due(1.0, packets_lost=0, pto_count=0)
     assert watch.attempt(1.1, 0, size_acked=True, base_acked=True) is Verdict.KEEP
