@@ -116,16 +116,29 @@ def test_a_server_that_promises_no_parameters_is_still_checked_and_convicted() -
         assert evidence["errors"]["second_third" if liar is answers[0] else "first_third"] == 0.0
 
 
-def test_a_server_that_lies_only_in_its_backward_gradients_is_caught_and_convicted() -> None:
-    """A middle-stage server whose forwards are honest but whose dL/dx (sent to the stage
-    before, never compared before) is rolled along the sequence: backward hops are
-    spot-checked too (a ``backward`` with ``check`` on another replica, the input carried,
-    nothing accumulated there), the liar convicted, its backwards redone elsewhere."""
+@pytest.mark.parametrize(
+    ("lie_in", "replicas", "liar_stage", "checked"),
+    [
+        # a middle stage's backward: checked as a ``backward`` with ``check`` on another
+        # replica (the input carried, nothing accumulated there)
+        ("backward", (1, 3, 1), 1, "backward"),
+        # the last stage's forward_loss, its loss honest: checked as a ``forward_loss`` with
+        # ``check``, the loss compared first, then the dL/dx of the same two answers
+        ("forward_loss", (1, 1, 3), 2, "dL/dx of forward_loss"),
+    ],
+)
+def test_a_server_that_lies_only_in_its_dx_is_caught_and_convicted(
+    lie_in: str, replicas: tuple[int, int, int], liar_stage: int, checked: str,
+) -> None:
+    """A server whose forwards (or losses) are honest but whose dL/dx, sent to the stage
+    before and never compared before, is rolled along the sequence: its hops are
+    spot-checked on another replica, the liar convicted, its hops redone elsewhere."""
     spec = hostile.bench_spec(d_model=32, seq_len=16)
     result = run(
         hostile.run_swarm(
-            spec, replicas=(1, 3, 1), micro_batches=10, spot_fraction=1.0, liar_stage=1,
-            wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=10.0, lie_in="backward",
+            spec, replicas=replicas, micro_batches=10, spot_fraction=1.0,
+            liar_stage=liar_stage, wrong=1.0, huge=0.0, seed=3, log=_quiet,
+            honest_claim=10.0, lie_in=lie_in,
         ),
         timeout=240,
     )
@@ -134,28 +147,7 @@ def test_a_server_that_lies_only_in_its_backward_gradients_is_caught_and_convict
     assert result.honest_convicted == 0 and result.disagreements_honest == 0
     assert (result.completed, result.failed) == (10, 0)
     convictions = [e for e in result.evidence if e["verdict"] in ("first_lied", "second_lied")]
-    assert convictions and all(str(e["what"]).startswith("backward") for e in convictions)
-
-
-def test_a_last_stage_server_that_lies_only_in_dx_is_caught_after_its_loss_agreed() -> None:
-    """The last stage's forward_loss: the loss honest, the dL/dx rolled. Its spot check (a
-    forward_loss with ``check`` on another replica) compares the loss, then the dL/dx of
-    the same two answers; the liar is convicted on the second comparison."""
-    spec = hostile.bench_spec(d_model=32, seq_len=16)
-    result = run(
-        hostile.run_swarm(
-            spec, replicas=(1, 1, 3), micro_batches=10, spot_fraction=1.0, liar_stage=2,
-            wrong=1.0, huge=0.0, seed=3, log=_quiet, honest_claim=10.0, lie_in="forward_loss",
-        ),
-        timeout=240,
-    )
-    assert result.lies >= 1 and result.liar_convicted
-    assert result.caught_after is not None and result.caught_after <= 4
-    assert result.honest_convicted == 0 and result.disagreements_honest == 0
-    assert (result.completed, result.failed) == (10, 0)
-    convictions = [e for e in result.evidence if e["verdict"] in ("first_lied", "second_lied")]
-    assert convictions and all(str(e["what"]).startswith("dL/dx of forward_loss")
-                               for e in convictions)
+    assert convictions and all(str(e["what"]).startswith(checked) for e in convictions)
 
 
 def test_an_honest_pair_is_never_flagged() -> None:
