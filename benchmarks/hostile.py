@@ -188,10 +188,10 @@ class LockstepOptimizer(LocalOptimizer):
 
 
 class LyingRegistry:
-    """The endpoint as a lying server registers on it: its ``forward`` replies (or, with
-    ``lie_in="backward"``, the dL/dx of its training backwards, spot checks answered
-    honestly) are wrong on a fraction of hops (rolled along the sequence) and huge on
-    another fraction."""
+    """The endpoint as a lying server registers on it: its replies of the kind ``lie_in``
+    (``forward``: outputs; ``backward``, ``forward_loss``: the dL/dx of its training hops,
+    spot checks of other replicas answered honestly) are wrong on a fraction of hops
+    (rolled along the sequence) and huge on another fraction."""
 
     def __init__(
         self, endpoint: Endpoint, *, wrong: float, huge: float, rng: random.Random,
@@ -289,7 +289,7 @@ async def run_swarm(
     ``by_epoch``: the trainer's spot checks compare answers at one epoch without that
     promise (``compare_same_epoch``). A dodging liar counts as caught at its first answer
     outvoted there (banned for a while: no conviction in that tier). ``lie_in``: the request
-    kind whose replies the liar falsifies (``forward`` or ``backward``)."""
+    kind whose replies the liar falsifies (``forward``, ``backward`` or ``forward_loss``)."""
     torch.manual_seed(seed)
     endpoints: list[Endpoint] = []
     servers: list[StageServer] = []
@@ -450,11 +450,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", action="store_true", help="Print the JSON line only at the end.")
     parser.add_argument("--micro-batches", type=int, default=400)
     parser.add_argument("--spot-fraction", type=float, default=0.1,
-                        help="Fraction of forward hops spot-checked.")
+                        help="Fraction of hops spot-checked (forward, forward_loss, backward).")
     parser.add_argument("--wrong-fraction", type=float, default=0.1,
-                        help="Fraction of the liar's forward replies that are wrong.")
+                        help="Fraction of the liar's replies (of the kind --lie-in names) "
+                        "that are wrong.")
     parser.add_argument("--huge-fraction", type=float, default=0.02,
-                        help="Fraction of the liar's forward replies multiplied by 1e6.")
+                        help="Fraction of the liar's replies multiplied by 1e6.")
     parser.add_argument("--replicas", type=str, default="2,3,2",
                         help="Servers per stage, comma-separated (the liar is in stage 1; "
                         "with --lie-in forward_loss, in stage 2).")
