@@ -277,6 +277,14 @@ class Endpoint:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._handlers[kind] = _Registration(handler, allow_nonfinite, max_bytes, device)
 
+    def unregister(self, kind: str, handler: Handler) -> None:
+        """Stop serving ``kind`` if ``handler`` still serves it (a later registration of the
+        same kind, by whoever replaced this one, stays); requests of it then answer as an
+        unknown kind."""
+        registration = self._handlers.get(kind)
+        if registration is not None and registration.handler == handler:
+            del self._handlers[kind]
+
     def limit(self, kind: str, max_bytes: int) -> None:
         """Declare the most payload bytes a request of ``kind`` may announce (whoever
         registers its handler, before or after); ``register(max_bytes=)`` overrides it."""

@@ -8,12 +8,13 @@ other replicas (outer.py):
 
 1. pseudo-gradient ``anchor - params``, compressed with error feedback
    (pseudo_gradient.py; the residual stays with this replica);
-2. every replica's payload to every other through hivemind's ``DecentralizedAverager``:
+2. every replica's payload to every other: hivemind's ``DecentralizedAverager``'s
    matchmaking forms the round's group and its ``gather`` hands each member the others'
-   data (round number, anchor digest, weight, payload bytes); each replica decodes every
-   payload and takes the mean weighted by the samples each trained on since the last
-   round, in peer-id order, so that every replica computes it from the same bytes in the
-   same order;
+   data (round number, anchor digest, weight, and the payload's length and SHA-256); each
+   member fetches the others' payloads over the node's QUIC endpoint and checks them
+   against those digests (outer_payloads.py); each replica decodes every payload and takes
+   the mean weighted by the samples each trained on since the last round, in peer-id
+   order, so that every replica computes it from the same bytes in the same order;
 3. the outer Nesterov step on the anchor, and the parameters set to it, plus the inner steps
    this replica took while the gather ran: the gather runs in the averager's process and the
    device thread trains on meanwhile (``_outer_round`` starts it, ``_poll_round`` finishes
@@ -35,10 +36,12 @@ Why the all-gather and not hivemind's all-reduce of ``averaged_tensors``: its bu
 a peer back ``x + (mean - x)`` for its own ``x``, which differs from the mean in the last
 bits from peer to peer, so replicas would drift apart by rounding; and its wire compressions
 are a fixed protobuf enum (no 4-bit, no sign, no top-k). Gathered payloads are exact and
-travel as compressed as the codec makes them. The price: they ride in matchmaking messages,
-bounded by libp2p's 4 MiB message size, so a replica's payload is capped at
-``MAX_PAYLOAD_BYTES`` and a group at ``MAX_GROUP`` (refused when the stage does not fit:
-pick a smaller codec), and hivemind relays them through the group's leader.
+travel as compressed as the codec makes them. Why not in the gather itself: gathered data
+rides in matchmaking messages, bounded by libp2p's 4 MiB message size and relayed through
+the group's leader, which caps a replica's payload at ``MAX_PAYLOAD_BYTES``; that carrier
+(``HivemindCarrier`` alone) is what runs without a QUIC endpoint (tests of the rounds);
+a daemon's payloads go over QUIC, bounded by the transport's ``max_message_bytes``. A
+group holds at most ``MAX_GROUP`` replicas (each sends its payload to every other).
 
 Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
 joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
@@ -89,6 +92,7 @@ from .outer import (
     split_fragments,
     weighted_mean,
 )
+from .outer_payloads import PayloadLink, QuicOuterCarrier
 from .pseudo_gradient import ErrorFeedback, PseudoGradientCodec, PseudoGradientError
 from .state_tensors import MODEL_PREFIX, check_fits, checked_epoch, snapshot, tensors_digest
 
@@ -151,6 +155,8 @@ class OuterCarrier(Protocol):
 
 class HivemindCarrier(AveragerCarrier):
     """Outer rounds over hivemind's DecentralizedAverager (module docstring)."""
+
+    name = "gather"  # the payloads travel in the gather (outer_payloads.py: over QUIC)
 
     def __init__(
         self, host: AveragerHost, prefix: str,
@@ -232,12 +238,14 @@ class DilocoOptimizer(InnerStepsOptimizer):
         config: AveragingConfig,
         carrier: Callable[[Callable[[], tuple[Any, list[torch.Tensor]]]], OuterCarrier],
         others: Callable[[], int] | None = None,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
         """``carrier(state)`` builds the transport of the rounds; ``state`` gives the outer
-        state it shares. :func:`make_diloco_optimizer` passes hivemind's. ``others`` counts
-        the stage's other replicas the node knows of: with none, a round is taken alone,
-        without matchmaking (which would hold the device thread for the round's timeout
-        and find nobody)."""
+        state it shares. :func:`make_diloco_optimizer` passes hivemind's, or the QUIC
+        carrier. ``others`` counts the stage's other replicas the node knows of: with none,
+        a round is taken alone, without matchmaking (which would hold the device thread for
+        the round's timeout and find nobody). ``max_payload_bytes``: the largest payload a
+        round of that carrier carries (a stage whose payload is larger is refused)."""
         super().__init__(module, spec, others)
         self.run_id = averaging_run_id(spec, stage) + "_outer"
         self.outer = OuterState.start(self._params())
@@ -264,10 +272,10 @@ class DilocoOptimizer(InnerStepsOptimizer):
             sum(self.codec.payload_nbytes(sizes[n]) for n in names) for names in self._fragments
         ]
         self.payload_nbytes = max(self._fragment_nbytes)  # the largest round's payload
-        if self.payload_nbytes > MAX_PAYLOAD_BYTES:
+        if self.payload_nbytes > max_payload_bytes:
             raise AveragingError(
                 f"stage {stage}'s {self.averaging.compression} pseudo-gradient is "
-                f"{self.payload_nbytes} bytes a round, over the {MAX_PAYLOAD_BYTES} an outer "
+                f"{self.payload_nbytes} bytes a round, over the {max_payload_bytes} an outer "
                 "round carries: set averaging.compression to a smaller codec (int8, int4, "
                 "sign, topk) or raise averaging.fragments (each round carries one fragment)"
             )
@@ -319,6 +327,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
             "last_round": self.outer.round,
             "anchor_digest": self.last_round.get("anchor_digest"),
             "payload_bytes": self.payload_nbytes,
+            "carrier": getattr(self._carrier, "name", "gather"),
+            **{f"payloads_{k}": v for k, v in sorted(getattr(self._carrier, "counts", {}).items())},
             "bytes_sent_total": self.payload_bytes_sent,
             "rounds_adopted": self.rounds_adopted,
         }
@@ -590,37 +600,47 @@ class DilocoOptimizer(InnerStepsOptimizer):
 
 def make_diloco_optimizer(
     module: nn.Module, spec: RunSpec, stage: int, host: AveragerHost, config: AveragingConfig,
-    others: Callable[[], int] | None = None,
+    others: Callable[[], int] | None = None, payloads: PayloadLink | None = None,
 ) -> DilocoOptimizer:
     """A DiLoCo optimizer whose rounds run over hivemind's averager on ``host``'s DHT;
-    ``others`` counts the stage's other replicas (rounds alone skip matchmaking)."""
+    ``others`` counts the stage's other replicas (rounds alone skip matchmaking). With
+    ``payloads`` (the node's QUIC endpoint; a daemon always passes it) the gather carries
+    descriptors and the payloads travel over QUIC (outer_payloads.py), else in the gather
+    (``MAX_PAYLOAD_BYTES`` a replica)."""
     if threading.current_thread() is not threading.main_thread():
         raise AveragingError("construct the DiLoCo optimizer on the main thread (hivemind forks)")
     prefix = averaging_run_id(spec, stage) + "_outer"
+    timeout = spec.averaging.round_timeout_s
 
     def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]]) -> OuterCarrier:
-        return HivemindCarrier(host, prefix, state, config, spec.averaging.round_timeout_s)
+        gather = HivemindCarrier(host, prefix, state, config, timeout)
+        if payloads is None:
+            return gather
+        return QuicOuterCarrier(gather, payloads, stage, prefix, config, round_timeout=timeout)
 
-    return DilocoOptimizer(module, spec, stage, config, carrier, others)
+    cap = MAX_PAYLOAD_BYTES if payloads is None else payloads.max_payload_bytes
+    return DilocoOptimizer(module, spec, stage, config, carrier, others, max_payload_bytes=cap)
 
 
 def make_stage_optimizer(
     module: nn.Module, spec: RunSpec, stage: int, dht: Any, config: AveragingConfig,
     others: Callable[[], int] | None = None,
     departed: Callable[[], Collection[bytes]] | None = None,
+    payloads: PayloadLink | None = None,
 ) -> Any:
     """The stage optimizer the run spec's ``[averaging] mode`` asks for, on the node's DHT:
     hivemind's collaborative Optimizer (``allreduce``), :class:`DilocoOptimizer` or
     gossip_optimizer's ``GossipOptimizer``. ``others`` counts the stage's other servers
     (``allreduce``: its start-up hold for a partner); ``departed`` names the replicas that
-    stopped serving it (``allreduce`` only)."""
+    stopped serving it (``allreduce`` only); ``payloads`` carries DiLoCo's outer payloads
+    over QUIC (``diloco`` only)."""
     mode = spec.averaging.mode
     if mode == "allreduce":
         from .averaging import CollaborativeOptimizer
 
         return CollaborativeOptimizer(module, spec, stage, dht, config, departed, others)
     if mode == "diloco":
-        return make_diloco_optimizer(module, spec, stage, dht, config, others)
+        return make_diloco_optimizer(module, spec, stage, dht, config, others, payloads)
     if mode == "gossip":
         from .gossip_optimizer import make_gossip_optimizer
 

@@ -38,6 +38,7 @@ from ..service.statefiles import write_atomically
 from .averaging import AveragingConfig
 from .diloco import make_stage_optimizer
 from .memory import check_fits
+from .outer_payloads import PayloadLink
 from .selection import (
     COUNTED_STATES,
     MAX_STAGE_CLAIM_BYTES,
@@ -173,13 +174,14 @@ class ServerComponent:
 
     async def _serve(self, ctx: ComponentContext, stage: int) -> None:
         """Build the stage's server and start it: load its state from peers, benchmark, serve."""
-        assert self.endpoint.endpoint is not None, "the endpoint component starts first"
+        endpoint = self.endpoint.endpoint
+        assert endpoint is not None, "the endpoint component starts first"
         dht, averaging = ctx.dht, self.averaging
         # hivemind's Optimizer installs signal handlers: this runs on the main thread (the loop's).
         # Registering the request kinds on the endpoint replaces a previous server's handlers.
         self.server = StageServer(
             self.spec, stage, self.config,
-            endpoint=self.endpoint.endpoint,
+            endpoint=endpoint,
             # the [averaging] mode's optimizer: hivemind's collaborative one, or DiLoCo's
             make_optimizer=lambda module: make_stage_optimizer(
                 module, self.spec, stage, dht, averaging,
@@ -187,6 +189,13 @@ class ServerComponent:
                     COUNTED_STATES, stage=stage, run_id=self.spec.run_id
                 )),
                 departed=DepartedReplicas(ctx.peers, stage),
+                # DiLoCo's outer payloads: fetched from the stage's servers over QUIC
+                payloads=PayloadLink(
+                    endpoint, asyncio.get_running_loop(),
+                    lambda: [s.address for s in ctx.peers.servers(
+                        stage=stage, run_id=self.spec.run_id
+                    )],
+                ),
             ),
             state_dir=Path(ctx.state_dir),
             donors=lambda: self._donors(ctx, stage),

@@ -8,28 +8,40 @@ and restores its residual; its checkpoint round-trips through
 ``import_state``; a newcomer that asks the stage's averagers downloads the latest outer
 state from them.
 
+With the node's QUIC endpoint (as a daemon runs it), the gather carries descriptors and
+the payloads cross QUIC: a stage whose fp32 pseudo-gradient is over twice the gather's
+768 KiB cap takes its rounds, and both replicas end bit-identical.
+
 Loopback tier: hivemind DHTs on 127.0.0.1, each forking its DHT process and a libp2p
 daemon, inside this test process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 from wanswarm.node.config.averaging_spec import AveragingSpec
+from wanswarm.node.config.runspec import ModelSpec
 from wanswarm.node.stage.averaging import AveragingConfig, AveragingError, CollaborativeOptimizer
 from wanswarm.node.stage.checkpoint import CheckpointError
-from wanswarm.node.stage.diloco import DilocoOptimizer, make_diloco_optimizer
+from wanswarm.node.stage.diloco import MAX_PAYLOAD_BYTES, DilocoOptimizer, make_diloco_optimizer
 from wanswarm.node.stage.outer import ANCHOR_PREFIX, RESIDUAL_PREFIX
+from wanswarm.node.stage.outer_payloads import PayloadLink
 from wanswarm.node.training.model import build_stage
+from wanswarm.transport.endpoint import Endpoint, PeerAddress
+from wanswarm.transport.identity import Identity
 
 from tests.loopback.hivemind_dhts import hivemind_dhts
+from tests.loopback.quic_helpers import config
 from tests.loopback.test_averaging import (
     HIVEMIND_PATH_WARNING,
     HIVEMIND_UNRAISABLE_WARNING,
@@ -58,21 +70,43 @@ class _Host:
         return factory(dht=self._dht, **options)
 
 
-def _build(dht: Any, spec: Any = DILOCO) -> tuple[torch.nn.Module, DilocoOptimizer]:
+def _build(dht: Any, spec: Any = DILOCO, payloads: PayloadLink | None = None
+           ) -> tuple[torch.nn.Module, DilocoOptimizer]:
     module = build_stage(spec, STAGE)
     previous = signal.signal(signal.SIGINT, _daemon_sigint)
     try:
-        return module, make_diloco_optimizer(module, spec, STAGE, _Host(dht), CONFIG)
+        return module, make_diloco_optimizer(module, spec, STAGE, _Host(dht), CONFIG,
+                                             payloads=payloads)
     finally:
         assert signal.getsignal(signal.SIGINT) is _daemon_sigint  # hivemind's SIG_IGN undone
         signal.signal(signal.SIGINT, previous)
 
 
 def _inner_steps(module: torch.nn.Module, opt: DilocoOptimizer, gen: torch.Generator,
-                 steps: int) -> None:
+                 steps: int, accumulate: Any = _accumulate, batch: int = B) -> None:
     for _ in range(steps * PER_STEP):
-        _accumulate(module, gen)
-        opt.step(B)
+        accumulate(module, gen)
+        opt.step(batch)
+
+
+def _round_together(built: list[tuple[torch.nn.Module, DilocoOptimizer]],
+                     accumulate: Any = _accumulate, batch: int = B) -> None:
+    """Each replica on its own device thread: H - 1 inner steps, then both enter the round
+    together (as replicas at network pace would: the H-th inner step starts it) and poll
+    until it ended."""
+    barrier = threading.Barrier(len(built), timeout=30.0)
+
+    def device_thread(module: torch.nn.Module, opt: DilocoOptimizer, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        _inner_steps(module, opt, gen, H - 1, accumulate, batch)
+        barrier.wait()
+        _inner_steps(module, opt, gen, 1, accumulate, batch)
+        _finish_round(opt)
+
+    with ThreadPoolExecutor(max_workers=len(built), thread_name_prefix="device") as pool:
+        runs = [pool.submit(device_thread, m, o, seed) for seed, (m, o) in enumerate(built)]
+        for run in runs:
+            run.result(timeout=90)
 
 
 def _finish_round(opt: DilocoOptimizer, timeout: float = 60.0) -> None:
@@ -92,20 +126,7 @@ def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there
     with hivemind_dhts(2) as dhts:
         built = [(m, dhts.own(opt)) for m, opt in (_build(d) for d in dhts.dhts)]
         initial = [p.detach().clone() for p in built[0][0].parameters()]
-        barrier = threading.Barrier(2, timeout=30.0)
-
-        def device_thread(module: torch.nn.Module, opt: DilocoOptimizer, seed: int) -> None:
-            gen = torch.Generator().manual_seed(seed)
-            _inner_steps(module, opt, gen, H - 1)
-            barrier.wait()  # both enter the round together, as replicas at network pace would
-            _inner_steps(module, opt, gen, 1)  # the H-th inner step starts the round
-            _finish_round(opt)
-
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="device") as pool:
-            runs = [pool.submit(device_thread, m, o, seed)
-                    for seed, (m, o) in enumerate(built)]
-            for run in runs:
-                run.result(timeout=90)
+        _round_together(built)
         (m_a, a), (m_b, b) = built
         assert a.last_round["ok"] and b.last_round["ok"], (a.last_round, b.last_round)
         assert a.outer.round == b.outer.round == 1 and a.last_round["participants"] == 2
@@ -185,6 +206,72 @@ def test_a_replica_alone_misses_its_round_within_the_timeout_and_keeps_training(
             opt.import_state(epoch, bad, meta)
         with pytest.raises(CheckpointError, match="outer_round"):
             opt.import_state(epoch, tensors, meta | {"outer_round": epoch + 1})
+
+
+@contextlib.contextmanager
+def _endpoints_on_a_loop(n: int) -> Iterator[tuple[asyncio.AbstractEventLoop, list[Endpoint]]]:
+    """``n`` QUIC endpoints on loopback, served by an event loop on its own thread (the
+    daemon's loop, while the test's threads stand for the device threads)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="node-loop", daemon=True)
+    thread.start()
+
+    async def start() -> list[Endpoint]:
+        eps = [Endpoint(Identity.generate(), config()) for _ in range(n)]
+        for ep in eps:
+            await ep.start("127.0.0.1", 0)
+        return eps
+
+    async def close(eps: list[Endpoint]) -> None:
+        for ep in eps:
+            await ep.close()
+
+    eps = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+    try:
+        yield loop, eps
+    finally:
+        asyncio.run_coroutine_threadsafe(close(eps), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(150)
+def test_payloads_over_quic_carry_a_stage_the_gather_cannot() -> None:
+    big = DILOCO.model_copy(update={
+        "model": ModelSpec(d_model=192, n_heads=2, n_layers=2, seq_len=8),
+        "averaging": DILOCO.averaging.model_copy(update={"compression": "none"}),
+    })
+    b, t, c = big.batch.micro_batch_size, big.model.seq_len, big.model.d_model
+
+    def accumulate(module: torch.nn.Module, gen: torch.Generator) -> None:
+        x = torch.randn(b, t, c, generator=gen)
+        targets = torch.randint(0, 256, (b, t), generator=gen)
+        module.forward_loss(x, targets).backward()  # type: ignore[operator]
+
+    with _endpoints_on_a_loop(2) as (loop, eps), hivemind_dhts(2) as dhts:
+        book = [PeerAddress(ep.peer_id, *ep.address) for ep in eps]
+        built = [
+            (m, dhts.own(opt)) for m, opt in (
+                _build(d, big, PayloadLink(ep, loop, lambda: book))
+                for d, ep in zip(dhts.dhts, eps, strict=True)
+            )
+        ]
+        assert built[0][1].payload_nbytes > 2 * MAX_PAYLOAD_BYTES  # the gather alone refuses it
+        _round_together(built, accumulate, b)
+        (m_a, a), (m_b, b_opt) = built
+        assert a.last_round["ok"] and b_opt.last_round["ok"], (a.last_round, b_opt.last_round)
+        assert a.outer.round == b_opt.outer.round == 1 and a.last_round["participants"] == 2
+        for p, q in zip(m_a.parameters(), m_b.parameters(), strict=True):
+            assert torch.equal(p, q)
+        for opt in (a, b_opt):
+            status = opt.averaging_status()
+            assert status["carrier"] == "quic"
+            assert status["payloads_fetched"] == 1
+            assert status["payloads_fetched_bytes"] == opt.payload_nbytes
+            assert status["bytes_sent"] == opt.payload_nbytes
 
 
 def test_the_mode_picks_the_optimizer() -> None:

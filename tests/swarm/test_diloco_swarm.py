@@ -7,7 +7,8 @@ round every inner step, each carrying one half of the stage in turn: the same co
 fragment, which rounds of ``round % 1`` are). What #18 asks of the swarm:
 
 - after an outer round, every replica of the stage holds the same outer state: both report
-  the same anchor digest for the same round, reached by the two of them together;
+  the same anchor digest for the same round, reached by the two of them together, each
+  having fetched the other's payload over QUIC (outer_payloads.py);
 - a replica SIGKILLed while the rounds go on does not stall the other for more than the
   round's timeout: the survivor's next rounds end within ``round_timeout_s`` (plus the
   matchmaking slack) and training goes on.
@@ -122,6 +123,10 @@ def test_diloco_replicas_agree_after_an_outer_round_and_survive_a_killed_peer() 
         for r in set(seen["a"]) & set(seen["b"]):
             if seen["a"][r][1] == seen["b"][r][1] == 2:
                 assert seen["a"][r][0] == seen["b"][r][0], (r, seen)  # same outer state
+        for node in (mid_a, mid_b):  # the payloads crossed QUIC, not the gather
+            avg = _averaging(node)
+            assert avg["carrier"] == "quic" and avg["payloads_fetched"] >= 1, avg
+            assert avg["payloads_fetched_bytes"] >= avg["payloads_fetched"], avg
 
         # SIGKILL one replica: the other's rounds end within the round timeout, and training
         # goes on through it

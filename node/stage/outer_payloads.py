@@ -1,0 +1,424 @@
+"""DiLoCo's outer payloads over our QUIC transport: the gather carries a digest, members fetch.
+
+An outer round (diloco.py) needs every group member's compressed pseudo-gradient at every
+other member. hivemind's matchmaking forms the group and its gather hands every member the
+others' metadata, but a gathered value rides in a libp2p message (4 MiB) relayed through
+the group's leader, which caps a replica's payload at 768 KiB. :class:`QuicOuterCarrier`
+keeps matchmaking for the group and puts a descriptor in the gather instead of the bytes::
+
+    {round, anchor, weight, payload_len, payload_sha256, transport_id}
+
+and every member then fetches each other member's payload from that member's stage server
+over the node's QUIC endpoint (WAN congestion control, FEC, the ``--wan`` emulator), one
+request kind per stage::
+
+    outer.s{stage}.payload  {v, run, sha256}  ->  {v, nbytes} + [payload as uint8]
+
+The fetched bytes must have the descriptor's length and SHA-256: every member that takes a
+round computes the mean from the same bytes as every other, as with the gather. What is
+decided from the gathered descriptors alone (another round or anchor, a malformed
+descriptor, a length that is not the stage's, two members naming one transport id) is
+decided the same way everywhere: the member is left out of the mean. What depends on the
+network (a member not in our peer table, a fetch that fails, times out or brings other
+bytes) is not: a replica that cannot fetch every payload it needs takes the round as missed
+(its residual restored, a newer outer state adopted from the stage, diloco.py), never a mean
+of fewer members than the others took, which would split the replicas' anchors.
+
+Serving (:class:`PayloadServer`): a replica offers its payload as it starts its gather,
+keyed by digest, and keeps the last ``HELD`` offers. Only the members of the offer's own
+group (known when our gather ends; a request that comes first waits for it) may fetch it,
+each at most ``SERVES_PER_MEMBER`` times; anyone else is refused without a byte of payload
+sent.
+
+Threads: :meth:`QuicOuterCarrier.start_gather` is called on the device thread; the round runs
+as one coroutine on the node's event loop (waits for hivemind's gather, then fetches), and
+the device thread polls its future. The server's handler runs on the event loop too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...transport.endpoint import Endpoint, PeerAddress, Request, Response
+from ...transport.errors import RemoteError, TransportError
+from ..logs import get_logger
+from ..protocol import to_header
+from .averaging import AveragingConfig
+
+log = get_logger(__name__)
+
+HELD = 2  # offers kept: the round under way and the one before (a slow member's fetch)
+SERVES_PER_MEMBER = 2  # times one member may fetch one offer (a retry after a lost reply)
+POLL_S = 0.05  # how often the round's coroutine looks at hivemind's gather
+THREAD_BYTES = 1 << 20  # payloads above this are hashed off the event loop
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_MAX_ID = 128  # characters of a transport peer id
+
+
+class PayloadErrorCode:
+    BAD_REQUEST = "bad_request"
+    UNKNOWN = "unknown_payload"  # not held: another run, expired, never offered
+    NOT_MEMBER = "not_member"  # the requester is not in the offer's group
+    BUSY = "busy"  # the member fetched this offer SERVES_PER_MEMBER times already
+
+
+def payload_kind(stage: int) -> str:
+    return f"outer.s{stage}.payload"
+
+
+def sha256_hex(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class PayloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    v: Literal[1] = 1
+    run: str = Field(min_length=1, max_length=256)
+    sha256: str = Field(pattern=_SHA256.pattern)
+
+
+class PayloadReply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    v: Literal[1] = 1
+    nbytes: int = Field(ge=0)
+
+
+@dataclass
+class _Offer:
+    """One payload this replica offers its round's group."""
+
+    run: str
+    sha256: str
+    data: torch.Tensor  # uint8, the payload's bytes
+    members: set[str] | None = None  # transport ids allowed to fetch; None until our gather ends
+    known: asyncio.Event = field(default_factory=asyncio.Event)
+    served: Counter[str] = field(default_factory=Counter)
+
+
+class PayloadServer:
+    """Serves this replica's recent outer payloads under ``payload_kind(stage)`` (on the
+    endpoint's event loop). ``member_wait_s``: how long a request that arrives before our
+    gather told us the group waits for it."""
+
+    def __init__(self, endpoint: Endpoint, stage: int, member_wait_s: float) -> None:
+        self.kind = payload_kind(stage)
+        self._endpoint = endpoint
+        self._member_wait_s = member_wait_s
+        self._offers: list[_Offer] = []
+        self.counts: Counter[str] = Counter()  # served, served_bytes, errors.<code>
+        endpoint.register(self.kind, self.handle, max_bytes=0)
+
+    def close(self) -> None:
+        self._endpoint.unregister(self.kind, self.handle)
+        self._offers.clear()
+
+    def offer(self, run: str, payload: bytes) -> _Offer:
+        """Hold ``payload`` for the group of the round being gathered (event loop)."""
+        digest = sha256_hex(payload)
+        offer = _Offer(run, digest, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        # the same bytes again (a retried round) take a fresh group
+        kept = ([o for o in self._offers if (o.run, o.sha256) != (run, digest)] + [offer])[-HELD:]
+        for old in self._offers:
+            if not any(old is k for k in kept):
+                old.known.set()  # a request waiting for its group: the offer is gone
+        self._offers = kept
+        return offer
+
+    @staticmethod
+    def allow(offer: _Offer, members: set[str]) -> None:
+        """The group's transport ids, once our gather ended (empty: the gather failed)."""
+        offer.members = members
+        offer.known.set()
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await self._serve(request)
+        except RemoteError as exc:
+            self.counts[f"errors.{exc.code}"] += 1
+            raise
+
+    async def _serve(self, request: Request) -> Response:
+        if request.tensors:
+            raise _refuse(PayloadErrorCode.BAD_REQUEST, "payload requests carry no tensors")
+        try:
+            req = PayloadRequest.model_validate(request.header)
+        except ValidationError as exc:
+            raise _refuse(PayloadErrorCode.BAD_REQUEST, _describe(exc)) from None
+        offer = self._find(req)
+        peer = request.peer_id
+        if offer.members is None:
+            try:
+                await asyncio.wait_for(offer.known.wait(), self._member_wait_s)
+            except TimeoutError:
+                pass
+            offer = self._find(req)  # still held?
+        if offer.members is None or peer not in offer.members:
+            raise _refuse(PayloadErrorCode.NOT_MEMBER,
+                          "only the members of this payload's round may fetch it")
+        if offer.served[peer] >= SERVES_PER_MEMBER:
+            raise _refuse(PayloadErrorCode.BUSY,
+                          f"this payload was sent to you {SERVES_PER_MEMBER} times already")
+        offer.served[peer] += 1
+        self.counts["served"] += 1
+        self.counts["served_bytes"] += offer.data.numel()
+        reply = PayloadReply(nbytes=offer.data.numel())
+        return Response(header=to_header(reply), tensors=[offer.data])
+
+    def _find(self, req: PayloadRequest) -> _Offer:
+        for offer in self._offers:
+            if offer.run == req.run and offer.sha256 == req.sha256:
+                return offer
+        raise _refuse(PayloadErrorCode.UNKNOWN, "no such payload held (another run, or expired)")
+
+
+def _refuse(code: str, message: str) -> RemoteError:
+    return RemoteError(code, message[:300])
+
+
+def _describe(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "header"
+    return f"bad payload request ({where}: {first['msg']})"[:300]
+
+
+@dataclass(frozen=True)
+class PayloadLink:
+    """What a QUIC carrier needs of its node: the endpoint, its event loop, and the stage's
+    servers' addresses (``addresses()``, called on the loop)."""
+
+    endpoint: Endpoint
+    loop: asyncio.AbstractEventLoop
+    addresses: Callable[[], Sequence[PeerAddress]]
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return self.endpoint.config.limits.max_message_bytes
+
+
+def check_descriptors(
+    gathered: dict[str, Any], ours: dict[str, Any], payload_len: int
+) -> dict[str, dict[str, Any]]:
+    """The members whose payloads this round needs, by hivemind peer: their descriptor is
+    well formed, at our round and anchor, of the stage's length, and names a transport id
+    no other member names. Decided from the gathered data alone (the same everywhere)."""
+    ids = Counter(
+        d.get("transport_id") for d in gathered.values()
+        if isinstance(d, dict) and isinstance(d.get("transport_id"), str)
+    )
+    out = {}
+    for peer, d in gathered.items():
+        if not isinstance(d, dict):
+            continue
+        tid, digest, length = d.get("transport_id"), d.get("payload_sha256"), d.get("payload_len")
+        if (
+            d.get("round") != ours["round"] or d.get("anchor") != ours["anchor"]
+            or not isinstance(tid, str) or not 0 < len(tid) <= _MAX_ID or ids[tid] != 1
+            or not isinstance(digest, str) or not _SHA256.match(digest)
+            or type(length) is not int or length != payload_len
+        ):
+            continue
+        out[peer] = d
+    return out
+
+
+class QuicOuterCarrier:
+    """The payload half of an outer round over QUIC; ``inner`` (a HivemindCarrier) forms the
+    group and gathers the descriptors. Offers ``start_gather`` (module docstring)."""
+
+    name = "quic"
+
+    def __init__(self, inner: Any, link: PayloadLink, stage: int, run: str,
+                 config: AveragingConfig, round_timeout: float) -> None:
+        """``round_timeout``: the gather's (``averaging.round_timeout_s``); the fetches get
+        what remains of it after the gather, and at least half of it."""
+        self._inner = inner
+        self._link = link
+        self._run = run
+        self._round_timeout = round_timeout
+        self.max_payload_bytes = link.max_payload_bytes
+        self.counts: Counter[str] = Counter()  # fetched, fetched_bytes, fetch_failed.<why>
+        # a member's request may come before our own gather ended (at most its timeout)
+        self._server = _on_loop(link.loop, lambda: PayloadServer(
+            link.endpoint, stage, member_wait_s=round_timeout + config.matchmaking_time
+        ))
+
+    @property
+    def server(self) -> PayloadServer:
+        return self._server
+
+    # the rest of OuterCarrier: hivemind's
+    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        found: tuple[dict[str, Any], list[torch.Tensor]] | None = self._inner.newer_state(timeout)
+        return found
+
+    def set_priority(self, value: float) -> None:
+        self._inner.set_priority(value)
+
+    def shutdown(self) -> None:
+        try:
+            _on_loop(self._link.loop, self._server.close)
+        except (RuntimeError, TimeoutError) as exc:  # the loop already stopped
+            log.info("outer payload server not closed: %r", exc)
+        self._inner.shutdown()
+
+    def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        pending = self.start_gather(data, timeout)
+        return pending.wait(2 * timeout + 15.0)
+
+    def start_gather(self, data: dict[str, Any], timeout: float) -> _FuturePending:
+        """Offer ``data["payload"]``, gather the group's descriptors and fetch their payloads,
+        in the background; the result has every needed member's ``payload`` bytes."""
+        payload = data["payload"]
+        described = {k: v for k, v in data.items() if k != "payload"}
+        described.update(payload_len=len(payload), payload_sha256=sha256_hex(payload),
+                         transport_id=self._link.endpoint.peer_id)
+        future = asyncio.run_coroutine_threadsafe(
+            self._round(data, described, timeout), self._link.loop
+        )
+        return _FuturePending(future)
+
+    async def _round(self, data: dict[str, Any], described: dict[str, Any],
+                     timeout: float) -> dict[str, Any] | None:
+        payload: bytes = data["payload"]
+        started = time.monotonic()
+        offer = self._server.offer(self._run, payload)
+        try:
+            pending = await asyncio.to_thread(self._inner.start_gather, described, timeout)
+            deadline = time.monotonic() + timeout + 10.0  # hivemind ends it by its own timeout
+            while not pending.done():
+                if time.monotonic() > deadline:
+                    log.info("%s: hivemind's gather outlived its timeout", self._run)
+                    return None
+                await asyncio.sleep(POLL_S)
+            gathered = pending.result()
+            if gathered is None:
+                return None
+            needed = check_descriptors(gathered, described, len(payload))
+            # the members may fetch ours while we fetch theirs
+            self._server.allow(offer, {d["transport_id"] for d in needed.values()})
+            left = max(timeout - (time.monotonic() - started), timeout / 2)
+            return await self._fetch_all(gathered, needed, payload, described, left)
+        finally:
+            if offer.members is None:  # no group: nobody may fetch it
+                self._server.allow(offer, set())
+
+    async def _fetch_all(self, gathered: dict[str, Any], needed: dict[str, dict[str, Any]],
+                         payload: bytes, ours: dict[str, Any], timeout: float
+                         ) -> dict[str, Any] | None:
+        """``gathered`` with each needed member's bytes as ``payload``; None when one of them
+        could not be fetched (the replica then misses the round: module docstring)."""
+        book = {a.peer_id: a for a in self._link.addresses()}
+        me = self._link.endpoint.peer_id
+        fetches: dict[str, asyncio.Task[bytes | str]] = {}
+        for peer, d in needed.items():
+            if d["transport_id"] == me:
+                continue
+            address = book.get(d["transport_id"])
+            if address is None:
+                log.info("%s: round member %s is not among the stage's servers we know; "
+                         "round missed", self._run, d["transport_id"][:12])
+                self.counts["fetch_failed.unknown_member"] += 1
+                return None
+            fetches[peer] = asyncio.ensure_future(self._fetch(address, d, timeout))
+        if fetches:
+            await asyncio.wait(fetches.values())
+        out = dict(gathered)
+        for peer, task in fetches.items():
+            got = task.result()
+            if isinstance(got, str):
+                log.info("%s: the payload of %s could not be fetched (%s); round missed",
+                         self._run, needed[peer]["transport_id"][:12], got)
+                return None
+            out[peer] = {**needed[peer], "payload": got}
+        for peer, d in needed.items():
+            if d["transport_id"] == me and d["payload_sha256"] == ours["payload_sha256"]:
+                out[peer] = {**d, "payload": payload}
+        return out
+
+    async def _fetch(self, address: PeerAddress, d: dict[str, Any], timeout: float
+                     ) -> bytes | str:
+        """The member's verified payload, or why not."""
+        request = PayloadRequest(run=self._run, sha256=d["payload_sha256"])
+        try:
+            reply = await self._link.endpoint.request(
+                address, self._server.kind, to_header(request), timeout=timeout
+            )
+        except RemoteError as exc:
+            self.counts[f"fetch_failed.{exc.code}"] += 1
+            return f"refused {exc.code}: {exc}"[:200]
+        except TransportError as exc:
+            self.counts["fetch_failed.transport"] += 1
+            return f"{type(exc).__name__}: {exc}"[:200]
+        length = d["payload_len"]
+        try:
+            head = PayloadReply.model_validate(reply.header)
+            if head.nbytes != length or len(reply.tensors) != 1:
+                raise ValueError(f"{head.nbytes} bytes in {len(reply.tensors)} tensors")
+            data = reply.tensors[0]
+            if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
+                    or tuple(data.shape) != (length,)):
+                raise ValueError(f"expected uint8 ({length},)")
+        except (ValidationError, ValueError) as exc:
+            self.counts["fetch_failed.bad_reply"] += 1
+            return f"bad reply: {str(exc)[:160]}"
+        raw = data.contiguous().numpy().tobytes()
+        digest = (await asyncio.to_thread(sha256_hex, raw) if length > THREAD_BYTES
+                  else sha256_hex(raw))
+        if digest != d["payload_sha256"]:
+            self.counts["fetch_failed.digest"] += 1
+            return "the bytes do not match the gathered digest"
+        self.counts["fetched"] += 1
+        self.counts["fetched_bytes"] += length
+        return raw
+
+
+class _FuturePending:
+    """A round running on the event loop, seen from the device thread (PendingGather)."""
+
+    def __init__(self, future: concurrent.futures.Future[dict[str, Any] | None]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> dict[str, Any] | None:
+        try:
+            return self._future.result(timeout=0)
+        except Exception as exc:  # the round's coroutine failed: a missed round, logged
+            log.warning("outer round failed: %r", exc)
+            return None
+
+    def wait(self, timeout: float) -> dict[str, Any] | None:
+        concurrent.futures.wait([self._future], timeout=timeout)
+        if not self._future.done():
+            self._future.cancel()
+            return None
+        return self.result()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on ``loop``: directly when called there, else through it (5 s at most)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        return fn()
+
+    async def call() -> Any:
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=5.0)
