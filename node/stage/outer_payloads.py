@@ -125,9 +125,10 @@ class PayloadServer:
         self._endpoint.unregister(self.kind, self.handle)
         self._offers.clear()
 
-    def offer(self, run: str, payload: bytes) -> _Offer:
-        """Hold ``payload`` for the group of the round being gathered (event loop)."""
-        digest = sha256_hex(payload)
+    def offer(self, run: str, payload: bytes, digest: str | None = None) -> _Offer:
+        """Hold ``payload`` (SHA-256 ``digest``, computed when not given) for the group of
+        the round being gathered (event loop)."""
+        digest = sha256_hex(payload) if digest is None else digest
         offer = _Offer(run, digest, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         # the same bytes again (a retried round) take a fresh group
         kept = ([o for o in self._offers if (o.run, o.sha256) != (run, digest)] + [offer])[-HELD:]
@@ -247,7 +248,6 @@ class QuicOuterCarrier:
         self._inner = inner
         self._link = link
         self._run = run
-        self._round_timeout = round_timeout
         self.max_payload_bytes = link.max_payload_bytes
         self.counts: Counter[str] = Counter()  # fetched, fetched_bytes, fetch_failed.<why>
         # a member's request may come before our own gather ended (at most its timeout)
@@ -281,20 +281,17 @@ class QuicOuterCarrier:
     def start_gather(self, data: dict[str, Any], timeout: float) -> _FuturePending:
         """Offer ``data["payload"]``, gather the group's descriptors and fetch their payloads,
         in the background; the result has every needed member's ``payload`` bytes."""
-        payload = data["payload"]
-        described = {k: v for k, v in data.items() if k != "payload"}
-        described.update(payload_len=len(payload), payload_sha256=sha256_hex(payload),
-                         transport_id=self._link.endpoint.peer_id)
-        future = asyncio.run_coroutine_threadsafe(
-            self._round(data, described, timeout), self._link.loop
-        )
+        future = asyncio.run_coroutine_threadsafe(self._round(data, timeout), self._link.loop)
         return _FuturePending(future)
 
-    async def _round(self, data: dict[str, Any], described: dict[str, Any],
-                     timeout: float) -> dict[str, Any] | None:
-        payload: bytes = data["payload"]
+    async def _round(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         started = time.monotonic()
-        offer = self._server.offer(self._run, payload)
+        payload: bytes = data["payload"]
+        digest = await _hashed(payload)
+        described = {k: v for k, v in data.items() if k != "payload"}
+        described.update(payload_len=len(payload), payload_sha256=digest,
+                         transport_id=self._link.endpoint.peer_id)
+        offer = self._server.offer(self._run, payload, digest)
         try:
             pending = await asyncio.to_thread(self._inner.start_gather, described, timeout)
             deadline = time.monotonic() + timeout + 10.0  # hivemind ends it by its own timeout
@@ -375,14 +372,20 @@ class QuicOuterCarrier:
             self.counts["fetch_failed.bad_reply"] += 1
             return f"bad reply: {str(exc)[:160]}"
         raw = data.contiguous().numpy().tobytes()
-        digest = (await asyncio.to_thread(sha256_hex, raw) if length > THREAD_BYTES
-                  else sha256_hex(raw))
+        digest = await _hashed(raw)
         if digest != d["payload_sha256"]:
             self.counts["fetch_failed.digest"] += 1
             return "the bytes do not match the gathered digest"
         self.counts["fetched"] += 1
         self.counts["fetched_bytes"] += length
         return raw
+
+
+async def _hashed(data: bytes) -> str:
+    """SHA-256 of ``data``, off the event loop when large."""
+    if len(data) > THREAD_BYTES:
+        return await asyncio.to_thread(sha256_hex, data)
+    return sha256_hex(data)
 
 
 class _FuturePending:
