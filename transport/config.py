@@ -162,6 +162,14 @@ class FecConfig(_Section):
         description="Repair requests in a row, none answered by any datagram, before the "
         "receiver gives the transfer up as failed.",
     )
+    give_up_after_s: float = Field(
+        default=5.0,
+        ge=0.0,
+        le=600.0,
+        description="The receiver gives a transfer up only once it has also had no datagram "
+        "of it for this long: at a LAN's RTT the max_repair_requests back-off spans well "
+        "under a second, less than a loaded peer's event loop may stall.",
+    )
     early_buffer_bytes: int = Field(
         default=4 * 1024 * 1024,
         ge=0,

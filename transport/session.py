@@ -540,9 +540,12 @@ class ReceiverTransfer:
         config, rtt = self._config, self._rtt
         idle = max(config.idle_rtt_fraction * rtt, config.min_timer)
         if self._unanswered and self._request_time is not None:
-            return self._request_time + (rtt + idle) * config.repair_backoff ** (
+            due = self._request_time + (rtt + idle) * config.repair_backoff ** (
                 self._unanswered - 1
             )
+            if self._unanswered >= config.max_repair_requests:
+                return min(due, self._give_up_at())
+            return due
         if self._last_arrival is None:
             deadline = self._created + rtt + idle
         elif self._burst_ended:
@@ -553,15 +556,25 @@ class ReceiverTransfer:
             deadline = max(deadline, self._request_time + rtt)
         return deadline
 
+    def _give_up_at(self) -> float:
+        """When the transfer fails if its requests stay unanswered: ``give_up_after_s``
+        after the last datagram (or the start, before any)."""
+        quiet_since = self._last_arrival if self._last_arrival is not None else self._created
+        return quiet_since + self._config.give_up_after_s
+
     def handle_timer(self, now: float) -> bytes | None:
         """A REPAIR_REQUEST to send on the stream if blocks are still missing at the
         deadline; None otherwise. After ``max_repair_requests`` unanswered requests in a
-        row the transfer fails (:attr:`failed`, :attr:`error`) instead."""
+        row, and ``give_up_after_s`` without a datagram, the transfer fails
+        (:attr:`failed`, :attr:`error`) instead; until then the requests go on, backing
+        off."""
         deadline = self.timer()
         if deadline is None or now < deadline:
             return None
-        if self._unanswered >= self._config.max_repair_requests:
-            self._fail(FecError(f"{self._unanswered} repair requests went unanswered"))
+        if self._unanswered >= self._config.max_repair_requests and now >= self._give_up_at():
+            quiet = now - (self._last_arrival if self._last_arrival is not None else self._created)
+            self._fail(FecError(f"{self._unanswered} repair requests went unanswered "
+                                f"(no datagram for {quiet:.1f} s)"))
             return None
         overhead = self._config.decode_overhead
         missing = []

@@ -268,7 +268,7 @@ def test_lost_repair_request_is_repeated_by_the_receiver_timer() -> None:
 
 
 def test_repair_request_timing_follows_rtt_and_backs_off() -> None:
-    config = FecConfig(max_repair_requests=3)
+    config = FecConfig(max_repair_requests=3, give_up_after_s=0.0)
     layout = TransferLayout.plan(10 * T, T, 1024)
     receiver = ReceiverTransfer(1, layout, config, now=100.0, rtt=0.2)
     idle = 0.5 * 0.2
@@ -288,6 +288,40 @@ def test_repair_request_timing_follows_rtt_and_backs_off() -> None:
     assert receiver.timer() is None and isinstance(receiver.error, FecError)
     with pytest.raises(FecError):
         receiver.result()
+
+
+def test_a_receiver_at_a_lan_rtt_waits_give_up_after_s_without_a_datagram_before_failing(
+) -> None:
+    """At a 1 ms RTT eight backed-off requests span about a second, less than a loaded
+    sender's event loop may stall (a 21 MiB transfer failed so in the lab); the receiver
+    goes on asking until ``give_up_after_s`` has passed without a datagram."""
+    config = FecConfig(max_repair_requests=8, give_up_after_s=5.0)
+    layout = TransferLayout.plan(10 * T, T, 1024)
+    receiver = ReceiverTransfer(1, layout, config, now=0.0, rtt=0.001)
+    receiver.receive_datagram(encode_datagram(1, 0, 0, 0, bytes(T)), 0.01)
+    times, failed_at = [], 0.0
+    while not receiver.failed:
+        deadline = receiver.timer()
+        assert deadline is not None
+        if receiver.handle_timer(deadline) is not None:
+            times.append(deadline)
+        failed_at = deadline
+    assert len(times) > 8 and times[7] < 1.0  # the eighth request came within a second
+    assert failed_at == pytest.approx(0.01 + 5.0) and max(times) < failed_at
+    assert "no datagram for 5.0 s" in str(receiver.error)
+
+    # a datagram arriving after the eighth unanswered request starts the quiet period anew
+    receiver = ReceiverTransfer(2, layout, config, now=0.0, rtt=0.001)
+    receiver.receive_datagram(encode_datagram(2, 0, 0, 0, bytes(T)), 0.01)
+    now = 0.01
+    for _ in range(8):
+        now = receiver.timer() or now
+        assert receiver.handle_timer(now) is not None
+    receiver.receive_datagram(encode_datagram(2, 0, 1, 1, bytes(T)), 3.0)
+    while not receiver.failed:
+        now = receiver.timer() or now
+        receiver.handle_timer(now)
+    assert now == pytest.approx(3.0 + 5.0)
 
 
 def test_receiver_asks_soon_after_the_last_datagram_of_a_burst() -> None:
