@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...transport.endpoint import Endpoint, PeerAddress, Request, Response
 from ...transport.errors import RemoteError, TransportError
 from ..logs import get_logger
-from ..protocol import to_header
+from ..protocol import BadReply, parse_reply, parse_request, to_header
 from .averaging import AveragingConfig
 
 log = get_logger(__name__)
@@ -154,10 +154,7 @@ class PayloadServer:
     async def _serve(self, request: Request) -> Response:
         if request.tensors:
             raise _refuse(PayloadErrorCode.BAD_REQUEST, "payload requests carry no tensors")
-        try:
-            req = PayloadRequest.model_validate(request.header)
-        except ValidationError as exc:
-            raise _refuse(PayloadErrorCode.BAD_REQUEST, _describe(exc)) from None
+        req = parse_request(PayloadRequest, request.header)  # bad_request when malformed
         offer = self._find(req)
         peer = request.peer_id
         if offer.members is None:
@@ -187,12 +184,6 @@ class PayloadServer:
 
 def _refuse(code: str, message: str) -> RemoteError:
     return RemoteError(code, message[:300])
-
-
-def _describe(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "header"
-    return f"bad payload request ({where}: {first['msg']})"[:300]
 
 
 @dataclass(frozen=True)
@@ -361,14 +352,14 @@ class QuicOuterCarrier:
             return f"{type(exc).__name__}: {exc}"[:200]
         length = d["payload_len"]
         try:
-            head = PayloadReply.model_validate(reply.header)
+            head = parse_reply(PayloadReply, reply.header)
             if head.nbytes != length or len(reply.tensors) != 1:
                 raise ValueError(f"{head.nbytes} bytes in {len(reply.tensors)} tensors")
             data = reply.tensors[0]
             if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
                     or tuple(data.shape) != (length,)):
                 raise ValueError(f"expected uint8 ({length},)")
-        except (ValidationError, ValueError) as exc:
+        except (BadReply, ValueError) as exc:
             self.counts["fetch_failed.bad_reply"] += 1
             return f"bad reply: {str(exc)[:160]}"
         raw = data.contiguous().numpy().tobytes()
