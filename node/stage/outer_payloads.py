@@ -62,6 +62,11 @@ HELD = 2  # offers kept: the round under way and the one before (a slow member's
 SERVES_PER_MEMBER = 2  # times one member may fetch one offer (a retry after a lost reply)
 POLL_S = 0.05  # how often the round's coroutine looks at hivemind's gather
 THREAD_BYTES = 1 << 20  # payloads above this are hashed off the event loop
+# a fetch refused or lost for a passing reason is tried once more (SERVES_PER_MEMBER allows
+# it) when this much of its time is left
+RETRY_CODES = frozenset({"busy", "transfer_failed"})
+RETRY_MIN_S = 1.0
+RETRY_PAUSE_S = 0.2
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_ID = 128  # characters of a transport peer id
 
@@ -339,17 +344,26 @@ class QuicOuterCarrier:
     async def _fetch(self, address: PeerAddress, d: dict[str, Any], timeout: float
                      ) -> bytes | str:
         """The member's verified payload, or why not."""
-        request = PayloadRequest(run=self._run, sha256=d["payload_sha256"])
-        try:
-            reply = await self._link.endpoint.request(
-                address, self._server.kind, to_header(request), timeout=timeout
-            )
-        except RemoteError as exc:
-            self.counts[f"fetch_failed.{exc.code}"] += 1
-            return f"refused {exc.code}: {exc}"[:200]
-        except TransportError as exc:
-            self.counts["fetch_failed.transport"] += 1
-            return f"{type(exc).__name__}: {exc}"[:200]
+        request = to_header(PayloadRequest(run=self._run, sha256=d["payload_sha256"]))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for attempt in range(2):  # once more after a transient failure, while time is left
+            try:
+                reply = await self._link.endpoint.request(
+                    address, self._server.kind, request, timeout=deadline - loop.time()
+                )
+                break
+            except (RemoteError, TransportError) as exc:
+                code = exc.code if isinstance(exc, RemoteError) else "transport"
+                transient = code in RETRY_CODES or not isinstance(exc, RemoteError)
+                if attempt == 0 and transient and deadline - loop.time() > RETRY_MIN_S:
+                    self.counts["fetch_retried"] += 1
+                    log.info("%s: fetching from %s failed (%s); once more", self._run,
+                             address.peer_id[:12], code)
+                    await asyncio.sleep(RETRY_PAUSE_S)
+                    continue
+                self.counts[f"fetch_failed.{code}"] += 1
+                return f"{code}: {exc}"[:200]
         length = d["payload_len"]
         try:
             head = parse_reply(PayloadReply, reply.header)

@@ -164,7 +164,31 @@ def test_a_member_serving_other_bytes_makes_the_round_missed() -> None:
             results = await _gather_all(carriers, [_payload(0), _payload(1)])
             assert results[0] is None  # never a mean without the member the others used
             assert carriers[0].counts["fetch_failed.digest"] == 1
-            assert carriers[0].counts["fetched"] == 0
+            assert carriers[0].counts["fetched"] == 0 and not carriers[0].counts["fetch_retried"]
+
+    run(main(), timeout=90)
+
+
+def test_a_fetch_refused_busy_is_tried_once_more() -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            rv = _Rendezvous(2)
+            eps, carriers = await _carriers(stack, rv, 2)
+            refused = []
+
+            async def busy_once(request: Request) -> Response:
+                if not refused:
+                    refused.append(request.peer_id)
+                    raise RemoteError("busy", "the inbound budget is full")
+                return await carriers[1].server.handle(request)
+
+            eps[1].register(payload_kind(STAGE), busy_once, max_bytes=0)
+            payloads = [_payload(0), _payload(1)]
+            results = await _gather_all(carriers, payloads)
+            assert results[0] is not None and results[0]["hm1"]["payload"] == payloads[1]
+            assert refused == [eps[0].peer_id]
+            assert carriers[0].counts["fetch_retried"] == 1
+            assert carriers[0].counts["fetched"] == 1
 
     run(main(), timeout=90)
 
