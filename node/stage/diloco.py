@@ -266,6 +266,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._samples = [0.0] * len(self._fragments)
         self._group = 1
         self.rounds_adopted = 0
+        self.members_at_another_anchor = 0  # group members seen at our round, other anchor
         self.payload_bytes_sent = 0
         self._shapes = {n: tuple(self.outer.anchor[n].shape) for n in self._names}
         self._fragment_nbytes = [
@@ -331,6 +332,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
             **{f"payloads_{k}": v for k, v in sorted(getattr(self._carrier, "counts", {}).items())},
             "bytes_sent_total": self.payload_bytes_sent,
             "rounds_adopted": self.rounds_adopted,
+            "members_at_another_anchor": self.members_at_another_anchor,
         }
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -453,7 +455,15 @@ class DilocoOptimizer(InnerStepsOptimizer):
         weight = data.get("weight")
         payload = data.get("payload")
         if data.get("round") != self.outer.round or data.get("anchor") != digest:
-            log.info("%s: %s is not at our round and anchor; left out", self.run_id, peer[:12])
+            if data.get("round") == self.outer.round:
+                # replicas that took one round in different groups (docs/averaging.md: six
+                # or more replicas), or a liar: either way the operator should see it
+                self.members_at_another_anchor += 1
+                log.warning("%s: %s is at our round %d with another anchor; left out (the "
+                            "stage's replicas may have split into groups that average apart)",
+                            self.run_id, peer[:12], self.outer.round)
+            else:
+                log.info("%s: %s is not at our round; left out", self.run_id, peer[:12])
             return None
         if (isinstance(weight, bool) or not isinstance(weight, (int, float))
                 or not 0 < weight <= MAX_WEIGHT or not isinstance(payload, bytes)

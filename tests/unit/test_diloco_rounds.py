@@ -113,6 +113,8 @@ def test_two_replicas_end_identical_and_hostile_members_are_left_out() -> None:
     ea, eb = a.export_state(), b.export_state()
     assert all(torch.equal(ea[1][k], eb[1][k]) for k in ea[1])
     assert a.averaging_status()["bytes_sent"] == a.payload_nbytes * 5  # a group of six
+    # peer-e, at our round from another anchor, is counted where the operator sees it
+    assert a.averaging_status()["members_at_another_anchor"] == 1
 
 
 def test_a_replica_behind_adopts_the_newer_round_and_refuses_what_does_not_fit() -> None:
