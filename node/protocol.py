@@ -111,8 +111,9 @@ class BadValues(BadReply):
     ``[limits]`` (an activation, a gradient, a loss)."""
 
 
-def refuse(code: ErrorCode, message: str) -> RemoteError:
-    """The exception a handler raises to answer with ``code``."""
+def refuse(code: StrEnum, message: str) -> RemoteError:
+    """The exception a handler raises to answer with ``code`` (an ``ErrorCode``, or a
+    request kind's own codes)."""
     return RemoteError(str(code), message[:300])
 
 

@@ -556,11 +556,14 @@ class ReceiverTransfer:
             deadline = max(deadline, self._request_time + rtt)
         return deadline
 
+    def _quiet_since(self) -> float:
+        """The last datagram's arrival (the start, before any)."""
+        return self._last_arrival if self._last_arrival is not None else self._created
+
     def _give_up_at(self) -> float:
         """When the transfer fails if its requests stay unanswered: ``give_up_after_s``
-        after the last datagram (or the start, before any)."""
-        quiet_since = self._last_arrival if self._last_arrival is not None else self._created
-        return quiet_since + self._config.give_up_after_s
+        after the last datagram."""
+        return self._quiet_since() + self._config.give_up_after_s
 
     def handle_timer(self, now: float) -> bytes | None:
         """A REPAIR_REQUEST to send on the stream if blocks are still missing at the
@@ -572,9 +575,8 @@ class ReceiverTransfer:
         if deadline is None or now < deadline:
             return None
         if self._unanswered >= self._config.max_repair_requests and now >= self._give_up_at():
-            quiet = now - (self._last_arrival if self._last_arrival is not None else self._created)
             self._fail(FecError(f"{self._unanswered} repair requests went unanswered "
-                                f"(no datagram for {quiet:.1f} s)"))
+                                f"(no datagram for {now - self._quiet_since():.1f} s)"))
             return None
         overhead = self._config.decode_overhead
         missing = []

@@ -45,6 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 import torch
@@ -52,8 +53,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...transport.endpoint import Endpoint, PeerAddress, Request, Response
 from ...transport.errors import RemoteError, TransportError
+from ...transport.tensors import off_loop
 from ..logs import get_logger
-from ..protocol import BadReply, parse_reply, parse_request, to_header
+from ..protocol import BadReply, parse_reply, parse_request, refuse, to_header
 from .averaging import AveragingConfig
 
 log = get_logger(__name__)
@@ -61,7 +63,6 @@ log = get_logger(__name__)
 HELD = 2  # offers kept: the round under way and the one before (a slow member's fetch)
 SERVES_PER_MEMBER = 2  # times one member may fetch one offer (a retry after a lost reply)
 POLL_S = 0.05  # how often the round's coroutine looks at hivemind's gather
-THREAD_BYTES = 1 << 20  # payloads above this are hashed off the event loop
 # a fetch refused or lost for a passing reason is tried once more (SERVES_PER_MEMBER allows
 # it) when this much of its time is left
 RETRY_CODES = frozenset({"busy", "transfer_failed"})
@@ -71,7 +72,9 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _MAX_ID = 128  # characters of a transport peer id
 
 
-class PayloadErrorCode:
+class PayloadErrorCode(StrEnum):
+    """Error codes a payload server answers with (``RemoteError.code``)."""
+
     BAD_REQUEST = "bad_request"
     UNKNOWN = "unknown_payload"  # not held: another run, expired, never offered
     NOT_MEMBER = "not_member"  # the requester is not in the offer's group
@@ -158,7 +161,7 @@ class PayloadServer:
 
     async def _serve(self, request: Request) -> Response:
         if request.tensors:
-            raise _refuse(PayloadErrorCode.BAD_REQUEST, "payload requests carry no tensors")
+            raise refuse(PayloadErrorCode.BAD_REQUEST, "payload requests carry no tensors")
         req = parse_request(PayloadRequest, request.header)  # bad_request when malformed
         offer = self._find(req)
         peer = request.peer_id
@@ -169,11 +172,11 @@ class PayloadServer:
                 pass
             offer = self._find(req)  # still held?
         if offer.members is None or peer not in offer.members:
-            raise _refuse(PayloadErrorCode.NOT_MEMBER,
-                          "only the members of this payload's round may fetch it")
+            raise refuse(PayloadErrorCode.NOT_MEMBER,
+                         "only the members of this payload's round may fetch it")
         if offer.served[peer] >= SERVES_PER_MEMBER:
-            raise _refuse(PayloadErrorCode.BUSY,
-                          f"this payload was sent to you {SERVES_PER_MEMBER} times already")
+            raise refuse(PayloadErrorCode.BUSY,
+                         f"this payload was sent to you {SERVES_PER_MEMBER} times already")
         offer.served[peer] += 1
         self.counts["served"] += 1
         self.counts["served_bytes"] += offer.data.numel()
@@ -184,11 +187,7 @@ class PayloadServer:
         for offer in self._offers:
             if offer.run == req.run and offer.sha256 == req.sha256:
                 return offer
-        raise _refuse(PayloadErrorCode.UNKNOWN, "no such payload held (another run, or expired)")
-
-
-def _refuse(code: str, message: str) -> RemoteError:
-    return RemoteError(code, message[:300])
+        raise refuse(PayloadErrorCode.UNKNOWN, "no such payload held (another run, or expired)")
 
 
 @dataclass(frozen=True)
@@ -283,7 +282,7 @@ class QuicOuterCarrier:
     async def _round(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
         started = time.monotonic()
         payload: bytes = data["payload"]
-        digest = await _hashed(payload)
+        digest = await off_loop(len(payload), lambda: sha256_hex(payload))
         described = {k: v for k, v in data.items() if k != "payload"}
         described.update(payload_len=len(payload), payload_sha256=digest,
                          transport_id=self._link.endpoint.peer_id)
@@ -377,20 +376,13 @@ class QuicOuterCarrier:
             self.counts["fetch_failed.bad_reply"] += 1
             return f"bad reply: {str(exc)[:160]}"
         raw = data.contiguous().numpy().tobytes()
-        digest = await _hashed(raw)
+        digest = await off_loop(length, lambda: sha256_hex(raw))
         if digest != d["payload_sha256"]:
             self.counts["fetch_failed.digest"] += 1
             return "the bytes do not match the gathered digest"
         self.counts["fetched"] += 1
         self.counts["fetched_bytes"] += length
         return raw
-
-
-async def _hashed(data: bytes) -> str:
-    """SHA-256 of ``data``, off the event loop when large."""
-    if len(data) > THREAD_BYTES:
-        return await asyncio.to_thread(sha256_hex, data)
-    return sha256_hex(data)
 
 
 class _FuturePending:

@@ -37,7 +37,6 @@ MAX_TENSORS: Final[int] = 65536
 MAX_CHUNKS: Final[int] = 1 << 20
 MAX_MANIFEST_BYTES: Final[int] = 16 << 20
 _MAX_BYTES: Final[int] = 1 << 50
-THREAD_BYTES: Final[int] = 1 << 20  # hash larger buffers in a worker thread
 PLANS_PER_SNAPSHOT: Final[int] = 4  # chunk sizes one snapshot is hashed for, at most
 # No stage's epoch may exceed this (an epoch is at least one round of micro-batches across the
 # swarm: 10^9 of them is decades of training). Manifests, chunk requests, checkpoints and

@@ -50,9 +50,9 @@ from pydantic import (
 from ...transport.codecs import WIRE_DTYPES
 from ...transport.endpoint import Endpoint, PeerAddress
 from ...transport.errors import RemoteError, TransportError
+from ...transport.tensors import off_loop
 from ..protocol import to_header
 from .state_plan import (
-    THREAD_BYTES,
     Chunk,
     ChunkReply,
     ChunkRequest,
@@ -431,11 +431,7 @@ class StateDownload:
         except (ValidationError, ValueError) as exc:
             return None, f"bad chunk reply: {str(exc)[:160]}"
         arr = data.numpy().data
-        digest = (
-            await asyncio.to_thread(state_digest, arr)
-            if chunk.nbytes > THREAD_BYTES
-            else state_digest(arr)
-        )
+        digest = await off_loop(chunk.nbytes, lambda: state_digest(arr))
         if digest != manifest.digests[chunk.index]:
             return None, f"chunk {chunk.index} does not match its digest"
         return data, ""
