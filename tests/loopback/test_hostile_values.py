@@ -34,6 +34,7 @@ from wanswarm.node.stage.optimizer import LocalOptimizer
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
 from wanswarm.node.training.servers import ServerInfo
+from wanswarm.node.training.spot_checks import SpotCheckConfig
 from wanswarm.node.training.trainer import Trainer
 from wanswarm.node.training.trainer_config import TrainerConfig
 from wanswarm.transport.codecs import CodecSpec, encode, parse_codec
@@ -223,7 +224,11 @@ async def _lying_last_stage(spec: RunSpec) -> None:
     n = 3
     trainer = Trainer(
         spec,
-        TrainerConfig(max_in_flight=1, request_timeout_s=20.0, max_attempts=4),
+        # no spot checks: at their default fraction, drawn from SystemRandom, one now and
+        # then re-ran an honest forward_loss on the liar, which made its calls vary from
+        # run to run (spot checks against liars: test_hostile_peers.py)
+        TrainerConfig(max_in_flight=1, request_timeout_s=20.0, max_attempts=4,
+                      spot_checks=SpotCheckConfig(fraction=0.0)),
         endpoint=trainer_ep,
         servers=view,
         rng=random.Random(0),
