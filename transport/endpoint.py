@@ -642,13 +642,21 @@ class Endpoint:
         self._check_running()
         return await self._traversal.dial_back(peer, timeout)
 
-    async def keep(self, peer: PeerAddress, *, timeout: float) -> None:
+    async def keep(
+        self,
+        peer: PeerAddress,
+        *,
+        timeout: float,
+        resolve: Callable[[str], PeerAddress | None] | None = None,
+    ) -> None:
         """Use ``peer`` as our rendezvous: keep a connection to it open (re-made when it
         dies, PINGed every ``traversal.keepalive_interval_s``) and accept introductions
         and relay channels through it. ConnectError if the first connection is not up
-        within ``timeout`` s; it goes on being tried until :meth:`release`."""
+        within ``timeout`` s; it goes on being tried until :meth:`release`. Before each
+        re-dial after a failure, ``resolve(peer_id)`` gives the peer's newest address
+        (a restarted rendezvous on another port); calling ``keep`` again updates it."""
         self._check_running()
-        await self._traversal.keep(peer, timeout)
+        await self._traversal.keep(peer, timeout, resolve)
 
     def release(self, peer_id: str) -> None:
         """Stop keeping ``peer_id`` as a rendezvous."""

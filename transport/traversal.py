@@ -109,6 +109,8 @@ class Traversal:
         self._wall = wall_clock
         self._now = monotonic
         self._rendezvous: dict[str, PeerAddress] = {}
+        # per kept peer: where to look up its newest address before a re-dial
+        self._resolvers: dict[str, Callable[[str], PeerAddress | None]] = {}
         self._keepers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         per_peer = cfg.introductions_per_minute / 60.0
@@ -178,27 +180,64 @@ class Traversal:
 
     # keeping rendezvous connections
 
-    async def keep(self, peer: PeerAddress, timeout: float) -> None:
+    async def keep(
+        self,
+        peer: PeerAddress,
+        timeout: float,
+        resolve: Callable[[str], PeerAddress | None] | None = None,
+    ) -> None:
         """Keep an authenticated connection to ``peer`` open from now on (re-made when
         it dies, PINGed every ``keepalive_interval_s``), and accept introductions and
         relay offers from it. ConnectError if the first connection is not up within
-        ``timeout`` s (it goes on being tried)."""
+        ``timeout`` s (it goes on being tried).
+
+        A rendezvous that restarts may come back at another address (a new port, a new
+        host): before every re-dial after a failed one the keeper asks ``resolve`` for
+        the peer's newest announced address (None: keep the last one). Calling ``keep``
+        again for a peer already kept updates its address (and resolver) for the next
+        dial."""
         self._rendezvous[peer.peer_id] = peer
+        if resolve is not None:
+            self._resolvers[peer.peer_id] = resolve
         if peer.peer_id not in self._keepers:
-            self._keepers[peer.peer_id] = self._spawn(self._keep(peer))
+            self._keepers[peer.peer_id] = self._spawn(self._keep(peer.peer_id))
         if await self._connections.wait_link(peer.peer_id, timeout) is None:
             raise ConnectError(f"no connection to {peer.peer_id} within {timeout:.3g} s")
 
     def release(self, peer_id: str) -> None:
         """Stop keeping ``peer_id`` and accepting introductions from it."""
         self._rendezvous.pop(peer_id, None)
+        self._resolvers.pop(peer_id, None)
         keeper = self._keepers.pop(peer_id, None)
         if keeper is not None:
             keeper.cancel()
 
-    async def _keep(self, peer: PeerAddress) -> None:
+    def _kept_address(self, peer_id: str, failures: int) -> PeerAddress | None:
+        """Where the keeper dials ``peer_id`` next: after a failure, its newest announced
+        address when the resolver knows one (a direct one: a rendezvous is dialled, never
+        introduced), else the last one we were given."""
+        peer = self._rendezvous.get(peer_id)
+        resolve = self._resolvers.get(peer_id)
+        if peer is None or failures == 0 or resolve is None:
+            return peer
+        try:
+            newest = resolve(peer_id)
+        except Exception:  # noqa: BLE001 - a failing lookup must not end the keeper
+            logger.exception("looking up the address of %s failed", peer_id)
+            return peer
+        if newest is None or (newest.host, newest.port) == (peer.host, peer.port):
+            return peer
+        logger.info("%s now announces %s:%d (was %s:%d): dialling it there",
+                    peer_id, newest.host, newest.port, peer.host, peer.port)
+        peer = self._rendezvous[peer_id] = PeerAddress(peer_id, newest.host, newest.port)
+        return peer
+
+    async def _keep(self, peer_id: str) -> None:
         cfg, failures = self.cfg, 0
         while True:
+            peer = self._kept_address(peer_id, failures)
+            if peer is None:  # released
+                return
             try:
                 link = await self._connections.dial(peer.peer_id, peer.host, peer.port)
                 failures = 0
@@ -209,6 +248,8 @@ class Traversal:
                             await link.wait_closed()
                     except TimeoutError:
                         await self._keepalive(link)
+                # it died: look the address up again before re-dialling (a restart)
+                failures = 1
             except TransportError as exc:
                 failures += 1
                 logger.info("keeping the connection to %s: %s", peer.peer_id, exc)
@@ -553,6 +594,7 @@ class Traversal:
         """Stop keeping connections and cancel reversals under way (bounded wait)."""
         self._keepers.clear()
         self._rendezvous.clear()
+        self._resolvers.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -8,10 +8,10 @@ will add loss/delivery rates and bans here; today it holds records and RTT estim
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...transport.endpoint import PeerAddress
-from .addresses import peer_address
+from .addresses import dialable, peer_address
 from .records import (
     LISTED_STATES,
     MAX_RTT_ENTRIES,
@@ -127,7 +127,7 @@ class PeerTable:
                 run_id is not None and record.run_id != run_id
             ):
                 continue
-            address = peer_address(record, self.own_public_host)
+            address = self._address(record)
             assert address is not None  # record.quic is set
             out.append(ServerPeer(peer, record.stage, record.quic, address))
         return out
@@ -135,7 +135,24 @@ class PeerTable:
     def address(self, peer_id: str) -> PeerAddress | None:
         """How to reach ``peer_id`` (addresses.peer_address), None if unknown or unannounced."""
         peer = self._peers.get(peer_id)
-        return None if peer is None else peer_address(peer.record, self.own_public_host)
+        return None if peer is None else self._address(peer.record)
+
+    def _address(self, record: ServerRecord) -> PeerAddress | None:
+        """addresses.peer_address, with the rendezvous at the address the rendezvous itself
+        announces: a record names its rendezvous as it was at its last reachability check,
+        and a rendezvous that restarted on another port is reached at its new one (as its
+        own record says) until the peer's next check re-announces it."""
+        address = peer_address(record, self.own_public_host)
+        ref = None if address is None else address.rendezvous
+        if address is None or ref is None:
+            return address
+        rendezvous = self._peers.get(ref.peer_id)
+        if rendezvous is None or rendezvous.record.quic is None:
+            return address
+        quic = rendezvous.record.quic
+        if (quic.host, quic.port) == (ref.host, ref.port) or not dialable(rendezvous.record.reach):
+            return address
+        return replace(address, rendezvous=PeerAddress(ref.peer_id, quic.host, quic.port))
 
     def apply(
         self,

@@ -65,7 +65,13 @@ class ReachEndpoint(Protocol):
 
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool: ...
 
-    async def keep(self, peer: PeerAddress, *, timeout: float) -> None: ...
+    async def keep(
+        self,
+        peer: PeerAddress,
+        *,
+        timeout: float,
+        resolve: Callable[[str], PeerAddress | None] | None = None,
+    ) -> None: ...
 
     def release(self, peer_id: str) -> None: ...
 
@@ -137,6 +143,7 @@ class Reachability:
         self.timeout_s = timeout_s
         self.rng = rng
         self.state = ReachState()
+        self._kept: PeerAddress | None = None  # the rendezvous' address as last handed over
         self._wake = asyncio.Event()
 
     def recheck(self) -> None:
@@ -146,13 +153,13 @@ class Reachability:
     async def run(self) -> None:
         """Check until cancelled (module docstring for the schedule)."""
         while True:
+            self._wake.clear()  # a recheck asked for during this check runs after it
             try:
                 known = await self.check()
             except TransportError as exc:  # a check never takes the node down
                 log.info("reachability check failed: %s", exc)
                 known = False
             period = self.period_s if known else EARLY_PERIOD_S
-            self._wake.clear()
             try:
                 async with asyncio.timeout(period * (0.9 + 0.2 * self.rng.random())):
                     await self._wake.wait()
@@ -256,16 +263,43 @@ class Reachability:
         return True
 
     async def _keep(self, rendezvous: PeerAddress | None) -> None:
-        """Keep a connection to ``rendezvous`` (None: to no one), releasing the previous one."""
+        """Keep a connection to ``rendezvous`` (None: to no one), releasing the previous
+        one. The endpoint's keeper looks the rendezvous' address up in the peer table
+        before it re-dials (a rendezvous restarted on another port is found again at the
+        address it announces, not only at our next check)."""
         previous = self.state.rendezvous
         if previous is not None and (rendezvous is None or rendezvous.peer_id != previous):
             self.endpoint.release(previous)
-        if rendezvous is not None and rendezvous.peer_id != previous:
-            try:
-                await self.endpoint.keep(rendezvous, timeout=self.timeout_s)
-            except TransportError as exc:  # the endpoint goes on trying in the background
-                log.info("rendezvous %s not connected yet: %s",
-                         short_peer(rendezvous.peer_id), exc)
+            self._kept = None
+        if rendezvous is None:
+            return
+        kept = self._kept
+        if kept is not None and (kept.peer_id, kept.host, kept.port) == (
+            rendezvous.peer_id, rendezvous.host, rendezvous.port
+        ):
+            return
+        self._kept = rendezvous
+        try:
+            await self.endpoint.keep(rendezvous, timeout=self.timeout_s, resolve=self._resolve)
+        except TransportError as exc:  # the endpoint goes on trying in the background
+            log.info("rendezvous %s not connected yet: %s", short_peer(rendezvous.peer_id), exc)
+
+    def _resolve(self, peer_id: str) -> PeerAddress | None:
+        """The newest address ``peer_id`` announces, if it can be dialled directly. When
+        our rendezvous announces another address than the one in our record, a check
+        runs at once: it re-announces our rendezvous where peers can reach it."""
+        peer = self.peers.get(peer_id)
+        if peer is None or peer.record.quic is None or is_loopback(peer.record.quic.host):
+            return None
+        address = peer_address(peer.record)
+        if address is None or not address.reachable:
+            return None
+        kept = self._kept
+        if kept is not None and kept.peer_id == peer_id and (kept.host, kept.port) != (
+            address.host, address.port
+        ):
+            self.recheck()
+        return address
 
     def status(self) -> dict[str, Any]:
         state = self.state

@@ -6,9 +6,12 @@ view (servers.py). A timeout, a lost connection, a reply that breaks the protoco
 error answer bans that server and the hop goes elsewhere, at most ``max_attempts`` times;
 then ``HopFailed`` abandons its micro-batch. A ``cache_miss`` is no failure (the server is
 healthy but no longer holds the input): the caller's next attempt carries the input. While
-a stage has no online server, an attempt waits ``no_server_wait_s`` (jittered) instead; when
-every server of the stage has refused it as busy (or draining, or still loading), the next
-attempt waits ``busy_backoff_s``, doubled per attempt.
+a stage has no online server, an attempt waits ``no_server_wait_s`` (jittered) instead. When
+a failed attempt leaves no server of the stage that this hop has not tried and that is not
+banned (every one refused it as busy, failed it, or is serving a ban), the next attempt
+waits ``retry_backoff_s``, doubled per attempt: a stage whose only server fails at once
+(say, a connection that cannot be made) costs a trainer a few attempts a second, not
+hundreds of micro-batches.
 
 A reply whose values no honest server sends (``BadValues``: NaN/Inf, or beyond the run's
 ``[limits]``; pipeline.py checks every stage output on receipt) is a failure of the server
@@ -96,7 +99,7 @@ class HopCounts(Protocol):
     """The counters hops write (fields of the trainer's ``TrainerCounters``)."""
 
     retried_hops: int
-    busy_backoffs: int  # waits because every server of a stage refused as busy
+    backoffs: int  # waits because no server of a stage was left to try at once
     cache_misses: int
     payload_bytes_sent: int
     payload_bytes_received: int
@@ -211,8 +214,7 @@ class HopSender:
                 if exc.code not in RETRY_ELSEWHERE:
                     log.warning("trainer: %s on stage %d refused: %s", kind, stage, exc)
                 self._failed(server.peer_id, tried, loop.time())
-                if exc.code in RETRY_ELSEWHERE and attempt + 1 < self.config.max_attempts:
-                    await self._back_off(stage, tried, attempt)
+                await self._back_off(stage, tried, attempt)
                 continue
             except (TransportError, BadReply) as exc:
                 self.counters.errors[type(exc).__name__] += 1
@@ -223,6 +225,7 @@ class HopSender:
                         kind, stage, server.peer_id, exc,
                     )
                 self._failed(server.peer_id, tried, loop.time())
+                await self._back_off(stage, tried, attempt)
                 continue
             now = loop.time()
             self.router.finished(server.peer_id, ok=True, now=now, rng=self.rng)
@@ -242,14 +245,23 @@ class HopSender:
         )
 
     async def _back_off(self, stage: int, tried: set[str], attempt: int) -> None:
-        """After a ``busy`` (draining, not ready) refusal: when no server of ``stage`` is left
-        untried, wait ``busy_backoff_s`` doubled per attempt (jittered, at most 16x) before
-        asking again, instead of spending every attempt within milliseconds on servers
-        whose queues are full (a replica stalled in an averaging round fills its queue)."""
-        if any(c.peer_id not in tried for c in self.view.candidates(stage)):
-            return  # another server to try: go there at once
-        delay = self.config.busy_backoff_s * min(2**attempt, 16)
-        self.counters.busy_backoffs += 1
+        """After a failed attempt: when no server of ``stage`` is left that this hop has
+        not tried and that the router would pick (not banned, not on probation with a
+        probe in flight), wait ``retry_backoff_s`` doubled per attempt (jittered, at most
+        16x) before the next attempt, instead of spending every attempt within
+        milliseconds on servers that just failed or whose queues are full (a replica
+        stalled in an averaging round fills its queue). A hop with another server to try
+        goes there at once; the last attempt does not wait."""
+        if attempt + 1 >= self.config.max_attempts:
+            return
+        now = asyncio.get_running_loop().time()
+        if any(
+            c.peer_id not in tried and self.router.is_available(c.peer_id, now)
+            for c in self.view.candidates(stage)
+        ):
+            return
+        delay = self.config.retry_backoff_s * min(2**attempt, 16)
+        self.counters.backoffs += 1
         await asyncio.sleep(jittered(delay, 0.2, self.rng))
 
     def _measure(self, pick: Candidate, work: float, elapsed_s: float, nbytes: int) -> None:

@@ -63,7 +63,7 @@ class TrainerCounters:
     completed: int = 0
     failed: int = 0
     retried_hops: int = 0
-    busy_backoffs: int = 0
+    backoffs: int = 0  # waits before a retry: no server of the stage left to try at once
     cache_misses: int = 0
     tokens: int = 0
     payload_bytes_sent: int = 0
@@ -195,7 +195,7 @@ class Trainer:
             "micro_batches": {"started": c.started, "completed": c.completed, "failed": c.failed},
             "window": self.window.status(),
             "retried_hops": c.retried_hops,
-            "busy_backoffs": c.busy_backoffs,
+            "backoffs": c.backoffs,
             "cache_misses": c.cache_misses,
             "tokens": c.tokens,
             "tokens_per_s": round(self.tokens_per_s(), 1),

@@ -6,7 +6,7 @@ it sends (hops.py) and the pipeline walk (pipeline.py).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from .routing import RouterConfig
 from .spot_checks import SpotCheckConfig
@@ -46,14 +46,17 @@ class TrainerConfig(BaseModel):
         le=600.0,
         description="Back-off while a stage has no online server, seconds (jittered).",
     )
-    busy_backoff_s: float = Field(
+    retry_backoff_s: float = Field(
         default=0.25,
         gt=0.0,
         le=60.0,
+        # its name until the back-off covered failures as well as busy answers
+        validation_alias=AliasChoices("retry_backoff_s", "busy_backoff_s"),
         description=(
-            "First back-off when every server of a stage refused a hop as busy (or draining, "
-            "or still loading), seconds; doubled at each further attempt, jittered, at most "
-            "16x. A hop with another server left to try goes there at once instead."
+            "First back-off when a failed attempt leaves no server of the stage to try at "
+            "once (each one refused the hop as busy, draining or still loading, failed it, "
+            "or is banned), seconds; doubled at each further attempt, jittered, at most 16x. "
+            "A hop with another server left to try goes there at once instead."
         ),
     )
     loss_ewma_alpha: float = Field(

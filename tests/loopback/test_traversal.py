@@ -17,6 +17,7 @@ import torch
 from wanswarm.transport.config import TransportConfig, TraversalConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress, Request, Response
 from wanswarm.transport.errors import RemoteError
+from wanswarm.transport.identity import Identity
 from wanswarm.transport.relay import RELAY_BYTE, is_virtual
 from wanswarm.transport.traversal_wire import OBSERVE, OBSERVE_PROBE, encode_probe
 
@@ -272,6 +273,36 @@ def test_connection_reversal_when_the_requester_is_reachable() -> None:
             # B made the connection: it is B's client link, and A's request came over it
             (link,) = [lk for lk in b._connections.links() if lk.peer_id == a.peer_id]
             assert link.is_client and tuple(reply.header["remote"]) == a.address
+
+    run(main())
+
+
+def test_a_kept_rendezvous_that_restarts_on_another_port_is_found_there() -> None:
+    """The rendezvous restarts (same identity, a new port): the keeper looks its newest
+    address up before re-dialling and reconnects there, so peers behind NAT are reachable
+    through it again without waiting for the next reachability check."""
+
+    async def main() -> None:
+        rid = Identity.generate()
+        announced: dict[str, PeerAddress] = {}
+        fast = _cfg(keepalive_interval_s=0.3, keep_retry_s=0.2)
+        async with endpoint(fast) as b:
+            async with endpoint(identity=rid) as r1:
+                await b.keep(address(r1), timeout=10, resolve=announced.get)
+                assert b._connections.link_for(rid.peer_id) is not None
+            async with endpoint(identity=rid) as r2:
+                assert r2.address != r1.address
+                # until the new address is announced the keeper dials the old one in vain
+                await asyncio.sleep(1.0)
+                assert r2._connections.link_for(b.peer_id) is None
+                announced[rid.peer_id] = address(r2)
+                await async_wait_for(
+                    lambda: r2._connections.link_for(b.peer_id), 15, "the keeper at the new port"
+                )
+                assert [(p.host, p.port) for p in b.rendezvous] == [r2.address]
+                b.register("echo", _echo)
+                reply = await r2.request(address(b), "echo", {"n": 3}, timeout=10)
+                assert reply.header["n"] == 3
 
     run(main())
 

@@ -10,7 +10,14 @@ from wanswarm.node.config.node_config import NodeSection
 from wanswarm.node.errors import DhtError, ProbeError
 from wanswarm.node.membership.peers import PeerTable, ServerPeer
 from wanswarm.node.membership.prober import Prober, ProberConfig, choose_targets
-from wanswarm.node.membership.records import QuicAddress, RttEntry, RttRecord, ServerRecord
+from wanswarm.node.membership.records import (
+    PeerRef,
+    QuicAddress,
+    Reach,
+    RttEntry,
+    RttRecord,
+    ServerRecord,
+)
 from wanswarm.node.membership.tracker import Membership
 from wanswarm.transport.identity import Identity
 
@@ -194,6 +201,43 @@ def test_servers_lists_reachable_stage_servers_by_state_stage_and_run() -> None:
     assert ids(table.servers(("online",), stage=1, run_id=run_a)) == [IDS[1]]
     assert ids(table.servers(stage=1, run_id=run_b)) == [IDS[3]]
     assert table.servers(("online",), stage=0) == []
+
+
+def test_a_peer_behind_nat_is_reached_through_its_rendezvous_where_that_now_announces() -> None:
+    """A record names its rendezvous as it was at its last reachability check; when the
+    rendezvous restarts on another port, the table already routes through the new one."""
+    table = PeerTable(IDS[0])
+    home, rendezvous = IDS[1], IDS[2]
+    behind = Reach(
+        nat="cone", reachable=False,
+        rendezvous=PeerRef(peer_id=rendezvous, quic=QuicAddress(host="11.0.0.10", port=4000)),
+    )
+
+    def read(rendezvous_port: int, rendezvous_reach: Reach | None = None) -> None:
+        records = [
+            ServerRecord(peer_id=home, state="online", stage=0,
+                         quic=QuicAddress(host="11.1.0.10", port=40000), reach=behind),
+            ServerRecord(peer_id=rendezvous, state="online", stage=1,
+                         quic=QuicAddress(host="11.0.0.10", port=rendezvous_port),
+                         reach=rendezvous_reach),
+        ]
+        table.apply({r.peer_id: (r, 2e9) for r in records}, {}, now=0.0, wall_now=1e9)
+
+    def via() -> tuple[str, int]:
+        address = table.address(home)
+        assert address is not None and not address.reachable and address.rendezvous is not None
+        (server,) = table.servers(stage=0)
+        assert server.address == address
+        return address.rendezvous.host, address.rendezvous.port
+
+    read(4000)
+    assert via() == ("11.0.0.10", 4000)
+    read(4100)  # restarted on another port; the home's record still names port 4000
+    assert via() == ("11.0.0.10", 4100)
+    # a rendezvous that now says it cannot be dialled is not taken at its word for a new
+    # address: the reference in the record stands (and fails, and the home re-checks)
+    read(4200, Reach(nat="cone", reachable=False))
+    assert via() == ("11.0.0.10", 4000)
 
 
 def test_a_server_that_stops_serving_its_stage_is_gone_from_it_until_it_serves_again() -> None:

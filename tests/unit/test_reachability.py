@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 import pytest
 from wanswarm.node.membership.addresses import (
@@ -66,6 +67,7 @@ class ScriptedEndpoint:
         self.dial_back_answer = dial_back
         self.reachable = False
         self.kept: list[PeerAddress] = []
+        self.resolve: Callable[[str], PeerAddress | None] | None = None
         self.released: list[str] = []
         self.asked: list[str] = []
 
@@ -81,8 +83,15 @@ class ScriptedEndpoint:
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool:
         return self.dial_back_answer
 
-    async def keep(self, peer: PeerAddress, *, timeout: float) -> None:
+    async def keep(
+        self,
+        peer: PeerAddress,
+        *,
+        timeout: float,
+        resolve: Callable[[str], PeerAddress | None] | None = None,
+    ) -> None:
         self.kept.append(peer)
+        self.resolve = resolve
 
     def release(self, peer_id: str) -> None:
         self.released.append(peer_id)
@@ -160,6 +169,35 @@ def test_a_node_behind_a_cone_nat_announces_its_mapping_and_a_rendezvous() -> No
     assert endpoint.kept[-1] is not None
     assert endpoint.kept[-1].peer_id == announced.rendezvous.peer_id
     assert table.own_public_host == "11.1.0.10"
+
+
+def test_the_rendezvous_is_looked_up_anew_when_it_restarts_elsewhere() -> None:
+    """The keeper's resolver gives the rendezvous' newest announced address (a restart on
+    another port); a check that finds it at a new address hands that over, while a check
+    that finds it where it was does not re-keep it."""
+    table = _table(_record(A, "11.0.0.10"))
+    endpoint = ScriptedEndpoint({A: ("11.1.0.10", 40000)}, False)
+    reach, _ = _reachability(table, endpoint, ["192.168.1.2"])
+    assert asyncio.run(reach.check())
+    assert [(p.peer_id, p.port) for p in endpoint.kept] == [(A, 4000)]
+    resolve = endpoint.resolve
+    assert resolve is not None
+    assert (resolve(A).host, resolve(A).port) == ("11.0.0.10", 4000)  # type: ignore[union-attr]
+    assert asyncio.run(reach.check()) and len(endpoint.kept) == 1  # same address: kept as is
+    # it restarts on port 4001 and announces it: the resolver knows at once
+    table.apply({A: (_record(A, "11.0.0.10", 4001), 1e12)}, {}, now=1.0, wall_now=1.0)
+    assert not reach._wake.is_set()
+    assert resolve(A).port == 4001  # type: ignore[union-attr]
+    assert reach._wake.is_set()  # our record names it at 4000: a check now re-announces it
+    assert resolve(B) is None  # unknown peer: the keeper keeps its last address
+    assert asyncio.run(reach.check())
+    assert [(p.peer_id, p.port) for p in endpoint.kept] == [(A, 4000), (A, 4001)]
+    # a rendezvous that now announces itself unreachable is no address to dial
+    table.apply(
+        {A: (_record(A, "11.0.0.10", 4002, reach=Reach(nat="cone", reachable=False)), 1e12)},
+        {}, now=2.0, wall_now=2.0,
+    )
+    assert resolve(A) is None
 
 
 def test_symmetric_nat_and_unreachable_candidates() -> None:

@@ -363,7 +363,7 @@ def test_a_stage_whose_only_server_is_busy_is_asked_again_after_a_back_off() -> 
     config = TrainerConfig(
         max_in_flight=1,
         request_timeout_s=30.0,
-        busy_backoff_s=0.05,
+        retry_backoff_s=0.05,
         router=RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
     )
 
@@ -377,9 +377,46 @@ def test_a_stage_whose_only_server_is_busy_is_asked_again_after_a_back_off() -> 
     trainer, took = asyncio.run(main())
     c = trainer.counters
     assert (c.completed, c.failed) == (1, 0)  # the fourth attempt found it serving
-    assert c.errors["busy"] == 3 and c.busy_backoffs == 3
+    assert c.errors["busy"] == 3 and c.backoffs == 3
     # 0.05 + 0.1 + 0.2 s (each jittered by at most 20%): spread out, not spent at once
     assert took >= 0.8 * (0.05 + 0.1 + 0.2)
+
+
+def test_a_stage_whose_only_server_cannot_be_reached_is_retried_after_back_offs() -> None:
+    """A connection that fails at once (a peer behind NAT whose rendezvous link is gone)
+    must not make the trainer spin: every retry of a hop whose stage has no other server
+    waits, so a micro-batch costs its attempts spread over seconds, not microseconds."""
+    spec = _spec()
+    swarm = Swarm(spec, [1, 1, 1])
+    swarm.net.dead.add("s0r0")
+    config = TrainerConfig(
+        max_in_flight=1,
+        request_timeout_s=30.0,
+        max_attempts=4,
+        retry_backoff_s=0.05,
+        router=RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
+    )
+
+    async def main() -> tuple[Trainer, float]:
+        async with swarm:
+            trainer = swarm.trainer(config)
+            started = asyncio.get_running_loop().time()
+            await trainer.run(max_micro_batches=2)
+            return trainer, asyncio.get_running_loop().time() - started
+
+    trainer, took = asyncio.run(main())
+    c = trainer.counters
+    assert (c.completed, c.failed) == (0, 2)
+    assert c.errors["ConnectError"] == 8 and c.backoffs == 6  # the last attempt does not wait
+    assert [k for p, k in swarm.net.sent if p != "s0r0"] == []
+    # per micro-batch 0.05 + 0.1 + 0.2 s, each jittered by at most 20%
+    assert took >= 2 * 0.8 * (0.05 + 0.1 + 0.2)
+
+
+def test_a_config_that_names_the_old_busy_backoff_still_loads() -> None:
+    assert TrainerConfig.model_validate({"busy_backoff_s": 0.5}).retry_backoff_s == 0.5
+    with pytest.raises(ValueError, match="greater than 0"):
+        TrainerConfig.model_validate({"busy_backoff_s": 0.0})
 
 
 def test_a_cache_miss_makes_the_trainer_resend_the_input() -> None:
