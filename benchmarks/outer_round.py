@@ -15,9 +15,12 @@ CLOCK_MONOTONIC for all processes). The carriers are the daemon's own
   fetching the others' payloads from their endpoints, checked by SHA-256.
 
 Each round is checked: every member must end with every member's exact bytes (a round that
-fails or brings other bytes counts as failed). Both carriers match with the same
-``--matchmaking`` time (hivemind waits that long for a group that has not reached its
-target size of 4, so with fewer replicas it is every round's floor).
+fails or brings other bytes counts as failed; so does one whose replicas split into groups
+that average apart). Every carrier matches with the same ``--matchmaking`` time (hivemind
+waits that long for a group that has not reached its target size, so with fewer replicas
+it is every round's floor): 4 for ``gather`` and ``quic4`` (the QUIC carrier with the
+group cap it had before), ``MAX_GROUP_QUIC`` (8) for ``quic``. With more than 4 replicas,
+``quic4`` is the baseline: its replicas split into groups.
 
 Where: this host's loopback (the default: both carriers' CPU costs, no link limit), or with
 ``--lab-rate-mbit R`` (root) each member on a public host of its own in the network lab
@@ -47,13 +50,19 @@ from typing import Any
 
 import torch
 from wanswarm.node.stage.averaging import AveragingConfig
-from wanswarm.node.stage.diloco import MAX_PAYLOAD_BYTES, HivemindCarrier
+from wanswarm.node.stage.diloco import (
+    MAX_GROUP,
+    MAX_GROUP_QUIC,
+    MAX_PAYLOAD_BYTES,
+    HivemindCarrier,
+)
 from wanswarm.node.stage.outer_payloads import PayloadLink, QuicOuterCarrier
 from wanswarm.transport.config import CongestionConfig, TransportConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress
 from wanswarm.transport.identity import Identity
 
-CARRIERS = ("gather", "quic")
+CARRIERS = ("gather", "quic4", "quic")
+DEFAULT_CARRIERS = ("gather", "quic")
 DEFAULT_SIZES = (0.25, 0.7, 4.0, 21.0)  # MiB; 21: an int8 round of the small run's stage
 ROUND_TIMEOUT_S = 60.0
 
@@ -89,8 +98,8 @@ def _payload(size: int, seed: int, member: int) -> bytes:
 
 
 def member(args: argparse.Namespace) -> int:
-    """One replica in its own process: a hivemind DHT, a QUIC endpoint, both carriers; rounds
-    on the commands read from stdin (JSON lines), answers on stdout."""
+    """One replica in its own process: a hivemind DHT, a QUIC endpoint, the carriers asked
+    for; rounds on the commands read from stdin (JSON lines), answers on stdout."""
     import hivemind
 
     def say(message: dict[str, Any]) -> None:
@@ -98,7 +107,8 @@ def member(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     config = AveragingConfig(matchmaking_time=args.matchmaking,
-                             averaging_timeout=ROUND_TIMEOUT_S, load_state_timeout=10.0)
+                             averaging_timeout=ROUND_TIMEOUT_S, load_state_timeout=10.0,
+                             outer_fetches_at_once=args.fetches_at_once)
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
                        initial_peers=args.initial_peers or None)
     # aioquic's Reno on loopback: the WAN controller's min-RTT estimate needs real delay
@@ -109,16 +119,21 @@ def member(args: argparse.Namespace) -> int:
         asyncio.run_coroutine_threadsafe(ep.start(args.host, 0), loop).result(timeout=30)
         book: list[PeerAddress] = []
         host = _Host(dht)
-        carriers = {
-            "gather": HivemindCarrier(host, "bench_outer_gather", lambda: ({}, []), config,
-                                      ROUND_TIMEOUT_S),
-            "quic": QuicOuterCarrier(
-                HivemindCarrier(host, "bench_outer_quic", lambda: ({}, []), config,
-                                ROUND_TIMEOUT_S),
-                PayloadLink(ep, loop, lambda: book), 0, "bench_outer_quic", config,
+        groups = {"quic4": MAX_GROUP, "quic": MAX_GROUP_QUIC}
+        # each QUIC carrier serves its payloads under a request kind of its own stage's
+        stages = {"quic4": 1, "quic": 0}
+        carriers: dict[str, Any] = {}
+        for name in args.carriers:  # each an averager process of its own: only those asked
+            if name == "gather":
+                carriers[name] = HivemindCarrier(host, "bench_outer_gather", lambda: ({}, []),
+                                                 config, ROUND_TIMEOUT_S)
+                continue
+            carriers[name] = QuicOuterCarrier(
+                HivemindCarrier(host, f"bench_outer_{name}", lambda: ({}, []), config,
+                                ROUND_TIMEOUT_S, groups[name]),
+                PayloadLink(ep, loop, lambda: book), stages[name], f"bench_outer_{name}", config,
                 round_timeout=ROUND_TIMEOUT_S,
-            ),
-        }
+            )
         say({"ready": True, "maddrs": [str(m) for m in dht.get_visible_maddrs()],
              "peer_id": ep.peer_id, "address": list(ep.address)})
         try:
@@ -183,7 +198,8 @@ class _Members:
         argv = [sys.executable, __file__, "--role", "member", "--index", str(index),
                 "--host", host, "--matchmaking", str(self._args.matchmaking),
                 "--lab-rate-mbit", str(self._args.lab_rate_mbit or 0),
-                "--initial-peers", *initial]
+                "--carriers", *self._args.carriers,
+                "--fetches-at-once", str(self._args.fetches_at_once), "--initial-peers", *initial]
         pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
                                  "text": True}
         if self._lab is None:
@@ -295,6 +311,7 @@ def _run(args: argparse.Namespace, lab: Any) -> dict[str, Any]:
     finally:
         members.close()
     return {"replicas": args.replicas, "matchmaking_s": args.matchmaking,
+            "fetches_at_once": args.fetches_at_once,
             "lab_rate_mbit": args.lab_rate_mbit or None,
             "gather_cap_bytes": MAX_PAYLOAD_BYTES, "results": results}
 
@@ -311,12 +328,14 @@ def _table(report: dict[str, Any]) -> str:
     """The carriers side by side per size."""
     by = {(c["carrier"], c["size_mib"]): c for c in report["results"]}
     sizes = sorted({c["size_mib"] for c in report["results"]})
-    lines = [f"{'MiB':>7}  " + "  ".join(f"{k + ' p50 s':>14}" for k in CARRIERS)]
+    kinds = [k for k in CARRIERS if any(c["carrier"] == k for c in report["results"])]
+    lines = [f"{'MiB':>7}  " + "  ".join(f"{k + ' p50 s':>14}" for k in kinds)]
     for size in sizes:
         cells = []
-        for kind in CARRIERS:
+        for kind in kinds:
             c = by.get((kind, size))
-            text = "-" if c is None else "refused" if c["refused"] else str(c["p50_s"])
+            text = ("-" if c is None else "refused" if c["refused"]
+                    else "all failed" if c["p50_s"] is None else str(c["p50_s"]))
             cells.append(f"{text:>14}")
         lines.append(f"{size:>7.2f}  " + "  ".join(cells))
     return "\n".join(lines)
@@ -329,15 +348,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "daemon's QUIC fetches; real hivemind DHTs and QUIC endpoints, one process per "
         "member, on loopback or (--lab-rate-mbit) on hosts of their own with shaped uplinks.",
     )
-    parser.add_argument("--replicas", type=int, default=2, choices=(2, 3, 4),
-                        help="members of every round (a DiLoCo group holds at most 4)")
+    parser.add_argument("--replicas", type=int, default=2, choices=range(2, MAX_GROUP_QUIC + 1),
+                        metavar=f"2..{MAX_GROUP_QUIC}",
+                        help="members of every round; a round counts only when every member "
+                        f"holds every member's payload (one group: at most {MAX_GROUP} with "
+                        f"the gather and quic4, {MAX_GROUP_QUIC} with quic)")
     parser.add_argument("--sizes", type=float, nargs="+", default=list(DEFAULT_SIZES),
                         help="payload per replica, MiB (21: the small run's stage in int8)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per cell")
-    parser.add_argument("--carriers", nargs="+", choices=CARRIERS, default=list(CARRIERS))
+    parser.add_argument("--carriers", nargs="+", choices=CARRIERS, default=list(DEFAULT_CARRIERS),
+                        help="gather: payloads in hivemind's gather (groups of 4); quic: the "
+                        f"daemon's QUIC carrier (groups of up to {MAX_GROUP_QUIC}); quic4: "
+                        f"the QUIC carrier with groups of {MAX_GROUP}, as before groups grew")
     parser.add_argument("--matchmaking", type=float, default=1.0,
                         help="hivemind's min_matchmaking_time, s (the floor of a round "
-                        "whose group stays under 4)")
+                        "whose group stays under its carrier's target size)")
+    parser.add_argument("--fetches-at-once", type=int, default=None,
+                        help="QUIC carriers: payloads a member fetches at once (the node's "
+                        "averaging.outer_fetches_at_once by default)")
     parser.add_argument("--lab-rate-mbit", type=float, default=None,
                         help="run each member on a host of its own in the network lab (root), "
                         "its uplink limited to this rate by tbf (no added delay or loss)")
@@ -350,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.fetches_at_once is None:
+        args.fetches_at_once = AveragingConfig().outer_fetches_at_once
     if args.role == "member":
         return member(args)
     if args.repeats < 1 or any(s <= 0 for s in args.sizes):

@@ -282,6 +282,18 @@ class AveragingConfig(BaseModel):
             "counts only."
         ),
     )
+    outer_fetches_at_once: int = Field(
+        default=7,
+        ge=1,
+        le=16,
+        description=(
+            "DiLoCo over QUIC: the other members' payloads this replica fetches at once (7: "
+            "all of a group of 8). Every member fetches in the same rotation (the k-th fetch "
+            "of the member at position i goes to position i + k), so with a smaller number "
+            "each member's uplink serves about that many fetches at a time, and holds that "
+            "many transfers' buffers, instead of every other member's at once."
+        ),
+    )
     verbose: bool = Field(default=False, description="Log hivemind's progress messages at INFO.")
 
     @model_validator(mode="after")

@@ -41,7 +41,11 @@ rides in matchmaking messages, bounded by libp2p's 4 MiB message size and relaye
 the group's leader, which caps a replica's payload at ``MAX_PAYLOAD_BYTES``; that carrier
 (``HivemindCarrier`` alone) is what runs without a QUIC endpoint (tests of the rounds);
 a daemon's payloads go over QUIC, bounded by the transport's ``max_message_bytes``. A
-group holds at most ``MAX_GROUP`` replicas (each sends its payload to every other).
+group holds at most ``MAX_GROUP`` replicas when the payloads ride in the gather (the
+leader relays every payload to every member), ``MAX_GROUP_QUIC`` when they travel over QUIC
+(the gather carries descriptors; each member's uplink sends its payload to every other,
+``group - 1`` times). A stage with more replicas than that splits into groups that average
+apart (docs/averaging.md).
 
 Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
 joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
@@ -104,6 +108,10 @@ MAX_ROUNDS_BEHIND = 1
 # gathered payloads ride in hivemind's matchmaking messages (libp2p: 4 MiB a message)
 MAX_PAYLOAD_BYTES = 768 * 1024
 MAX_GROUP = 4
+# with the payloads over QUIC: a round costs each member ``group - 1`` payloads up and down
+# and holds as many in memory (docs/averaging.md: why 8)
+MAX_GROUP_QUIC = 8
+GROUP_PAYLOADS_BUDGET = 1 << 30  # bytes of other members' payloads a round may hold at once
 MAX_WEIGHT = 1e12
 
 
@@ -161,11 +169,13 @@ class HivemindCarrier(AveragerCarrier):
     def __init__(
         self, host: AveragerHost, prefix: str,
         state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
-        round_timeout: float,
+        round_timeout: float, group_size: int = MAX_GROUP,
     ) -> None:
+        """``group_size``: ``MAX_GROUP`` when the payloads ride in the gather, up to
+        ``MAX_GROUP_QUIC`` when it carries only their descriptors."""
         super().__init__(
             host, prefix, [torch.zeros(1)],  # the payloads travel in the gather
-            state, config, group_size=MAX_GROUP, round_timeout=round_timeout, what="outer",
+            state, config, group_size=group_size, round_timeout=round_timeout, what="outer",
         )
 
     def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
@@ -236,15 +246,16 @@ class DilocoOptimizer(InnerStepsOptimizer):
         spec: RunSpec,
         stage: int,
         config: AveragingConfig,
-        carrier: Callable[[Callable[[], tuple[Any, list[torch.Tensor]]]], OuterCarrier],
+        carrier: Callable[[Callable[[], tuple[Any, list[torch.Tensor]]], int], OuterCarrier],
         others: Callable[[], int] | None = None,
         max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
-        """``carrier(state)`` builds the transport of the rounds; ``state`` gives the outer
-        state it shares. :func:`make_diloco_optimizer` passes hivemind's, or the QUIC
-        carrier. ``others`` counts the stage's other replicas the node knows of: with none,
-        a round is taken alone, without matchmaking (which would hold the device thread for
-        the round's timeout and find nobody). ``max_payload_bytes``: the largest payload a
+        """``carrier(state, payload_nbytes)`` builds the transport of the rounds; ``state``
+        gives the outer state it shares, ``payload_nbytes`` is the largest round's payload.
+        :func:`make_diloco_optimizer` passes hivemind's, or the QUIC carrier. ``others``
+        counts the stage's other replicas the node knows of: with none, a round is taken
+        alone, without matchmaking (which would hold the device thread for the round's
+        timeout and find nobody). ``max_payload_bytes``: the largest payload a
         round of that carrier carries (a stage whose payload is larger is refused)."""
         super().__init__(module, spec, others)
         self.run_id = averaging_run_id(spec, stage) + "_outer"
@@ -280,7 +291,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
                 "round carries: set averaging.compression to a smaller codec (int8, int4, "
                 "sign, topk) or raise averaging.fragments (each round carries one fragment)"
             )
-        self._carrier = carrier(self._shared_state)
+        self._carrier = carrier(self._shared_state, self.payload_nbytes)
         self._round: _Round | None = None  # the round whose gather is under way
 
     # ---- the StageOptimizer contract -----------------------------------------------------
@@ -456,8 +467,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
         payload = data.get("payload")
         if data.get("round") != self.outer.round or data.get("anchor") != digest:
             if data.get("round") == self.outer.round:
-                # replicas that took one round in different groups (docs/averaging.md: six
-                # or more replicas), or a liar: either way the operator should see it
+                # replicas that took one round in different groups (docs/averaging.md: more
+                # replicas than a group holds), or a liar: either way the operator should see it
                 self.members_at_another_anchor += 1
                 log.warning("%s: %s is at our round %d with another anchor; left out (the "
                             "stage's replicas may have split into groups that average apart)",
@@ -608,6 +619,15 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._samples = [0.0] * len(self._fragments)
 
 
+def quic_group_size(payload_nbytes: int) -> int:
+    """The largest group of an outer round over QUIC for payloads of ``payload_nbytes``:
+    ``MAX_GROUP_QUIC``, less where the other members' payloads would hold more than
+    ``GROUP_PAYLOADS_BUDGET`` at once, never less than ``MAX_GROUP`` (the gather's). Every
+    replica of a stage computes the same from the run spec."""
+    fits = 1 + GROUP_PAYLOADS_BUDGET // max(1, payload_nbytes)
+    return max(MAX_GROUP, min(MAX_GROUP_QUIC, fits))
+
+
 def make_diloco_optimizer(
     module: nn.Module, spec: RunSpec, stage: int, host: AveragerHost, config: AveragingConfig,
     others: Callable[[], int] | None = None, payloads: PayloadLink | None = None,
@@ -622,10 +642,10 @@ def make_diloco_optimizer(
     prefix = averaging_run_id(spec, stage) + "_outer"
     timeout = spec.averaging.round_timeout_s
 
-    def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]]) -> OuterCarrier:
-        gather = HivemindCarrier(host, prefix, state, config, timeout)
+    def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]], nbytes: int) -> OuterCarrier:
         if payloads is None:
-            return gather
+            return HivemindCarrier(host, prefix, state, config, timeout)
+        gather = HivemindCarrier(host, prefix, state, config, timeout, quic_group_size(nbytes))
         return QuicOuterCarrier(gather, payloads, stage, prefix, config, round_timeout=timeout)
 
     cap = MAX_PAYLOAD_BYTES if payloads is None else payloads.max_payload_bytes

@@ -69,6 +69,7 @@ RETRY_CODES = frozenset({"busy", "transfer_failed"})
 RETRY_MIN_S = 1.0
 RETRY_PAUSE_S = 0.2
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SKIPPED = "not fetched: another member's fetch failed"
 _MAX_ID = 128  # characters of a transport peer id
 
 
@@ -243,6 +244,7 @@ class QuicOuterCarrier:
         self._inner = inner
         self._link = link
         self._run = run
+        self._fetches_at_once = config.outer_fetches_at_once
         self.max_payload_bytes = link.max_payload_bytes
         self.counts: Counter[str] = Counter()  # fetched, fetched_bytes, fetch_failed.<why>
         # a member's request may come before our own gather ended (at most its timeout)
@@ -311,29 +313,58 @@ class QuicOuterCarrier:
                          payload: bytes, ours: dict[str, Any], timeout: float
                          ) -> dict[str, Any] | None:
         """``gathered`` with each needed member's bytes as ``payload``; None when one of them
-        could not be fetched (the replica then misses the round: module docstring)."""
+        could not be fetched (the replica then misses the round: module docstring).
+
+        The fetches follow a rotation every member derives alike from the descriptors:
+        members ordered by transport id, the member at position ``i`` fetches from
+        ``i + 1``, ``i + 2``, ... in turn, ``fetches_at_once`` at a time (by default all).
+        With fewer, each member's uplink serves about that many fetches at once, not
+        ``group - 1``; in the lab that was slower, not faster (docs/averaging.md)."""
         book = {a.peer_id: a for a in self._link.addresses()}
         me = self._link.endpoint.peer_id
-        fetches: dict[str, asyncio.Task[bytes | str]] = {}
-        for peer, d in needed.items():
-            if d["transport_id"] == me:
+        order = sorted(d["transport_id"] for d in needed.values())
+        by_id = {d["transport_id"]: peer for peer, d in needed.items()}
+        start = order.index(me) if me in order else 0
+        rotation = [order[(start + k) % len(order)] for k in range(len(order))]
+        targets: list[tuple[str, PeerAddress]] = []
+        for tid in rotation:
+            if tid == me:
                 continue
-            address = book.get(d["transport_id"])
+            address = book.get(tid)
             if address is None:
                 log.info("%s: round member %s is not among the stage's servers we know; "
-                         "round missed", self._run, d["transport_id"][:12])
+                         "round missed", self._run, tid[:12])
                 self.counts["fetch_failed.unknown_member"] += 1
                 return None
-            fetches[peer] = asyncio.ensure_future(self._fetch(address, d, timeout))
+            targets.append((by_id[tid], address))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        slots = asyncio.Semaphore(self._fetches_at_once)
+        failed = asyncio.Event()
+
+        async def one(peer: str, address: PeerAddress) -> bytes | str:
+            async with slots:
+                if failed.is_set():  # one fetch failed: the round is missed anyway
+                    return _SKIPPED
+                got = await self._fetch(address, needed[peer], deadline - loop.time())
+                if isinstance(got, str):
+                    failed.set()
+                return got
+
+        fetches = {peer: asyncio.ensure_future(one(peer, address)) for peer, address in targets}
         if fetches:
             await asyncio.wait(fetches.values())
+        results = {peer: task.result() for peer, task in fetches.items()}
+        failures = [(peer, got) for peer, got in results.items()
+                    if isinstance(got, str) and got != _SKIPPED]
+        if failures:
+            peer, why = failures[0]
+            log.info("%s: the payload of %s could not be fetched (%s); round missed",
+                     self._run, needed[peer]["transport_id"][:12], why)
+            return None
         out = dict(gathered)
-        for peer, task in fetches.items():
-            got = task.result()
-            if isinstance(got, str):
-                log.info("%s: the payload of %s could not be fetched (%s); round missed",
-                         self._run, needed[peer]["transport_id"][:12], got)
-                return None
+        for peer, got in results.items():
+            assert isinstance(got, bytes)
             out[peer] = {**needed[peer], "payload": got}
         for peer, d in needed.items():
             if d["transport_id"] == me and d["payload_sha256"] == ours["payload_sha256"]:

@@ -30,6 +30,7 @@ def test_both_carriers_complete_checked_rounds_and_the_gather_refuses_its_overfl
     report = json.loads(out[-1])
     assert rc == 0, report
     assert report["replicas"] == 2 and report["lab_rate_mbit"] is None
+    assert report["fetches_at_once"] == 7  # the node's default
     assert report["gather_cap_bytes"] == 768 * 1024
     cells = {(c["carrier"], c["size_mib"]): c for c in report["results"]}
     assert set(cells) == {("gather", 0.05), ("gather", 1.0), ("quic", 0.05), ("quic", 1.0)}

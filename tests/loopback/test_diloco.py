@@ -33,7 +33,13 @@ from wanswarm.node.config.averaging_spec import AveragingSpec
 from wanswarm.node.config.runspec import ModelSpec
 from wanswarm.node.stage.averaging import AveragingConfig, AveragingError, CollaborativeOptimizer
 from wanswarm.node.stage.checkpoint import CheckpointError
-from wanswarm.node.stage.diloco import MAX_PAYLOAD_BYTES, DilocoOptimizer, make_diloco_optimizer
+from wanswarm.node.stage.diloco import (
+    MAX_GROUP,
+    MAX_GROUP_QUIC,
+    MAX_PAYLOAD_BYTES,
+    DilocoOptimizer,
+    make_diloco_optimizer,
+)
 from wanswarm.node.stage.outer import ANCHOR_PREFIX, RESIDUAL_PREFIX
 from wanswarm.node.stage.outer_payloads import PayloadLink
 from wanswarm.node.training.model import build_stage
@@ -63,10 +69,14 @@ PER_STEP = SPEC.batch.micro_batches_per_step
 class _Host:
     """Builds averagers over a raw hivemind DHT, as membership.dht.Dht does over its own."""
 
+    group_sizes: list[int] = []  # every outer averager's target_group_size, in order
+
     def __init__(self, dht: Any) -> None:
         self._dht = dht
 
     def hivemind_averager(self, factory: Any, **options: Any) -> Any:
+        if str(options.get("prefix", "")).endswith("_outer"):
+            _Host.group_sizes.append(options["target_group_size"])
         return factory(dht=self._dht, **options)
 
 
@@ -124,7 +134,9 @@ def _finish_round(opt: DilocoOptimizer, timeout: float = 60.0) -> None:
 @pytest.mark.timeout(120)
 def test_replicas_are_identical_after_an_outer_round_and_a_newcomer_starts_there() -> None:
     with hivemind_dhts(2) as dhts:
+        _Host.group_sizes.clear()
         built = [(m, dhts.own(opt)) for m, opt in (_build(d) for d in dhts.dhts)]
+        assert _Host.group_sizes == [MAX_GROUP, MAX_GROUP]  # payloads in the gather: 4
         initial = [p.detach().clone() for p in built[0][0].parameters()]
         _round_together(built)
         (m_a, a), (m_b, b) = built
@@ -253,12 +265,15 @@ def test_payloads_over_quic_carry_a_stage_the_gather_cannot() -> None:
 
     with _endpoints_on_a_loop(2) as (loop, eps), hivemind_dhts(2) as dhts:
         book = [PeerAddress(ep.peer_id, *ep.address) for ep in eps]
+        _Host.group_sizes.clear()
         built = [
             (m, dhts.own(opt)) for m, opt in (
                 _build(d, big, PayloadLink(ep, loop, lambda: book))
                 for d, ep in zip(dhts.dhts, eps, strict=True)
             )
         ]
+        # descriptors in the gather, payloads over QUIC: groups of up to 8
+        assert _Host.group_sizes == [MAX_GROUP_QUIC, MAX_GROUP_QUIC]
         assert built[0][1].payload_nbytes > 2 * MAX_PAYLOAD_BYTES  # the gather alone refuses it
         _round_together(built, accumulate, b)
         (m_a, a), (m_b, b_opt) = built

@@ -101,6 +101,7 @@ def _data(payload: bytes, round_: int = 3, anchor: str = "a" * 16) -> dict[str, 
 async def _carriers(stack: AsyncExitStack, rv: _Rendezvous, n: int, *,
                     tampers: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
                     book: Callable[[list[PeerAddress]], list[PeerAddress]] = lambda a: a,
+                    config: AveragingConfig = CONFIG,
                     ) -> tuple[list[Endpoint], list[QuicOuterCarrier]]:
     eps = [await stack.enter_async_context(endpoint()) for _ in range(n)]
     addresses = [address(ep) for ep in eps]
@@ -109,7 +110,7 @@ async def _carriers(stack: AsyncExitStack, rv: _Rendezvous, n: int, *,
     for i, ep in enumerate(eps):
         link = PayloadLink(ep, loop, lambda: book(addresses))
         inner = rv.inner(f"hm{i}", (tampers or {}).get(i))
-        carrier = QuicOuterCarrier(inner, link, STAGE, RUN, CONFIG, round_timeout=10.0)
+        carrier = QuicOuterCarrier(inner, link, STAGE, RUN, config, round_timeout=10.0)
         stack.callback(carrier.shutdown)
         carriers.append(carrier)
     return eps, carriers
@@ -122,6 +123,45 @@ async def _gather_all(carriers: list[QuicOuterCarrier], payloads: list[bytes],
         while not all(p.done() for p in pendings):
             await asyncio.sleep(0.02)
     return [p.result() for p in pendings]
+
+
+def test_members_fetch_in_one_rotation_so_no_uplink_serves_everyone_at_once() -> None:
+    """With ``outer_fetches_at_once = 1`` each of four members fetches one payload at a time,
+    in the order every member derives from the descriptors: the member at position i (by
+    transport id) fetches from i + 1, i + 2, i + 3."""
+    one_at_a_time = CONFIG.model_copy(update={"outer_fetches_at_once": 1})
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            rv = _Rendezvous(4)
+            eps, carriers = await _carriers(stack, rv, 4, config=one_at_a_time)
+            order: dict[str, list[str]] = {ep.peer_id: [] for ep in eps}
+            in_flight: dict[str, int] = dict.fromkeys(order, 0)
+            most: dict[str, int] = dict.fromkeys(order, 0)
+            for ep in eps:
+                sent = ep.request
+
+                async def request(peer: PeerAddress, *args: Any, _me: str = ep.peer_id,
+                                  _sent: Any = sent, **kwargs: Any) -> Response:
+                    order[_me].append(peer.peer_id)
+                    in_flight[_me] += 1
+                    most[_me] = max(most[_me], in_flight[_me])
+                    try:
+                        return await _sent(peer, *args, **kwargs)  # type: ignore[no-any-return]
+                    finally:
+                        in_flight[_me] -= 1
+
+                ep.request = request  # type: ignore[method-assign]
+            payloads = [_payload(i, 200_000) for i in range(4)]
+            results = await _gather_all(carriers, payloads)
+            assert all(r is not None and len(r) == 4 for r in results)
+            ids = sorted(order)
+            for me, targets in order.items():
+                i = ids.index(me)
+                assert targets == [ids[(i + k) % 4] for k in (1, 2, 3)], (me, targets)
+                assert most[me] == 1
+
+    run(main())
 
 
 def test_payloads_beyond_the_gather_cap_arrive_exact_at_every_member() -> None:

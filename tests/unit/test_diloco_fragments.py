@@ -64,7 +64,7 @@ def _pair() -> tuple[list[torch.nn.Module], list[DilocoOptimizer]]:
         side = _Side(posted, name)
         modules.append(module)
         opts.append(
-            DilocoOptimizer(module, STREAMED, STAGE, AveragingConfig(), lambda _, s=side: s)
+            DilocoOptimizer(module, STREAMED, STAGE, AveragingConfig(), lambda _, __, s=side: s)
         )
     return modules, opts
 
@@ -132,7 +132,7 @@ def test_the_spec_refuses_fragments_it_cannot_stream() -> None:
     )})
     module = build_stage(too_many, STAGE)
     with pytest.raises(AveragingError, match="lower averaging.fragments"):
-        DilocoOptimizer(module, too_many, STAGE, AveragingConfig(), lambda _: None)  # type: ignore[arg-type,return-value]
+        DilocoOptimizer(module, too_many, STAGE, AveragingConfig(), lambda *_: None)  # type: ignore[arg-type,return-value]
 
 
 def test_one_fragment_keeps_a_diloco_runs_id() -> None:

@@ -19,7 +19,14 @@ from wanswarm.node.config.averaging_spec import AveragingSpec
 from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
 from wanswarm.node.stage.averaging import AveragingConfig, AveragingError
 from wanswarm.node.stage.checkpoint import CheckpointError
-from wanswarm.node.stage.diloco import MAX_PAYLOAD_BYTES, DilocoOptimizer
+from wanswarm.node.stage.diloco import (
+    GROUP_PAYLOADS_BUDGET,
+    MAX_GROUP,
+    MAX_GROUP_QUIC,
+    MAX_PAYLOAD_BYTES,
+    DilocoOptimizer,
+    quic_group_size,
+)
 from wanswarm.node.stage.outer import MOMENTUM_PREFIX
 from wanswarm.node.training.model import build_stage
 
@@ -57,7 +64,7 @@ class Scripted:
 
 def _replica(carrier: Scripted, spec: RunSpec = SPEC) -> tuple[torch.nn.Module, DilocoOptimizer]:
     module = build_stage(spec, STAGE)
-    return module, DilocoOptimizer(module, spec, STAGE, AveragingConfig(), lambda _: carrier)
+    return module, DilocoOptimizer(module, spec, STAGE, AveragingConfig(), lambda *_: carrier)
 
 
 def _train(module: torch.nn.Module, opt: DilocoOptimizer, seed: int, steps: int = H) -> None:
@@ -178,6 +185,17 @@ def test_a_stage_too_big_for_a_round_is_refused_naming_the_field() -> None:
     assert 4 * sum(p.numel() for p in build_stage(big, STAGE).parameters()) > MAX_PAYLOAD_BYTES
     with pytest.raises(AveragingError, match="averaging.compression"):
         _replica(Scripted(lambda data: None), big)
+
+
+def test_groups_over_quic_grow_to_eight_while_the_payloads_they_hold_fit() -> None:
+    mib = 1 << 20
+    assert (MAX_GROUP, MAX_GROUP_QUIC, GROUP_PAYLOADS_BUDGET) == (4, 8, 1 << 30)
+    assert quic_group_size(1) == quic_group_size(21 * mib) == 8  # the small run's int8 stage
+    assert quic_group_size(146 * mib) == 8  # 7 others: 1022 MiB
+    assert quic_group_size(147 * mib) == 7
+    assert quic_group_size(200 * mib) == 6
+    # never fewer than the gather's four (a member then holds three payloads, as before)
+    assert quic_group_size(600 * mib) == quic_group_size(1 << 40) == 4
 
 
 def test_a_checkpoint_file_carries_the_outer_state_and_residuals(tmp_path: Any) -> None:
