@@ -6,7 +6,7 @@ others' metadata, but a gathered value rides in a libp2p message (4 MiB) relayed
 the group's leader, which caps a replica's payload at 768 KiB. :class:`QuicOuterCarrier`
 keeps matchmaking for the group and puts a descriptor in the gather instead of the bytes::
 
-    {round, anchor, weight, payload_len, payload_sha256, transport_id}
+    {round, anchor, weight, payload_len, payload_sha256, transport_id, accuses}
 
 and every member then fetches each other member's payload from that member's stage server
 over the node's QUIC endpoint (WAN congestion control, FEC, the ``--wan`` emulator), one
@@ -22,7 +22,12 @@ decided the same way everywhere: the member is left out of the mean. What depend
 network (a member not in our peer table, a fetch that fails, times out or brings other
 bytes) is not: a replica that cannot fetch every payload it needs takes the round as missed
 (its residual restored, a newer outer state adopted from the stage, diloco.py), never a mean
-of fewer members than the others took, which would split the replicas' anchors.
+of fewer members than the others took, which would split the replicas' anchors. What a
+failed fetch teaches does go into the gathered data, of later rounds: a descriptor names in
+``accuses`` the members whose payload its replica could not fetch in its last
+``ACCUSE_ROUNDS`` rounds, and a member that more than half of the others name is left out
+everywhere alike (:func:`without_accused`), so a member that withholds its payload stalls
+one round of its group, not all of them.
 
 Serving (:class:`PayloadServer`): a replica offers its payload as it starts its gather,
 keyed by digest, and keeps the last ``HELD`` offers. Only the members of the offer's own
@@ -70,6 +75,10 @@ RETRY_MIN_S = 1.0
 RETRY_PAUSE_S = 0.2
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SKIPPED = "not fetched: another member's fetch failed"
+# a member whose payload we could not fetch is named in our descriptors for this many rounds
+# (until a fetch from it succeeds); one named by more than half of the others is left out
+ACCUSE_ROUNDS = 8
+MAX_ACCUSED = 16  # names in one descriptor's ``accuses``
 _MAX_ID = 128  # characters of a transport peer id
 
 
@@ -208,27 +217,52 @@ class PayloadLink:
 def check_descriptors(
     gathered: dict[str, Any], ours: dict[str, Any], payload_len: int
 ) -> dict[str, dict[str, Any]]:
-    """The members whose payloads this round needs, by hivemind peer: their descriptor is
-    well formed, at our round and anchor, of the stage's length, and names a transport id
-    no other member names. Decided from the gathered data alone (the same everywhere)."""
+    """The members whose payloads this round needs, by hivemind peer: those
+    :func:`well_formed` keeps and :func:`without_accused` does not leave out. Decided from
+    the gathered data alone (the same everywhere)."""
+    return without_accused(well_formed(gathered, ours, payload_len))
+
+
+def well_formed(
+    gathered: dict[str, Any], ours: dict[str, Any], payload_len: int
+) -> dict[str, dict[str, Any]]:
+    """The members whose descriptor is well formed, at our round and anchor, of the stage's
+    length, and names a transport id no other member names, by hivemind peer."""
     ids = Counter(
         d.get("transport_id") for d in gathered.values()
         if isinstance(d, dict) and isinstance(d.get("transport_id"), str)
     )
-    out = {}
+    kept = {}
     for peer, d in gathered.items():
         if not isinstance(d, dict):
             continue
         tid, digest, length = d.get("transport_id"), d.get("payload_sha256"), d.get("payload_len")
+        accuses = d.get("accuses", [])  # absent: a node from before accusations
         if (
             d.get("round") != ours["round"] or d.get("anchor") != ours["anchor"]
             or not isinstance(tid, str) or not 0 < len(tid) <= _MAX_ID or ids[tid] != 1
             or not isinstance(digest, str) or not _SHA256.match(digest)
             or type(length) is not int or length != payload_len
+            or not isinstance(accuses, list) or len(accuses) > MAX_ACCUSED
+            or not all(isinstance(a, str) and 0 < len(a) <= _MAX_ID for a in accuses)
         ):
             continue
-        out[peer] = d
-    return out
+        kept[peer] = d
+    return kept
+
+
+def without_accused(kept: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``kept`` less the members that more than half of the others accuse (name in their
+    ``accuses``: they could not fetch its payload in a recent round). A member that
+    withholds its payload makes every replica of its group miss one round; from the next,
+    the others name it and leave it out, so it stalls no more rounds while an honest
+    majority names it. A minority of liars cannot leave an honest member out."""
+    accusers: Counter[str] = Counter()
+    for d in kept.values():
+        for accused in set(d.get("accuses", [])) - {d["transport_id"]}:
+            accusers[accused] += 1
+    others = len(kept) - 1
+    return {peer: d for peer, d in kept.items() if 2 * accusers[d["transport_id"]] <= others}
 
 
 class QuicOuterCarrier:
@@ -245,6 +279,8 @@ class QuicOuterCarrier:
         self._link = link
         self._run = run
         self._fetches_at_once = config.outer_fetches_at_once
+        # transport id -> rounds left to name it in our descriptors (ACCUSE_ROUNDS)
+        self._accused: dict[str, int] = {}
         self.max_payload_bytes = link.max_payload_bytes
         self.counts: Counter[str] = Counter()  # fetched, fetched_bytes, fetch_failed.<why>
         # a member's request may come before our own gather ended (at most its timeout)
@@ -286,8 +322,10 @@ class QuicOuterCarrier:
         payload: bytes = data["payload"]
         digest = await off_loop(len(payload), lambda: sha256_hex(payload))
         described = {k: v for k, v in data.items() if k != "payload"}
+        accuses = sorted(self._accused)[:MAX_ACCUSED]
+        self._accused = {t: n - 1 for t, n in self._accused.items() if n > 1}
         described.update(payload_len=len(payload), payload_sha256=digest,
-                         transport_id=self._link.endpoint.peer_id)
+                         transport_id=self._link.endpoint.peer_id, accuses=accuses)
         offer = self._server.offer(self._run, payload, digest)
         try:
             pending = await asyncio.to_thread(self._inner.start_gather, described, timeout)
@@ -300,9 +338,22 @@ class QuicOuterCarrier:
             gathered = pending.result()
             if gathered is None:
                 return None
-            needed = check_descriptors(gathered, described, len(payload))
+            kept = well_formed(gathered, described, len(payload))
+            needed = without_accused(kept)
             # the members may fetch ours while we fetch theirs
             self._server.allow(offer, {d["transport_id"] for d in needed.values()})
+            me = self._link.endpoint.peer_id
+            if not any(d["transport_id"] == me for d in needed.values()):
+                # the others could not fetch our payload in recent rounds: they leave us out
+                # (and refuse us theirs); we miss the round and adopt the newer state
+                log.warning("%s: most of the round's members could not fetch our payload in "
+                            "recent rounds and leave us out; round missed", self._run)
+                self.counts["left_out_accused_self"] += 1
+                return None
+            if len(needed) < len(kept):
+                self.counts["left_out_accused"] += len(kept) - len(needed)
+                log.info("%s: %d member(s) left out, accused by most of the others of "
+                         "withholding their payload", self._run, len(kept) - len(needed))
             left = max(timeout - (time.monotonic() - started), timeout / 2)
             return await self._fetch_all(gathered, needed, payload, described, left)
         finally:
@@ -357,6 +408,12 @@ class QuicOuterCarrier:
         results = {peer: task.result() for peer, task in fetches.items()}
         failures = [(peer, got) for peer, got in results.items()
                     if isinstance(got, str) and got != _SKIPPED]
+        for peer, got in results.items():
+            tid = needed[peer]["transport_id"]
+            if isinstance(got, bytes):
+                self._accused.pop(tid, None)
+            elif got != _SKIPPED:  # named in our next ACCUSE_ROUNDS descriptors
+                self._accused[tid] = ACCUSE_ROUNDS
         if failures:
             peer, why = failures[0]
             log.info("%s: the payload of %s could not be fetched (%s); round missed",

@@ -41,12 +41,17 @@ SIZE = 2 * MAX_PAYLOAD_BYTES + 12_345  # beyond what the gather carries
 
 
 class _Rendezvous:
-    """hivemind's gather in one process: every member gets all members' data once all sent."""
+    """hivemind's gather in one process: every member gets all members' data once all sent
+    (``got``: the last round's; ``rounds`` keeps each round's apart)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.got: dict[str, dict[str, Any]] = {}
+        self.rounds: dict[Any, dict[str, dict[str, Any]]] = {}
         self.lock = threading.Lock()
+
+    @property
+    def got(self) -> dict[str, dict[str, Any]]:
+        return self.rounds[max(self.rounds)] if self.rounds else {}
 
     def inner(self, name: str, tamper: Callable[[dict[str, Any]], dict[str, Any]] | None = None
               ) -> _Inner:
@@ -63,8 +68,8 @@ class _Inner:
     def start_gather(self, data: dict[str, Any], timeout: float) -> _Pending:
         self.sent = self.tamper(data) if self.tamper else data
         with self.rv.lock:
-            self.rv.got[self.name] = self.sent
-        return _Pending(self.rv)
+            self.rv.rounds.setdefault(data["round"], {})[self.name] = self.sent
+        return _Pending(self.rv, data["round"])
 
     def newer_state(self, timeout: float) -> None:
         return None
@@ -77,16 +82,16 @@ class _Inner:
 
 
 class _Pending:
-    def __init__(self, rv: _Rendezvous) -> None:
-        self.rv = rv
+    def __init__(self, rv: _Rendezvous, round_: Any) -> None:
+        self.rv, self.round = rv, round_
 
     def done(self) -> bool:
         with self.rv.lock:
-            return len(self.rv.got) == self.rv.n
+            return len(self.rv.rounds[self.round]) == self.rv.n
 
     def result(self) -> dict[str, Any]:
         with self.rv.lock:
-            return {k: dict(v) for k, v in self.rv.got.items()}
+            return {k: dict(v) for k, v in self.rv.rounds[self.round].items()}
 
 
 def _payload(seed: int, size: int = SIZE) -> bytes:
@@ -117,8 +122,9 @@ async def _carriers(stack: AsyncExitStack, rv: _Rendezvous, n: int, *,
 
 
 async def _gather_all(carriers: list[QuicOuterCarrier], payloads: list[bytes],
-                      timeout: float = 30.0) -> list[dict[str, Any] | None]:
-    pendings = [c.start_gather(_data(p), 10.0) for c, p in zip(carriers, payloads, strict=True)]
+                      timeout: float = 30.0, round_: int = 3) -> list[dict[str, Any] | None]:
+    pendings = [c.start_gather(_data(p, round_), 10.0)
+                for c, p in zip(carriers, payloads, strict=True)]
     async with asyncio.timeout(timeout):
         while not all(p.done() for p in pendings):
             await asyncio.sleep(0.02)
@@ -255,6 +261,38 @@ def test_a_member_we_cannot_find_or_that_withholds_makes_the_round_missed() -> N
     run(main(), timeout=90)
 
 
+def test_a_member_that_withholds_is_left_out_from_the_next_round_on() -> None:
+    """Member 2 describes its payload but serves it to nobody: the first round is missed by
+    every member; from the next, members 0 and 1 name it in their descriptors, it is left
+    out everywhere alike, and they average without it; it misses its rounds alone."""
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            rv = _Rendezvous(3)
+            eps, carriers = await _carriers(stack, rv, 3)
+
+            async def withhold(request: Request) -> Response:
+                raise RemoteError("busy", "not now")
+
+            eps[2].register(payload_kind(STAGE), withhold, max_bytes=0)
+            payloads = [_payload(i, 4000) for i in range(3)]
+            first = await _gather_all(carriers, payloads, round_=1)
+            assert first[0] is None and first[1] is None
+            assert rv.rounds[1]["hm0"]["accuses"] == []
+            second = await _gather_all(carriers, payloads, round_=2)
+            for result in second[:2]:
+                assert result is not None
+                assert result["hm0"]["payload"] == payloads[0]
+                assert result["hm1"]["payload"] == payloads[1]
+                assert "payload" not in result["hm2"]  # diloco leaves it out
+            assert second[2] is None
+            assert rv.rounds[2]["hm0"]["accuses"] == [eps[2].peer_id]
+            assert carriers[0].counts["left_out_accused"] == 1
+            assert carriers[2].counts["left_out_accused_self"] == 1
+
+    run(main(), timeout=90)
+
+
 def test_a_descriptor_wrong_on_its_face_is_left_out_everywhere_without_a_fetch() -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
@@ -348,6 +386,32 @@ def test_descriptors_are_judged_from_the_gathered_data_alone() -> None:
         "not_a_dict": [1, 2],
     }
     assert sorted(check_descriptors(gathered, ours, 10)) == ["me", "p1"]
+
+    # accusations: more than half of the other kept members must name a member
+    def member(tid: str, accuses: Any = None) -> dict[str, Any]:
+        d = dict(ours, transport_id=tid)
+        if accuses is not None:
+            d["accuses"] = accuses
+        return d
+
+    honest = {t: member(t, ["x"]) for t in ("a", "b", "c")}
+    group = {**honest, "x": member("x", ["a", "b"])}
+    assert sorted(check_descriptors(group, ours, 10)) == ["a", "b", "c"]  # 3 of 3 name x
+    # two of four others naming x is not more than half: kept
+    group = {"a": member("a", ["x"]), "b": member("b", ["x"]), "c": member("c", []),
+             "d": member("d"), "x": member("x", ["a"])}
+    assert sorted(check_descriptors(group, ours, 10)) == ["a", "b", "c", "d", "x"]
+    # a liar naming everyone has one vote, and naming itself counts for nothing
+    group = {"a": member("a"), "b": member("b"), "x": member("x", ["a", "b", "x"])}
+    assert sorted(check_descriptors(group, ours, 10)) == ["a", "b", "x"]
+    # malformed accusations leave the describing member out, as any malformed descriptor
+    for bad in ("x", ["x"] * 17, [1], [""], ["y" * 129]):
+        group = {"a": member("a"), "b": member("b", bad)}
+        assert sorted(check_descriptors(group, ours, 10)) == ["a"], bad
+    # in a pair, one naming the other leaves the other out; naming each other, both
+    assert sorted(check_descriptors({"a": member("a", ["b"]), "b": member("b")}, ours, 10)) \
+        == ["a"]
+    assert check_descriptors({"a": member("a", ["b"]), "b": member("b", ["a"])}, ours, 10) == {}
 
 
 def test_the_daemon_link_caps_payloads_at_the_transport_message_limit() -> None:
