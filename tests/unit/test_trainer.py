@@ -354,27 +354,38 @@ def test_busy_and_dead_servers_are_banned_and_routed_around() -> None:
     assert applied == 6  # every micro-batch applied once at stage 1, wherever it went
 
 
+def _backing_off(**overrides: Any) -> TrainerConfig:
+    """One micro-batch at a time, a 0.05 s first back-off, bans too short to matter."""
+    fields: dict[str, Any] = {
+        "max_in_flight": 1,
+        "request_timeout_s": 30.0,
+        "retry_backoff_s": 0.05,
+        "router": RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
+    }
+    fields.update(overrides)
+    return TrainerConfig(**fields)
+
+
+def _timed_run(swarm: Swarm, config: TrainerConfig, micro_batches: int) -> tuple[Trainer, float]:
+    """Train ``micro_batches`` through ``swarm``; the trainer and the seconds it took."""
+
+    async def main() -> tuple[Trainer, float]:
+        async with swarm:
+            trainer = swarm.trainer(config)
+            started = asyncio.get_running_loop().time()
+            await trainer.run(max_micro_batches=micro_batches)
+            return trainer, asyncio.get_running_loop().time() - started
+
+    return asyncio.run(main())
+
+
 def test_a_stage_whose_only_server_is_busy_is_asked_again_after_a_back_off() -> None:
     spec = _spec()
     swarm = Swarm(spec, [1, 1, 1])
     # the only server of stage 1 is busy three times (a replica stalled in an averaging
     # round), then serves again
     swarm.net.faults["s1r0"] = [RemoteError("busy", "queue full")] * 3
-    config = TrainerConfig(
-        max_in_flight=1,
-        request_timeout_s=30.0,
-        retry_backoff_s=0.05,
-        router=RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
-    )
-
-    async def main() -> tuple[Trainer, float]:
-        async with swarm:
-            trainer = swarm.trainer(config)
-            started = asyncio.get_running_loop().time()
-            await trainer.run(max_micro_batches=1)
-            return trainer, asyncio.get_running_loop().time() - started
-
-    trainer, took = asyncio.run(main())
+    trainer, took = _timed_run(swarm, _backing_off(), micro_batches=1)
     c = trainer.counters
     assert (c.completed, c.failed) == (1, 0)  # the fourth attempt found it serving
     assert c.errors["busy"] == 3 and c.backoffs == 3
@@ -389,22 +400,7 @@ def test_a_stage_whose_only_server_cannot_be_reached_is_retried_after_back_offs(
     spec = _spec()
     swarm = Swarm(spec, [1, 1, 1])
     swarm.net.dead.add("s0r0")
-    config = TrainerConfig(
-        max_in_flight=1,
-        request_timeout_s=30.0,
-        max_attempts=4,
-        retry_backoff_s=0.05,
-        router=RouterConfig(ban_base_s=0.01, ban_max_s=0.01),
-    )
-
-    async def main() -> tuple[Trainer, float]:
-        async with swarm:
-            trainer = swarm.trainer(config)
-            started = asyncio.get_running_loop().time()
-            await trainer.run(max_micro_batches=2)
-            return trainer, asyncio.get_running_loop().time() - started
-
-    trainer, took = asyncio.run(main())
+    trainer, took = _timed_run(swarm, _backing_off(max_attempts=4), micro_batches=2)
     c = trainer.counters
     assert (c.completed, c.failed) == (0, 2)
     assert c.errors["ConnectError"] == 8 and c.backoffs == 6  # the last attempt does not wait
