@@ -74,7 +74,7 @@ from .errors import (
 from .exchange import Inbound, Message, Outgoing, send_message
 from .framing import WIRE_VERSION, MessageHeader, encode_header, error_header
 from .identity import Identity
-from .peer_address import PeerAddress
+from .peer_address import PeerAddress, Resolver
 from .quic_link import QuicLink
 from .redundancy import LossEstimator
 from .stream import QuicStream, StreamCode
@@ -643,11 +643,7 @@ class Endpoint:
         return await self._traversal.dial_back(peer, timeout)
 
     async def keep(
-        self,
-        peer: PeerAddress,
-        *,
-        timeout: float,
-        resolve: Callable[[str], PeerAddress | None] | None = None,
+        self, peer: PeerAddress, *, timeout: float, resolve: Resolver | None = None
     ) -> None:
         """Use ``peer`` as our rendezvous: keep a connection to it open (re-made when it
         dies, PINGed every ``traversal.keepalive_interval_s``) and accept introductions

@@ -8,9 +8,10 @@ a ``reachable`` peer is dialled directly, an unreachable one through its ``rende
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PeerAddress"]
+__all__ = ["PeerAddress", "Resolver"]
 
 
 @dataclass(frozen=True)
@@ -28,3 +29,7 @@ class PeerAddress:
     port: int
     reachable: bool = True
     rendezvous: PeerAddress | None = None
+
+
+# a kept peer's newest announced address by peer id (None: not known), asked before a re-dial
+Resolver = Callable[[str], PeerAddress | None]

@@ -43,7 +43,7 @@ from .config import TransportConfig
 from .connections import Connections
 from .errors import AuthenticationError, ConnectError, RemoteError, TransportError
 from .identity import Identity
-from .peer_address import PeerAddress
+from .peer_address import PeerAddress, Resolver
 from .quic_link import Address, CloseCode, QuicLink
 from .quic_socket import ProbePort, QuicSocket
 from .rate_limit import KeyedBuckets, TokenBucket
@@ -110,7 +110,7 @@ class Traversal:
         self._now = monotonic
         self._rendezvous: dict[str, PeerAddress] = {}
         # per kept peer: where to look up its newest address before a re-dial
-        self._resolvers: dict[str, Callable[[str], PeerAddress | None]] = {}
+        self._resolvers: dict[str, Resolver] = {}
         self._keepers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         per_peer = cfg.introductions_per_minute / 60.0
@@ -180,12 +180,8 @@ class Traversal:
 
     # keeping rendezvous connections
 
-    async def keep(
-        self,
-        peer: PeerAddress,
-        timeout: float,
-        resolve: Callable[[str], PeerAddress | None] | None = None,
-    ) -> None:
+    async def keep(self, peer: PeerAddress, timeout: float, resolve: Resolver | None = None
+                   ) -> None:
         """Keep an authenticated connection to ``peer`` open from now on (re-made when
         it dies, PINGed every ``keepalive_interval_s``), and accept introductions and
         relay offers from it. ConnectError if the first connection is not up within

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from ...transport.endpoint import PeerAddress
 from ...transport.errors import TransportError
+from ...transport.peer_address import Resolver
 from ..logs import get_logger, short_peer
 from .addresses import dialable, is_loopback, peer_address
 from .peers import Peer, PeerTable
@@ -66,11 +67,7 @@ class ReachEndpoint(Protocol):
     async def dial_back(self, peer: PeerAddress, *, timeout: float) -> bool: ...
 
     async def keep(
-        self,
-        peer: PeerAddress,
-        *,
-        timeout: float,
-        resolve: Callable[[str], PeerAddress | None] | None = None,
+        self, peer: PeerAddress, *, timeout: float, resolve: Resolver | None = None
     ) -> None: ...
 
     def release(self, peer_id: str) -> None: ...
@@ -267,15 +264,12 @@ class Reachability:
         one. The endpoint's keeper looks the rendezvous' address up in the peer table
         before it re-dials (a rendezvous restarted on another port is found again at the
         address it announces, not only at our next check)."""
-        previous = self.state.rendezvous
-        if previous is not None and (rendezvous is None or rendezvous.peer_id != previous):
-            self.endpoint.release(previous)
-            self._kept = None
-        if rendezvous is None:
-            return
         kept = self._kept
-        if kept is not None and (kept.peer_id, kept.host, kept.port) == (
-            rendezvous.peer_id, rendezvous.host, rendezvous.port
+        if kept is not None and (rendezvous is None or rendezvous.peer_id != kept.peer_id):
+            self.endpoint.release(kept.peer_id)
+            kept = self._kept = None
+        if rendezvous is None or (
+            kept is not None and (kept.host, kept.port) == (rendezvous.host, rendezvous.port)
         ):
             return
         self._kept = rendezvous

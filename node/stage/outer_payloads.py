@@ -375,7 +375,7 @@ class QuicOuterCarrier:
         me = self._link.endpoint.peer_id
         order = sorted(d["transport_id"] for d in needed.values())
         by_id = {d["transport_id"]: peer for peer, d in needed.items()}
-        start = order.index(me) if me in order else 0
+        start = order.index(me)  # _round returned already if we were left out
         rotation = [order[(start + k) % len(order)] for k in range(len(order))]
         targets: list[tuple[str, PeerAddress]] = []
         for tid in rotation:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 
 import pytest
 from wanswarm.node.membership.addresses import (
@@ -31,6 +30,7 @@ from wanswarm.node.membership.records import (
 )
 from wanswarm.transport.endpoint import PeerAddress
 from wanswarm.transport.errors import ConnectError
+from wanswarm.transport.peer_address import Resolver
 
 A = "1" * 44
 B = "2" * 44
@@ -67,7 +67,7 @@ class ScriptedEndpoint:
         self.dial_back_answer = dial_back
         self.reachable = False
         self.kept: list[PeerAddress] = []
-        self.resolve: Callable[[str], PeerAddress | None] | None = None
+        self.resolve: Resolver | None = None
         self.released: list[str] = []
         self.asked: list[str] = []
 
@@ -84,11 +84,7 @@ class ScriptedEndpoint:
         return self.dial_back_answer
 
     async def keep(
-        self,
-        peer: PeerAddress,
-        *,
-        timeout: float,
-        resolve: Callable[[str], PeerAddress | None] | None = None,
+        self, peer: PeerAddress, *, timeout: float, resolve: Resolver | None = None
     ) -> None:
         self.kept.append(peer)
         self.resolve = resolve
