@@ -17,10 +17,13 @@ CLOCK_MONOTONIC for all processes). The carriers are the daemon's own
 Each round is checked: every member must end with every member's exact bytes (a round that
 fails or brings other bytes counts as failed; so does one whose replicas split into groups
 that average apart). Every carrier matches with the same ``--matchmaking`` time (hivemind
-waits that long for a group that has not reached its target size, so with fewer replicas
-it is every round's floor): 4 for ``gather`` and ``quic4`` (the QUIC carrier with the
-group cap it had before), ``MAX_GROUP_QUIC`` (8) for ``quic``. With more than 4 replicas,
-``quic4`` is the baseline: its replicas split into groups.
+waits that long for a group that has not reached its target size). As in a daemon, every
+member knows how many replicas there are and a group is full when all of them joined (at
+most 4 for ``gather`` and ``quic4``, the QUIC carrier with the group cap it had before;
+``MAX_GROUP_QUIC``, 8, for ``quic``). ``quic8`` is the QUIC carrier as it was before
+groups were sized by the replicas known: its target is always 8, so fewer replicas wait
+out the matchmaking time every round. With more than 4 replicas, ``quic4`` is the
+baseline: its replicas split into groups.
 
 Where: this host's loopback (the default: both carriers' CPU costs, no link limit), or with
 ``--lab-rate-mbit R`` (root) each member on a public host of its own in the network lab
@@ -61,7 +64,7 @@ from wanswarm.transport.config import CongestionConfig, TransportConfig
 from wanswarm.transport.endpoint import Endpoint, PeerAddress
 from wanswarm.transport.identity import Identity
 
-CARRIERS = ("gather", "quic4", "quic")
+CARRIERS = ("gather", "quic4", "quic8", "quic")
 DEFAULT_CARRIERS = ("gather", "quic")
 DEFAULT_SIZES = (0.25, 0.7, 4.0, 21.0)  # MiB; 21: an int8 round of the small run's stage
 ROUND_TIMEOUT_S = 60.0
@@ -119,18 +122,23 @@ def member(args: argparse.Namespace) -> int:
         asyncio.run_coroutine_threadsafe(ep.start(args.host, 0), loop).result(timeout=30)
         book: list[PeerAddress] = []
         host = _Host(dht)
-        groups = {"quic4": MAX_GROUP, "quic": MAX_GROUP_QUIC}
+        groups = {"quic4": MAX_GROUP, "quic8": MAX_GROUP_QUIC, "quic": MAX_GROUP_QUIC}
         # each QUIC carrier serves its payloads under a request kind of its own stage's
-        stages = {"quic4": 1, "quic": 0}
+        stages = {"quic4": 1, "quic8": 2, "quic": 0}
+
+        def others() -> int:  # the daemon's count of the stage's other replicas
+            return int(args.replicas) - 1
+
         carriers: dict[str, Any] = {}
         for name in args.carriers:  # each an averager process of its own: only those asked
             if name == "gather":
                 carriers[name] = HivemindCarrier(host, "bench_outer_gather", lambda: ({}, []),
-                                                 config, ROUND_TIMEOUT_S)
+                                                 config, ROUND_TIMEOUT_S, others=others)
                 continue
             carriers[name] = QuicOuterCarrier(
                 HivemindCarrier(host, f"bench_outer_{name}", lambda: ({}, []), config,
-                                ROUND_TIMEOUT_S, groups[name]),
+                                ROUND_TIMEOUT_S, groups[name],
+                                others=None if name == "quic8" else others),
                 PayloadLink(ep, loop, lambda: book), stages[name], f"bench_outer_{name}", config,
                 round_timeout=ROUND_TIMEOUT_S,
             )
@@ -197,6 +205,7 @@ class _Members:
         host = "127.0.0.1" if self._lab is None else self._lab.address(_lab_host(index))
         argv = [sys.executable, __file__, "--role", "member", "--index", str(index),
                 "--host", host, "--matchmaking", str(self._args.matchmaking),
+                "--replicas", str(self._args.replicas),
                 "--lab-rate-mbit", str(self._args.lab_rate_mbit or 0),
                 "--carriers", *self._args.carriers,
                 "--fetches-at-once", str(self._args.fetches_at_once), "--initial-peers", *initial]
@@ -358,8 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds per cell")
     parser.add_argument("--carriers", nargs="+", choices=CARRIERS, default=list(DEFAULT_CARRIERS),
                         help="gather: payloads in hivemind's gather (groups of 4); quic: the "
-                        f"daemon's QUIC carrier (groups of up to {MAX_GROUP_QUIC}); quic4: "
-                        f"the QUIC carrier with groups of {MAX_GROUP}, as before groups grew")
+                        f"daemon's QUIC carrier (groups of up to {MAX_GROUP_QUIC}, full when "
+                        f"every replica joined); quic4: the QUIC carrier with groups of "
+                        f"{MAX_GROUP}, as before groups grew; quic8: groups of up to "
+                        f"{MAX_GROUP_QUIC} that wait out --matchmaking below 8 replicas, as "
+                        "before groups were sized by the replicas known")
     parser.add_argument("--matchmaking", type=float, default=1.0,
                         help="hivemind's min_matchmaking_time, s (the floor of a round "
                         "whose group stays under its carrier's target size)")

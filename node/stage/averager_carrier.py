@@ -9,6 +9,8 @@ two carriers share; each adds its round (a gather, or an all-reduce of parameter
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing as mp
 import os
 import signal
 from collections.abc import Callable
@@ -34,7 +36,27 @@ def shared_state_averager_class() -> type:
     class SharedStateAverager(DecentralizedAverager):
         def __init__(self, *args: Any, state: SharedState, **kwargs: Any) -> None:
             self._shared_state = state
+            # the group size the next round's matchmaking closes at (``group_target``);
+            # shared with the averager's process, which forks in super().__init__
+            self._group_target = mp.Value(ctypes.c_int, kwargs.get("target_group_size") or 0)
             super().__init__(*args, **kwargs)
+
+        @property
+        def group_target(self) -> int:
+            return int(self._group_target.value)
+
+        @group_target.setter
+        def group_target(self, size: int) -> None:
+            self._group_target.value = size
+
+        async def _step(self, **kwargs: Any) -> Any:
+            # hivemind reads Matchmaking.target_group_size only where a leader decides
+            # whether its group is full (a join, and refusing one). Its GroupKeyManager
+            # keeps the constructor's size: it samples buckets for a group as large as any
+            # other leader's target.
+            if self._group_target.value >= 2:
+                self._matchmaking.target_group_size = self._group_target.value
+            return await super()._step(**kwargs)
 
         async def add_p2p_handlers(self, *args: Any, **kwargs: Any) -> Any:
             # Runs in the averager's process, just after hivemind registered its command
@@ -56,15 +78,23 @@ def shared_state_averager_class() -> type:
 
 class AveragerCarrier:
     """An averager started on ``host``'s DHT (``host.hivemind_averager(factory, **options)``),
-    uncompressed, in groups of 2 to ``group_size``; ``what`` names its rounds in logs."""
+    uncompressed, in groups of 2 to ``group_size``; ``what`` names its rounds in logs.
+
+    ``others`` counts the replicas of the stage this node knows of besides itself: a round
+    then closes its group as soon as all of them joined (at most ``group_size``) rather than
+    waiting out ``matchmaking_time`` for members that do not exist. Without it (or when
+    it counts more than joined) matchmaking waits, as hivemind does."""
 
     def __init__(
         self, host: Any, prefix: str, averaged_tensors: list[torch.Tensor], state: SharedState,
         config: AveragingConfig, *, group_size: int, round_timeout: float, what: str,
+        others: Callable[[], int] | None = None,
     ) -> None:
         from hivemind.compression import NoCompression
 
         self.what = what
+        self.group_size = group_size
+        self._others = others
         sigint = signal.getsignal(signal.SIGINT)
         try:
             self._averager = host.hivemind_averager(
@@ -91,6 +121,16 @@ class AveragerCarrier:
 
     def set_priority(self, value: float) -> None:
         self._averager.state_sharing_priority = value
+
+    def size_next_round(self) -> int:
+        """Sets, and returns, the size at which the next round's group is full: every replica
+        known (``others() + 1``), between 2 and ``group_size``. A replica not yet known when
+        a round starts joins the next one (a late joiner finds the group full)."""
+        size = self.group_size
+        if self._others is not None:
+            size = max(2, min(size, 1 + self._others()))
+        self._averager.group_target = size
+        return size
 
     def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """The state another member shares (metadata, tensors), or None (logged)."""

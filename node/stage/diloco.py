@@ -9,12 +9,14 @@ other replicas (outer.py):
 1. pseudo-gradient ``anchor - params``, compressed with error feedback
    (pseudo_gradient.py; the residual stays with this replica);
 2. every replica's payload to every other: hivemind's ``DecentralizedAverager``'s
-   matchmaking forms the round's group and its ``gather`` hands each member the others'
-   data (round number, anchor digest, weight, and the payload's length and SHA-256); each
-   member fetches the others' payloads over the node's QUIC endpoint and checks them
-   against those digests (outer_payloads.py); each replica decodes every payload and takes
-   the mean weighted by the samples each trained on since the last round, in peer-id
-   order, so that every replica computes it from the same bytes in the same order;
+   matchmaking forms the round's group (full, and formed at once, when every replica of
+   the stage this node knows of joined: averager_carrier.py) and its ``gather`` hands
+   each member the others' data (round number, anchor digest, weight, and the payload's
+   length and SHA-256); each member fetches the others' payloads over the node's QUIC
+   endpoint and checks them against those digests (outer_payloads.py); each replica
+   decodes every payload and takes the mean weighted by the samples each trained on since
+   the last round, in peer-id order, so that every replica computes it from the same
+   bytes in the same order;
 3. the outer Nesterov step on the anchor, and the parameters set to it, plus the inner steps
    this replica took while the gather ran: the gather runs in the averager's process and the
    device thread trains on meanwhile (``_outer_round`` starts it, ``_poll_round`` finishes
@@ -170,20 +172,28 @@ class HivemindCarrier(AveragerCarrier):
         self, host: AveragerHost, prefix: str,
         state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
         round_timeout: float, group_size: int = MAX_GROUP,
+        others: Callable[[], int] | None = None,
     ) -> None:
         """``group_size``: ``MAX_GROUP`` when the payloads ride in the gather, up to
-        ``MAX_GROUP_QUIC`` when it carries only their descriptors."""
+        ``MAX_GROUP_QUIC`` when it carries only their descriptors; ``others``: the stage's
+        other replicas known (a round's group is full when all joined)."""
         super().__init__(
             host, prefix, [torch.zeros(1)],  # the payloads travel in the gather
             state, config, group_size=group_size, round_timeout=round_timeout, what="outer",
+            others=others,
         )
 
     def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        return _by_peer(lambda: self._averager.step(gather=data, weight=1.0, timeout=timeout))
+        def step() -> Any:
+            self.size_next_round()
+            return self._averager.step(gather=data, weight=1.0, timeout=timeout)
+
+        return _by_peer(step)
 
     def start_gather(self, data: dict[str, Any], timeout: float) -> PendingGather:
         """The gather in hivemind's averager process; the device thread goes on training."""
         try:
+            self.size_next_round()
             control = self._averager.step(gather=data, weight=1.0, timeout=timeout, wait=False)
         except Exception as exc:  # as in gather
             log.info("outer round failed: %r", exc)
@@ -644,8 +654,9 @@ def make_diloco_optimizer(
 
     def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]], nbytes: int) -> OuterCarrier:
         if payloads is None:
-            return HivemindCarrier(host, prefix, state, config, timeout)
-        gather = HivemindCarrier(host, prefix, state, config, timeout, quic_group_size(nbytes))
+            return HivemindCarrier(host, prefix, state, config, timeout, others=others)
+        gather = HivemindCarrier(host, prefix, state, config, timeout, quic_group_size(nbytes),
+                                 others=others)
         return QuicOuterCarrier(gather, payloads, stage, prefix, config, round_timeout=timeout)
 
     cap = MAX_PAYLOAD_BYTES if payloads is None else payloads.max_payload_bytes

@@ -107,11 +107,11 @@ class HivemindGossipCarrier(AveragerCarrier):
     def __init__(
         self, host: Any, prefix: str, shapes: list[tuple[int, ...]],
         state: Callable[[], tuple[Any, list[torch.Tensor]]], config: AveragingConfig,
-        group_size: int, round_timeout: float,
+        group_size: int, round_timeout: float, others: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(
             host, prefix, [torch.zeros(s, dtype=torch.float32) for s in shapes], state, config,
-            group_size=group_size, round_timeout=round_timeout, what="gossip",
+            group_size=group_size, round_timeout=round_timeout, what="gossip", others=others,
         )
 
     def start_average(self, tensors: list[torch.Tensor], meta: dict[str, Any],
@@ -120,6 +120,7 @@ class HivemindGossipCarrier(AveragerCarrier):
             with self._averager.get_tensors() as shared:
                 for dst, src in zip(shared, tensors, strict=True):
                     dst.copy_(src)
+            self.size_next_round()
             control = self._averager.step(gather=meta, weight=1.0, timeout=timeout, wait=False)
         except Exception as exc:  # hivemind raises its own errors, and asyncio's
             log.info("gossip round failed: %r", exc)
@@ -395,6 +396,6 @@ def make_gossip_optimizer(
 
     def carrier(state: Callable[[], tuple[Any, list[torch.Tensor]]]) -> GossipCarrier:
         return HivemindGossipCarrier(host, prefix, shapes, state, config, group,
-                                     spec.averaging.round_timeout_s)
+                                     spec.averaging.round_timeout_s, others)
 
     return GossipOptimizer(module, spec, stage, config, carrier, others)

@@ -38,6 +38,7 @@ from wanswarm.node.stage.diloco import (
     MAX_GROUP_QUIC,
     MAX_PAYLOAD_BYTES,
     DilocoOptimizer,
+    HivemindCarrier,
     make_diloco_optimizer,
 )
 from wanswarm.node.stage.outer import ANCHOR_PREFIX, RESIDUAL_PREFIX
@@ -287,6 +288,29 @@ def test_payloads_over_quic_carry_a_stage_the_gather_cannot() -> None:
             assert status["payloads_fetched"] == 1
             assert status["payloads_fetched_bytes"] == opt.payload_nbytes
             assert status["bytes_sent"] == opt.payload_nbytes
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_a_round_closes_its_group_once_every_known_replica_joined() -> None:
+    """Three replicas that each know of the two others, groups of up to eight: the round's
+    group is full at three and ends long before hivemind's matchmaking time (30 s), which a
+    group under its target size waits out."""
+    slow = CONFIG.model_copy(update={"matchmaking_time": 30.0, "averaging_timeout": 60.0})
+    with hivemind_dhts(3) as dhts:
+        carriers = [dhts.own(HivemindCarrier(_Host(d), "sizedgroup_outer", lambda: ({}, []),
+                                             slow, 60.0, MAX_GROUP_QUIC, others=lambda: 2))
+                    for d in dhts.dhts]
+        started = time.monotonic()
+        pendings = [c.start_gather({"member": i}, 60.0) for i, c in enumerate(carriers)]
+        while not all(p.done() for p in pendings):
+            assert time.monotonic() - started < slow.matchmaking_time, "the group waited"
+            time.sleep(0.05)
+        for pending in pendings:
+            result = pending.result()
+            assert result is not None
+            assert sorted(d["member"] for d in result.values()) == [0, 1, 2]
 
 
 def test_the_mode_picks_the_optimizer() -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from wanswarm.node.config.averaging_spec import AveragingSpec
 from wanswarm.node.config.runspec import BatchSpec, ModelSpec, OptimizerSpec, RunSpec, StagesSpec
+from wanswarm.node.stage.averager_carrier import AveragerCarrier
 from wanswarm.node.stage.averaging import AveragingConfig, AveragingError
 from wanswarm.node.stage.checkpoint import CheckpointError
 from wanswarm.node.stage.diloco import (
@@ -196,6 +197,30 @@ def test_groups_over_quic_grow_to_eight_while_the_payloads_they_hold_fit() -> No
     assert quic_group_size(200 * mib) == 6
     # never fewer than the gather's four (a member then holds three payloads, as before)
     assert quic_group_size(600 * mib) == quic_group_size(1 << 40) == 4
+
+
+def test_a_round_is_full_when_every_known_replica_joined_within_the_cap() -> None:
+    class Averager:  # what hivemind's averager process reads at the next step
+        group_target = 0
+
+    class Host:
+        def hivemind_averager(self, factory: Any, **options: Any) -> Averager:
+            assert options["target_group_size"] == MAX_GROUP_QUIC  # hivemind's own, fixed
+            return Averager()
+
+    known = [0]
+    carrier = AveragerCarrier(Host(), "p", [], lambda: ({}, []), AveragingConfig(),
+                              group_size=MAX_GROUP_QUIC, round_timeout=10.0, what="outer",
+                              others=lambda: known[0])
+    sizes = []
+    for known[0] in (0, 1, 3, 7, 8, 50):
+        sizes.append(carrier.size_next_round())
+        assert carrier._averager.group_target == sizes[-1]
+    # alone it still asks for a pair (min_group_size); a crowd is capped at the group size
+    assert sizes == [2, 2, 4, 8, 8, 8]
+    unsized = AveragerCarrier(Host(), "p", [], lambda: ({}, []), AveragingConfig(),
+                              group_size=MAX_GROUP_QUIC, round_timeout=10.0, what="outer")
+    assert unsized.size_next_round() == MAX_GROUP_QUIC  # nobody counted: hivemind's wait
 
 
 def test_a_checkpoint_file_carries_the_outer_state_and_residuals(tmp_path: Any) -> None:

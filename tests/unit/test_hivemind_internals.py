@@ -270,3 +270,23 @@ def test_the_request_runner_that_the_dht_process_replaces() -> None:
         DHT.run_coroutine
     ), where
     assert "await coro(self, self._node)" in inspect.getsource(DHT._run_coroutine), where
+
+
+def test_the_matchmaking_size_that_a_carrier_sets_per_round() -> None:
+    """node/stage/averager_carrier.py sets ``Matchmaking.target_group_size`` in the averager's
+    process at the start of every ``_step`` (keywords only); hivemind must read it there, at
+    a join and when refusing one, and nowhere that keeps a copy (GroupKeyManager keeps its
+    own, which the carrier leaves alone)."""
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    where = "node/stage/averager_carrier.py"
+    step = inspect.signature(DecentralizedAverager._step).parameters
+    assert list(step) == ["self", "step", "future_for_init"], where
+    assert all(p.kind is p.KEYWORD_ONLY for n, p in step.items() if n != "self"), where
+    assert "self._matchmaking = Matchmaking(" in inspect.getsource(
+        DecentralizedAverager._run_internal), where
+    source = inspect.getsource(Matchmaking)
+    # set once; read at a join and in refusing one (each: "is not None", then the size)
+    assert source.count("self.target_group_size") == 5, where
+    assert "len(self.current_followers) + 1 >= self.target_group_size" in source, where
