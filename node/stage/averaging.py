@@ -837,6 +837,9 @@ class CollaborativeOptimizer:
         # is behind: our transport instead, hivemind's download once, attempts spaced
         self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
 
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        return epoch > self.local_epoch
+
     def load_state_from_peers(self) -> bool:
         epoch = self.local_epoch
         try:

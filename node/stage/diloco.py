@@ -50,13 +50,19 @@ leader relays every payload to every member), ``MAX_GROUP_QUIC`` when they trave
 apart (docs/averaging.md).
 
 Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no group (slow,
-joining, or alone) keeps its parameters, restores its residual (nothing was sent), asks the
-stage's averagers for a newer outer state (one round ahead at most, see below) and adopts
-it if there is one, else tries again after one more inner step (inner_rounds.py); the
-others do not wait for it. A replica that knows no other replica of its stage takes its
-rounds alone, without matchmaking.
-A replica whose group reports a later round adopts that round's state after
-the all-reduce instead of stepping. A newly joined replica starts from the latest outer
+joining, or alone) keeps its parameters, restores its residual (nothing was sent), catches
+up if the stage is ahead of it, else tries again after one more inner step
+(inner_rounds.py); the others do not wait for it. A replica that knows no other replica of
+its stage takes its rounds alone, without matchmaking. A replica more than half of whose
+group's other members report a later round catches up instead of stepping; members at a
+later round that are fewer are left out of the mean (``members_ahead_left_out``): a round
+number is its member's word, and one liar must not make its group skip rounds. Catching
+up installs the outer state a quorum of the stage's replicas holds, through the stage
+server's state transfer (state.py's ``resync``; nothing is downloaded unless the quorum's
+round is ahead of ours), never the state of the one averager that claims the highest
+round (hivemind's ``load_state_from_peers``: without a stage server, in tests and tools,
+at most one round ahead; a newcomer that found no donor still falls back to it, as
+state.py says). A newly joined replica starts from the latest outer
 state through state transfer: :meth:`export_state` is the shared outer state (anchor as the
 stage's parameters, outer momentum, epoch ``round * H``), identical on every replica that
 took the same rounds, so that the donors' quorum by digest (state.py) agrees on it.
@@ -104,8 +110,8 @@ from .state_tensors import MODEL_PREFIX, check_fits, checked_epoch, snapshot, te
 
 log = get_logger(__name__)
 
-# a replica that missed rounds adopts a newer outer state only this many rounds ahead of its
-# own: the averagers' state download trusts one donor, so a forged round number is bounded
+# without a stage server (tests, tools), a replica that missed rounds adopts one averager's
+# outer state only this many rounds ahead of its own: a forged round number is bounded
 MAX_ROUNDS_BEHIND = 1
 # gathered payloads ride in hivemind's matchmaking messages (libp2p: 4 MiB a message)
 MAX_PAYLOAD_BYTES = 768 * 1024
@@ -288,6 +294,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._group = 1
         self.rounds_adopted = 0
         self.members_at_another_anchor = 0  # group members seen at our round, other anchor
+        self.members_ahead_left_out = 0  # members at a later round, fewer than half a group
+        self._fetch: Callable[[], bool] | None = None  # the stage server's catch-up
         self.payload_bytes_sent = 0
         self._shapes = {n: tuple(self.outer.anchor[n].shape) for n in self._names}
         self._fragment_nbytes = [
@@ -318,11 +326,31 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._outer_round()
 
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
-        pass  # a replica behind adopts the newer outer state at its next round (_adopt)
+        # a replica behind installs the outer state a quorum of the stage's replicas holds
+        # (state.py's resync over our transport) at its next round, never one averager's
+        self._fetch = fetch
+
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        round_ = meta.get("outer_round")
+        return type(round_) is int and round_ > self.outer.round
 
     def load_state_from_peers(self) -> bool:
+        """A newcomer's fallback (state.py: no donor known, or none delivered): one of the
+        stage's averagers' outer state, any round ahead."""
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
         return found is not None and self._adopt(*found, any_round=True)
+
+    def _catch_up(self) -> bool:
+        """After a missed round, or one most of whose group was ahead of us: install the
+        stage's newer outer state if there is one. A stage server's catch-up (``fetch``)
+        takes the state a quorum of the stage's replicas holds; without a server (tests,
+        tools), one averager's, at most ``MAX_ROUNDS_BEHIND`` rounds ahead."""
+        if self._fetch is not None:
+            adopted = bool(self._fetch())
+            self.rounds_adopted += adopted
+            return adopted
+        found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
+        return found is not None and self._adopt(*found, any_round=False)
 
     @property
     def num_peers(self) -> int:
@@ -354,6 +382,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
             "bytes_sent_total": self.payload_bytes_sent,
             "rounds_adopted": self.rounds_adopted,
             "members_at_another_anchor": self.members_at_another_anchor,
+            "members_ahead_left_out": self.members_ahead_left_out,
         }
 
     # ---- rounds ---------------------------------------------------------------------------
@@ -419,7 +448,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
         if gathered is None:
             self.feedback.residuals = current.saved  # nothing was sent: the debt stays
             self._missed()  # retried after one more inner step (inner_rounds.py)
-            adopted = self.load_state_from_peers()
+            adopted = self._catch_up()
             self._record(current.started, 1, 0, ok=False, adopted=adopted)
             return
         group = len(gathered)
@@ -427,13 +456,16 @@ class DilocoOptimizer(InnerStepsOptimizer):
         sent = current.payload_len * (group - 1)  # what an all-gather sends of ours
         self.payload_bytes_sent += sent
         rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
-        newest = max((r for r in rounds if type(r) is int), default=self.outer.round)
-        if newest > self.outer.round:
-            # the others took a round without us: take their state rather than step
+        ahead = sum(1 for r in rounds if type(r) is int and r > self.outer.round)
+        if 2 * ahead > group - 1:
+            # most of the others took a round without us: take the stage's state, not a
+            # step. Fewer than half are left out below (a member's claim is its own word:
+            # one liar must not make the group skip its rounds)
             self.feedback.residuals = current.saved
-            adopted = self.load_state_from_peers()
+            adopted = self._catch_up()
             self._record(current.started, group, sent, ok=False, adopted=adopted)
             return
+        self.members_ahead_left_out += ahead
         names = self._fragments[current.fragment]
         contributions = []
         for peer in sorted(gathered):
@@ -607,7 +639,8 @@ class DilocoOptimizer(InnerStepsOptimizer):
             anchor = {n: tensors[MODEL_PREFIX + n] for n in self._names}
             momentum = {n: tensors[MOMENTUM_PREFIX + n] for n in self._names}
             self._install_outer(round_, anchor, momentum)
-            self._inner.set_epoch(epoch)
+            # a catch-up keeps the inner steps it counted (as _adopt does)
+            self._inner.set_epoch(max(self._inner.local_epoch, epoch))
             return
         live = self._own_live()
         check_fits(live, tensors)

@@ -97,6 +97,9 @@ class InnerStepsOptimizer:
     def local_epoch(self) -> int:
         return self._inner.local_epoch
 
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        return epoch > self.local_epoch
+
     @property
     def samples_accumulated(self) -> int:
         return self._inner.samples_accumulated

@@ -67,6 +67,11 @@ class StageOptimizer(Protocol):
         thread: our download and install, resync.py) instead of the averaging library's own
         download; a no-op where no library downloads on its own."""
 
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        """Whether a state of the stage (``export_state``'s epoch and meta) that its
+        replicas agree on is ahead of this replica's: a catch-up installs only such a
+        state. By epoch, except in DiLoCo (by outer round)."""
+
     @property
     def local_epoch(self) -> int:
         """Optimizer steps taken (the collaboration's epoch this replica is at)."""
@@ -385,6 +390,9 @@ class LocalOptimizer:
 
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         pass  # alone: never behind
+
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        return epoch > self._epoch
 
     @property
     def local_epoch(self) -> int:

@@ -58,6 +58,7 @@ from .state_plan import (
 from .state_tensors import check_counters
 from .state_transfer import (
     download_state,
+    download_wanted_state,
 )
 
 log = get_logger(__name__)
@@ -175,10 +176,12 @@ class StageStateSharing:
         )
 
     def resync(self, loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
-        """Device thread, inside the optimizer's step (resync.py): download the stage's state
-        from its online replicas through ``loop`` and install it here, if it is ahead of
-        ours. False, logged, when there is no donor, nothing newer or nothing trustworthy,
-        or it takes longer than ``timeout`` seconds (the download is then cancelled)."""
+        """Device thread, inside the optimizer's step (resync.py, and DiLoCo's rounds):
+        download the stage's state from its online replicas through ``loop`` and install it
+        here, if the optimizer finds it ahead of its own (``is_behind``: asked of the
+        quorum's manifest, so a state that is not ahead costs no chunk). False, logged,
+        when there is no donor, nothing newer or nothing trustworthy, or it takes longer
+        than ``timeout`` seconds (the download is then cancelled)."""
         if self._donors is None:
             return False
         if self._layout is None:  # this thread is the device thread: export directly
@@ -196,7 +199,7 @@ class StageStateSharing:
         except (StateTransferError, UntrustedStateError) as exc:
             log.warning("stage %d: catching up: %s", self.stage, exc)
             return False
-        if snap is None or snap.epoch <= self._optimizer.local_epoch:
+        if snap is None or not self._optimizer.is_behind(snap.epoch, dict(snap.meta)):
             return False
         try:
             self._install(snap)
@@ -232,9 +235,11 @@ class StageStateSharing:
         if not donors:
             return None, 0
         try:
-            snap = await download_state(
-                self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
-                expected=expected, progress=self._progress(len(donors), time.monotonic()),
+            # read while the device thread waits for this download (the optimizer is idle)
+            snap = await download_wanted_state(
+                self._endpoint, donors, self._optimizer.is_behind, kind_prefix=self.prefix,
+                config=self._config, expected=expected,
+                progress=self._progress(len(donors), time.monotonic()),
             )
         finally:
             self.download_progress = None

@@ -123,6 +123,8 @@ class DownloadReport:
 
 
 Progress = Callable[[int, int], None]
+# the quorum's (epoch, meta): whether to download it (download_wanted_state)
+Wanted = Callable[[int, dict[str, Any]], bool]
 
 
 class StateDownload:
@@ -137,9 +139,12 @@ class StateDownload:
         config: StateTransferConfig | None = None,
         progress: Progress | None = None,
         expected: StateLayout | None = None,
+        wanted: Wanted | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.expected = expected  # the stage's own layout; None accepts any (tests, tools)
+        # asked of the quorum's (epoch, meta) before any chunk: False ends the download
+        self.wanted = wanted
         self.donors = list(dict.fromkeys(donors))
         self.kind_prefix = kind_prefix
         self.config = config or StateTransferConfig()
@@ -152,7 +157,8 @@ class StateDownload:
         self._have: dict[int, str] = {}  # chunk index -> digest, for the current layout
         self._preparing: set[str] = set()  # donors that answered 'preparing', asked again
 
-    async def run(self) -> Snapshot:
+    async def run(self) -> Snapshot | None:
+        """The quorum's state; None only when ``wanted`` declined it (nothing downloaded)."""
         cfg = self.config
         if not self.donors:
             raise StateTransferError(f"no donors to download {self.kind_prefix} from")
@@ -165,6 +171,9 @@ class StateDownload:
                 usable = await self._manifests()
                 decision = self._decide(usable)
                 if decision.group is not None:
+                    quorum = decision.group.manifest
+                    if self.wanted is not None and not self.wanted(quorum.epoch, quorum.meta):
+                        return None
                     snapshot = await self._download(decision.group)
                     if snapshot is not None:
                         return snapshot
@@ -475,6 +484,35 @@ async def download_state(
     must match. Raises StateTransferError when no donor can deliver (UntrustedStateError
     when donors answered but none can be trusted).
     """
+    snapshot = await _download(endpoint, donors, kind_prefix, config, timeout_s, chunk_bytes,
+                               max_parallel_per_donor, progress, expected, None)
+    assert snapshot is not None  # only a ``wanted`` declines
+    return snapshot
+
+
+async def download_wanted_state(
+    endpoint: Endpoint,
+    donors: Sequence[PeerAddress],
+    wanted: Wanted,
+    *,
+    kind_prefix: str,
+    config: StateTransferConfig | None = None,
+    progress: Progress | None = None,
+    expected: StateLayout | None = None,
+) -> Snapshot | None:
+    """:func:`download_state`, asking ``wanted(epoch, meta)`` of the quorum's state once
+    the donors' manifests decided it, before any chunk: None when it answers False (a
+    replica that catches up takes only a state ahead of its own)."""
+    return await _download(endpoint, donors, kind_prefix, config, None, None, None,
+                           progress, expected, wanted)
+
+
+async def _download(
+    endpoint: Endpoint, donors: Sequence[PeerAddress], kind_prefix: str,
+    config: StateTransferConfig | None, timeout_s: float | None, chunk_bytes: int | None,
+    max_parallel_per_donor: int | None, progress: Progress | None,
+    expected: StateLayout | None, wanted: Wanted | None,
+) -> Snapshot | None:
     overrides = {
         k: v for k, v in (("timeout_s", timeout_s), ("chunk_bytes", chunk_bytes),
                           ("max_parallel_per_donor", max_parallel_per_donor)) if v is not None
@@ -487,6 +525,6 @@ async def download_state(
     )
     download = StateDownload(
         endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress,
-        expected=expected,
+        expected=expected, wanted=wanted,
     )
     return await download.run()

@@ -31,7 +31,12 @@ import pytest
 import torch
 from wanswarm.node.config.averaging_spec import AveragingSpec
 from wanswarm.node.config.runspec import ModelSpec
-from wanswarm.node.stage.averaging import AveragingConfig, AveragingError, CollaborativeOptimizer
+from wanswarm.node.stage.averaging import (
+    AveragingConfig,
+    AveragingError,
+    CollaborativeOptimizer,
+    averaging_run_id,
+)
 from wanswarm.node.stage.checkpoint import CheckpointError
 from wanswarm.node.stage.diloco import (
     MAX_GROUP,
@@ -311,6 +316,58 @@ def test_a_round_closes_its_group_once_every_known_replica_joined() -> None:
             result = pending.result()
             assert result is not None
             assert sorted(d["member"] for d in result.values()) == [0, 1, 2]
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_a_member_claiming_a_later_round_cannot_hand_the_group_its_state() -> None:
+    """Two honest replicas and a liar with a valid identity of its own, on real hivemind
+    DHTs: the liar joins their round claiming round 1 and shares a poisoned outer state
+    (finite, the right shapes) with the highest state-sharing priority. Before, every
+    honest member, seeing a later round, downloaded the state of the averager claiming the
+    highest round and installed it. Now the one member ahead is left out and the honest
+    pair takes its round: equal parameters, nothing of the liar's."""
+    with hivemind_dhts(3) as dhts:
+        built = [(m, dhts.own(opt)) for m, opt in (_build(d) for d in dhts.dhts[:2])]
+        for _, opt in built:
+            opt._others = lambda: 2  # both know the liar as a replica of the stage
+        meta, tensors = built[0][1]._shared_state()
+        poisoned = [torch.full_like(t, 1e3) for t in tensors]
+        liar = dhts.own(HivemindCarrier(
+            _Host(dhts[2]), averaging_run_id(DILOCO, STAGE) + "_outer",
+            lambda: (meta | {"round": 1}, poisoned), CONFIG, 20.0, others=lambda: 2,
+        ))
+        liar.set_priority(1e9)
+        barrier = threading.Barrier(3, timeout=30.0)
+
+        def device_thread(module: torch.nn.Module, opt: DilocoOptimizer, seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            _inner_steps(module, opt, gen, H - 1)
+            barrier.wait()
+            _inner_steps(module, opt, gen, 1)
+            _finish_round(opt)
+
+        def lie() -> dict[str, Any] | None:
+            barrier.wait()
+            return liar.gather({"round": 1, "anchor": "f" * 16, "weight": 1.0,
+                                "payload": b"\0" * built[0][1].payload_nbytes}, 20.0)
+
+        with ThreadPoolExecutor(max_workers=3, thread_name_prefix="device") as pool:
+            runs = [pool.submit(device_thread, m, o, seed) for seed, (m, o) in enumerate(built)]
+            lied = pool.submit(lie)
+            for run in runs:
+                run.result(timeout=90)
+            lied.result(timeout=90)
+        (m_a, a), (m_b, b) = built
+        for opt in (a, b):
+            assert opt.last_round["ok"], opt.last_round
+            assert opt.last_round["participants"] == 2 and opt.outer.round == 1
+            assert opt.members_ahead_left_out == 1  # the liar was in the group
+            assert opt.rounds_adopted == 0
+        for p, q in zip(m_a.parameters(), m_b.parameters(), strict=True):
+            assert torch.equal(p, q)
+            assert p.abs().max() < 100
 
 
 def test_the_mode_picks_the_optimizer() -> None:

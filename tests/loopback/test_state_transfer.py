@@ -301,15 +301,50 @@ def test_a_stalled_donor_holds_up_the_tail_for_a_straggler_time_not_its_deadline
     run(main(), timeout=30)
 
 
+def _catch_up_twice(donor_opt: Any, our_opt: Any) -> tuple[bool, bool]:
+    """StageStateSharing.resync twice on our device thread, the donor's sharing serving over
+    real endpoints: (the first call installed, the second did). Between them the donor
+    must serve no chunk: the second finds from the manifest that nothing is ahead of us
+    (the first one must have fetched some)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wanswarm.node.stage.state import StageStateSharing
+
+    device_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"d{i}-device") for i in (0, 1)]
+
+    async def main() -> tuple[bool, bool]:
+        async with _swarm(1) as (donors, client):
+            donor = StageStateSharing(donors[0], 1, donor_opt, device_threads[0], _config(),
+                                      donors=None, serving=lambda: True)
+            ours = StageStateSharing(client, 1, our_opt, device_threads[1], _config(),
+                                     donors=lambda: [address(donors[0])], serving=lambda: True)
+            loop = asyncio.get_running_loop()
+            try:
+                caught_up = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
+                chunks = donor.donor.counts["chunks"]
+                assert chunks > 0
+                again = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
+                # decided from the donor's manifest: not one chunk of a state not ahead
+                assert donor.donor.counts["chunks"] == chunks
+                assert donor.donor.counts["manifests"] == 2
+            finally:
+                donor.close()
+                ours.close()
+            return caught_up, again
+
+    try:
+        return run(main())
+    finally:
+        for pool in device_threads:
+            pool.shutdown()
+
+
 def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread() -> None:
     """resync.py's fetch: StageStateSharing.resync, called on the stage's device thread (as
     hivemind's step does when this replica is behind), downloads the replicas' newer state
     over QUIC and installs it there; a state not ahead of ours is left alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from wanswarm.node.config.runspec import RunSpec
     from wanswarm.node.stage.optimizer import LocalOptimizer
-    from wanswarm.node.stage.state import StageStateSharing
     from wanswarm.node.training.model import build_stage
 
     spec = RunSpec.model_validate({
@@ -322,32 +357,70 @@ def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread(
     _, tensors, meta = donor_opt.export_state()
     moved = {k: v + 0.5 if k.startswith("model.") else v for k, v in tensors.items()}
     donor_opt.import_state(3, moved, meta)  # the stage stepped on without us: epoch 3
-    device_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"d{i}-device") for i in (0, 1)]
-
-    async def main() -> tuple[bool, bool]:
-        async with _swarm(1) as (donors, client):
-            donor = StageStateSharing(donors[0], 1, donor_opt, device_threads[0], _config(),
-                                      donors=None, serving=lambda: True)
-            ours = StageStateSharing(client, 1, our_opt, device_threads[1], _config(),
-                                     donors=lambda: [address(donors[0])], serving=lambda: True)
-            loop = asyncio.get_running_loop()
-            try:
-                caught_up = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
-                again = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
-            finally:
-                donor.close()
-                ours.close()
-            return caught_up, again
-
-    try:
-        caught_up, again = run(main())
-    finally:
-        for pool in device_threads:
-            pool.shutdown()
+    caught_up, again = _catch_up_twice(donor_opt, our_opt)
     assert caught_up and our_opt.local_epoch == 3
     assert all(torch.equal(a, b) for a, b in zip(ahead.parameters(), behind.parameters(),
                                                  strict=True))
     assert not again  # the donor is not ahead of us any more: nothing installed
+
+
+class _Alone:
+    """A DiLoCo carrier whose gather hands back only our own data (a round alone), or no
+    group at all (``group=False``: every round missed)."""
+
+    def __init__(self, group: bool) -> None:
+        self.group = group
+
+    def gather(self, data: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        return {"me": data} if self.group else None
+
+    def newer_state(self, timeout: float) -> None:
+        return None  # (no stage server while training alone below)
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_a_diloco_replica_behind_by_rounds_catches_up_though_it_counts_more_steps() -> None:
+    """DiLoCo's catch-up through StageStateSharing.resync, two replicas' real endpoints: the
+    donor took two outer rounds (epoch 2 H); we missed every round and count 3 H inner
+    steps. By epoch we would be ahead; by outer round we are behind, and the quorum's state
+    is installed (anchor and momentum; our inner step count kept). A second call finds the
+    donor's round no longer ahead of ours: manifests only, no chunk."""
+    from wanswarm.node.config.runspec import RunSpec
+    from wanswarm.node.stage.averaging import AveragingConfig
+    from wanswarm.node.stage.diloco import DilocoOptimizer
+    from wanswarm.node.training.model import build_stage
+
+    h = 2
+    spec = RunSpec.model_validate({
+        "name": "diloco-catch-up",
+        "model": {"d_model": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8},
+        "stages": {"blocks_per_stage": [1, 1]},
+        "batch": {"micro_batch_size": 2, "target_batch_size": 2},
+        "averaging": {"mode": "diloco", "inner_steps": h, "compression": "int8"},
+    })
+    modules = [build_stage(spec, 1), build_stage(spec, 1)]
+    donor_opt, our_opt = (
+        DilocoOptimizer(m, spec, 1, AveragingConfig(), lambda *_, g=g: _Alone(g))
+        for m, g in zip(modules, (True, False), strict=True)
+    )
+    gen = torch.Generator().manual_seed(0)
+    for opt, module, steps in ((donor_opt, modules[0], 2 * h), (our_opt, modules[1], 3 * h)):
+        for _ in range(steps):
+            x = torch.randn(2, 8, 32, generator=gen)
+            module.forward_loss(x, torch.randint(0, 256, (2, 8), generator=gen)).backward()
+            opt.step(2)
+    assert donor_opt.outer.round == 2 and our_opt.outer.round == 0
+    assert our_opt.local_epoch == 3 * h > donor_opt.export_state()[0] == 2 * h
+    caught_up, again = _catch_up_twice(donor_opt, our_opt)
+    assert caught_up and not again
+    assert our_opt.outer.round == 2 and our_opt.local_epoch == 3 * h
+    for name in our_opt._names:
+        assert torch.equal(our_opt.outer.anchor[name], donor_opt.outer.anchor[name])
+        assert torch.equal(our_opt.outer.momentum[name], donor_opt.outer.momentum[name])
+    for p, q in zip(modules[1].parameters(), donor_opt.outer.anchor.values(), strict=True):
+        assert torch.equal(p, q)  # the parameters start from the stage's anchor
 
 
 def _gated(epoch: int, state: dict[str, torch.Tensor], gate: asyncio.Event,

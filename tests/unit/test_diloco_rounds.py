@@ -152,6 +152,84 @@ def test_a_replica_behind_adopts_the_newer_round_and_refuses_what_does_not_fit()
     assert other.outer.round == 0
 
 
+def _poisoned(round_: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """An outer state of the right shapes and finite values, ``round_`` claimed: a liar's."""
+    _, src = _replica(Scripted(lambda data: None))
+    meta, tensors = src._shared_state()
+    return meta | {"round": round_}, [torch.full_like(t, 1e3) for t in tensors]
+
+
+class CountingScripted(Scripted):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = 0
+
+    def newer_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        self.asked += 1
+        return self.newer
+
+
+def test_a_member_claiming_a_later_round_is_left_out_not_followed() -> None:
+    # our group: ourselves, an honest member with our data, and a liar a round "ahead" who
+    # also shares a poisoned outer state: the round is taken without it, nothing adopted
+    carrier = CountingScripted(
+        lambda data: {"me": data, "honest": dict(data), "liar": data | {"round": 1}},
+        newer=_poisoned(1),
+    )
+    m, opt = _replica(carrier)
+    _train(m, opt, seed=7)
+    assert opt.last_round["ok"] and opt.last_round["participants"] == 2
+    assert opt.outer.round == 1 and opt.rounds_adopted == 0 and carrier.asked == 0
+    assert opt.averaging_status()["members_ahead_left_out"] == 1
+    assert all(p.abs().max() < 100 for p in m.parameters())
+
+
+def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager() -> None:
+    # most of the group is a round ahead; the averagers' download would hand us a poisoned
+    # state, and the stage server's catch-up (a quorum of the stage's replicas) has none yet
+    carrier = CountingScripted(lambda data: {"me": data, "ahead": data | {"round": 1}},
+                               newer=_poisoned(1))
+    m, opt = _replica(carrier)
+    fetched: list[int] = []
+
+    def nothing_newer() -> bool:
+        fetched.append(opt.outer.round)
+        return False
+
+    opt.catch_up_with(nothing_newer)
+    _train(m, opt, seed=8)
+    assert fetched == [0] and carrier.asked == 0
+    assert opt.outer.round == 0 and opt.rounds_adopted == 0 and not opt.last_round["ok"]
+    assert all(p.abs().max() < 100 for p in m.parameters())  # not the poisoned state
+
+    # the quorum's state arrives (state.py's resync installs it with import_state)
+    m_src, src = _replica(Scripted(lambda data: {"me": data}))
+    _train(m_src, src, seed=9)  # a round alone: round 1
+    epoch, shared, meta = src.export_state()
+    assert opt.is_behind(epoch, meta)
+
+    def fetch() -> bool:
+        opt.import_state(epoch, shared, meta)
+        return True
+
+    opt.catch_up_with(fetch)
+    _train(m, opt, seed=10)
+    assert opt.outer.round == 1 and opt.rounds_adopted == 1 and carrier.asked == 0
+    for p, q in zip(m.parameters(), m_src.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert opt.local_epoch == 2 * H  # the inner steps it counted are kept (not set back)
+
+
+def test_behind_is_by_outer_round_not_by_epoch() -> None:
+    m, opt = _replica(Scripted(lambda data: None))  # every round missed: no group
+    _train(m, opt, seed=11, steps=3 * H)
+    assert opt.outer.round == 0 and opt.local_epoch == 3 * H
+    assert opt.is_behind(H, {"outer_round": 1})  # a round ahead, an epoch behind ours
+    assert not opt.is_behind(100 * H, {"outer_round": 0})
+    assert not opt.is_behind(H, {"outer_round": True})
+    assert not opt.is_behind(H, {})
+
+
 def test_shared_state_and_checkpoint_round_trip() -> None:
     m, opt = _replica(Scripted(lambda data: {"me": data}))
     _train(m, opt, seed=6, steps=2 * H + 1)  # two rounds (alone, a group of one), one step

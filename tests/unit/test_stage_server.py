@@ -107,6 +107,9 @@ class RecordingOptimizer:
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         self.catch_up = fetch
 
+    def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
+        return epoch > self.local_epoch
+
     def load_state_from_peers(self) -> bool:
         return False
 
