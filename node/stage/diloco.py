@@ -54,10 +54,12 @@ joining, or alone) keeps its parameters, restores its residual (nothing was sent
 up if the stage is ahead of it, else tries again after one more inner step
 (inner_rounds.py); the others do not wait for it. A replica that knows no other replica of
 its stage takes its rounds alone, without matchmaking. A replica more than half of whose
-group's other members report a later round catches up instead of stepping; members at a
-later round that are fewer are left out of the mean (``members_ahead_left_out``): a round
-number is its member's word, and one liar must not make its group skip rounds. Catching
-up installs the outer state a quorum of the stage's replicas holds, through the stage
+group's other members report a later round catches up instead of stepping. Fewer members
+ahead are left out of the mean (``members_ahead_left_out``), a round number being its
+member's word (one liar must not make its group skip rounds); but two or more of them that
+agree on round and anchor are a cohort that took rounds apart (a split), and are asked for
+their state first: if they hold one ahead of ours it is installed, else the round goes
+on. Catching up installs the outer state a quorum of the stage's replicas holds, through the stage
 server's state transfer (state.py's ``resync``; nothing is downloaded unless the quorum's
 round is ahead of ours), never the state of the one averager that claims the highest
 round (hivemind's ``load_state_from_peers``: without a stage server, in tests and tools,
@@ -79,6 +81,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,6 +95,7 @@ from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
 from .inner_rounds import InnerStepsOptimizer
+from .optimizer import CatchUpFetch
 from .outer import (
     ANCHOR_PREFIX,
     MOMENTUM_PREFIX,
@@ -295,7 +299,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self.rounds_adopted = 0
         self.members_at_another_anchor = 0  # group members seen at our round, other anchor
         self.members_ahead_left_out = 0  # members at a later round, fewer than half a group
-        self._fetch: Callable[[], bool] | None = None  # the stage server's catch-up
+        self._fetch: CatchUpFetch | None = None  # the stage server's catch-up
         self.payload_bytes_sent = 0
         self._shapes = {n: tuple(self.outer.anchor[n].shape) for n in self._names}
         self._fragment_nbytes = [
@@ -325,7 +329,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
     def _start_round(self) -> None:
         self._outer_round()
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         # a replica behind installs the outer state a quorum of the stage's replicas holds
         # (state.py's resync over our transport) at its next round, never one averager's
         self._fetch = fetch
@@ -340,13 +344,14 @@ class DilocoOptimizer(InnerStepsOptimizer):
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
         return found is not None and self._adopt(*found, any_round=True)
 
-    def _catch_up(self) -> bool:
-        """After a missed round, or one most of whose group was ahead of us: install the
-        stage's newer outer state if there is one. A stage server's catch-up (``fetch``)
-        takes the state a quorum of the stage's replicas holds; without a server (tests,
-        tools), one averager's, at most ``MAX_ROUNDS_BEHIND`` rounds ahead."""
+    def _catch_up(self, only: Collection[str] | None = None) -> bool:
+        """After a missed round, or one whose group was ahead of us (:meth:`_ahead`): install
+        the stage's newer outer state if there is one. A stage server's catch-up (``fetch``)
+        takes the state a quorum of the stage's replicas (or of ``only`` those, by transport
+        id) holds; without a server (tests, tools), one averager's, at most
+        ``MAX_ROUNDS_BEHIND`` rounds ahead."""
         if self._fetch is not None:
-            adopted = bool(self._fetch())
+            adopted = bool(self._fetch(only))
             self.rounds_adopted += adopted
             return adopted
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
@@ -455,16 +460,18 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._group = group
         sent = current.payload_len * (group - 1)  # what an all-gather sends of ours
         self.payload_bytes_sent += sent
-        rounds = [g.get("round") for g in gathered.values() if isinstance(g, dict)]
-        ahead = sum(1 for r in rounds if type(r) is int and r > self.outer.round)
-        if 2 * ahead > group - 1:
-            # most of the others took a round without us: take the stage's state, not a
-            # step. Fewer than half are left out below (a member's claim is its own word:
-            # one liar must not make the group skip its rounds)
-            self.feedback.residuals = current.saved
-            adopted = self._catch_up()
-            self._record(current.started, group, sent, ok=False, adopted=adopted)
-            return
+        ahead, most, cohort, ids = self._ahead(gathered)
+        if most or cohort:
+            # most of the others took rounds without us: take the stage's state, not a
+            # step. A cohort of two or more that agree on a later round and anchor, fewer
+            # than that, is asked for its state (replicas whose rounds split); if it has
+            # none ahead of ours, the round goes on without it (claims are their makers'
+            # word: a liar must not make the group skip its rounds)
+            adopted = self._catch_up(ids)
+            if most or adopted:
+                self.feedback.residuals = current.saved
+                self._record(current.started, group, sent, ok=False, adopted=adopted)
+                return
         self.members_ahead_left_out += ahead
         names = self._fragments[current.fragment]
         contributions = []
@@ -496,6 +503,27 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._samples[f] = max(self._samples[f] - current.samples, 0.0)
         self._group = len(contributions)
         self._record(current.started, len(contributions), sent, ok=True, adopted=False)
+
+    def _ahead(self, gathered: dict[str, Any]) -> tuple[int, bool, bool, set[str] | None]:
+        """The group members at a later round than ours: how many; whether they are more
+        than half of the others; whether two or more of them agree on round and anchor (a
+        cohort); and the transport ids of the largest such cohort (the latest round among
+        equals), None where the descriptors carry none (payloads in the gather). Decided
+        from the gathered data: every member at our round decides alike."""
+        others = len(gathered) - 1
+        ahead = [g for g in gathered.values() if isinstance(g, dict)
+                 and type(g.get("round")) is int and g["round"] > self.outer.round]
+        cohorts: Counter[tuple[int, str]] = Counter(
+            (g["round"], g["anchor"]) for g in ahead if isinstance(g.get("anchor"), str)
+        )
+        agreeing = [key for key, n in cohorts.items() if n >= 2]
+        ids: set[str] | None = None
+        if agreeing:
+            best = max(agreeing, key=lambda key: (cohorts[key], key))
+            ids = {g["transport_id"] for g in ahead
+                   if (g["round"], g.get("anchor")) == best
+                   and isinstance(g.get("transport_id"), str)} or None
+        return len(ahead), 2 * len(ahead) > others, bool(agreeing), ids
 
     def _contribution(
         self, peer: str, data: Any, digest: str, names: list[str], nbytes: int

@@ -28,7 +28,7 @@ checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +48,14 @@ from .state_tensors import (
 )
 
 
+class CatchUpFetch(Protocol):
+    """The stage server's catch-up (state.py's ``resync``): download the state a quorum of
+    the stage's replicas holds, from all of them or ``only`` those (by peer id), and install
+    it if it is ahead of ours; True if installed."""
+
+    def __call__(self, only: Collection[str] | None = None) -> bool: ...
+
+
 class StageOptimizer(Protocol):
     """What a stage server needs from its optimizer. Every method runs on the device thread."""
 
@@ -62,7 +70,7 @@ class StageOptimizer(Protocol):
     def load_state_from_peers(self) -> bool:
         """Download the stage's state from its peers; False if there was nobody to ask."""
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         """When this replica falls behind its stage's epoch, call ``fetch`` (on the device
         thread: our download and install, resync.py) instead of the averaging library's own
         download; a no-op where no library downloads on its own."""

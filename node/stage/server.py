@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -189,7 +189,10 @@ class StageServer:
         loop = asyncio.get_running_loop()
         # a replica that falls behind later catches up through our transport (resync.py)
         timeout = self.config.state_transfer.timeout_s
-        self.optimizer.catch_up_with(lambda: self._sharing.resync(loop, timeout))
+        def catch_up(only: Collection[str] | None = None) -> bool:
+            return self._sharing.resync(loop, timeout, only)
+
+        self.optimizer.catch_up_with(catch_up)
         loaded = await self._sharing.load()
         peer_epoch = self.optimizer.local_epoch
         log.info("stage %d: %s, epoch %d", self.stage,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -175,13 +175,16 @@ class StageStateSharing:
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
 
-    def resync(self, loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+    def resync(self, loop: asyncio.AbstractEventLoop, timeout: float,
+               only: Collection[str] | None = None) -> bool:
         """Device thread, inside the optimizer's step (resync.py, and DiLoCo's rounds):
         download the stage's state from its online replicas through ``loop`` and install it
         here, if the optimizer finds it ahead of its own (``is_behind``: asked of the
         quorum's manifest, so a state that is not ahead costs no chunk). False, logged,
         when there is no donor, nothing newer or nothing trustworthy, or it takes longer
-        than ``timeout`` seconds (the download is then cancelled)."""
+        than ``timeout`` seconds (the download is then cancelled). ``only``: the donors to
+        ask, by peer id, among the stage's online replicas (DiLoCo: the members of a round
+        cohort that is ahead of us); None asks all of them."""
         if self._donors is None:
             return False
         if self._layout is None:  # this thread is the device thread: export directly
@@ -189,7 +192,7 @@ class StageStateSharing:
             self._layout = state_layout(own)
             del own
         started = time.monotonic()
-        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout), loop)
+        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout, only), loop)
         try:
             snap, donors = future.result(timeout)
         except TimeoutError:
@@ -229,9 +232,10 @@ class StageStateSharing:
 
         return report
 
-    async def _fetch(self, expected: Any) -> tuple[Snapshot | None, int]:
+    async def _fetch(self, expected: Any, only: Collection[str] | None
+                     ) -> tuple[Snapshot | None, int]:
         assert self._donors is not None
-        donors = list(self._donors())
+        donors = [d for d in self._donors() if only is None or d.peer_id in only]
         if not donors:
             return None, 0
         try:

@@ -301,11 +301,13 @@ def test_a_stalled_donor_holds_up_the_tail_for_a_straggler_time_not_its_deadline
     run(main(), timeout=30)
 
 
-def _catch_up_twice(donor_opt: Any, our_opt: Any) -> tuple[bool, bool]:
+def _catch_up_twice(donor_opt: Any, our_opt: Any, others_only: bool = False
+                    ) -> tuple[bool, bool]:
     """StageStateSharing.resync twice on our device thread, the donor's sharing serving over
     real endpoints: (the first call installed, the second did). Between them the donor
     must serve no chunk: the second finds from the manifest that nothing is ahead of us
-    (the first one must have fetched some)."""
+    (the first one must have fetched some). ``others_only``: first a call that asks only
+    other donors (``only``), which must ask the donor nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from wanswarm.node.stage.state import StageStateSharing
@@ -320,6 +322,10 @@ def _catch_up_twice(donor_opt: Any, our_opt: Any) -> tuple[bool, bool]:
                                      donors=lambda: [address(donors[0])], serving=lambda: True)
             loop = asyncio.get_running_loop()
             try:
+                if others_only:
+                    assert not await loop.run_in_executor(
+                        device_threads[1], ours.resync, loop, 25.0, {"someone-else"})
+                    assert donor.donor.counts["manifests"] == 0
                 caught_up = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
                 chunks = donor.donor.counts["chunks"]
                 assert chunks > 0
@@ -413,7 +419,7 @@ def test_a_diloco_replica_behind_by_rounds_catches_up_though_it_counts_more_step
             opt.step(2)
     assert donor_opt.outer.round == 2 and our_opt.outer.round == 0
     assert our_opt.local_epoch == 3 * h > donor_opt.export_state()[0] == 2 * h
-    caught_up, again = _catch_up_twice(donor_opt, our_opt)
+    caught_up, again = _catch_up_twice(donor_opt, our_opt, others_only=True)
     assert caught_up and not again
     assert our_opt.outer.round == 2 and our_opt.local_epoch == 3 * h
     for name in our_opt._names:

@@ -169,6 +169,22 @@ class CountingScripted(Scripted):
         return self.newer
 
 
+class Fetches:
+    """A stage server's catch-up, recorded: the donors each call asked for (``only``);
+    ``install`` moves the replica to the next round, as an installed state would."""
+
+    def __init__(self, opt: DilocoOptimizer, install: bool = False) -> None:
+        self.opt, self.install, self.asked = opt, install, []  # type: ignore[var-annotated]
+
+    def __call__(self, only: Any = None) -> bool:
+        self.asked.append(only)
+        if self.install:
+            opt = self.opt
+            opt._install_outer(opt.outer.round + 1, dict(opt.outer.anchor),
+                               dict(opt.outer.momentum))
+        return self.install
+
+
 def test_a_member_claiming_a_later_round_is_left_out_not_followed() -> None:
     # our group: ourselves, an honest member with our data, and a liar a round "ahead" who
     # also shares a poisoned outer state: the round is taken without it, nothing adopted
@@ -177,7 +193,9 @@ def test_a_member_claiming_a_later_round_is_left_out_not_followed() -> None:
         newer=_poisoned(1),
     )
     m, opt = _replica(carrier)
+    opt.catch_up_with(fetches := Fetches(opt))
     _train(m, opt, seed=7)
+    assert fetches.asked == []  # one member's claim: not even a manifest asked for
     assert opt.last_round["ok"] and opt.last_round["participants"] == 2
     assert opt.outer.round == 1 and opt.rounds_adopted == 0 and carrier.asked == 0
     assert opt.averaging_status()["members_ahead_left_out"] == 1
@@ -192,7 +210,7 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     m, opt = _replica(carrier)
     fetched: list[int] = []
 
-    def nothing_newer() -> bool:
+    def nothing_newer(only: Any = None) -> bool:
         fetched.append(opt.outer.round)
         return False
 
@@ -208,7 +226,7 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     epoch, shared, meta = src.export_state()
     assert opt.is_behind(epoch, meta)
 
-    def fetch() -> bool:
+    def fetch(only: Any = None) -> bool:
         opt.import_state(epoch, shared, meta)
         return True
 
@@ -218,6 +236,40 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     for p, q in zip(m.parameters(), m_src.parameters(), strict=True):
         assert torch.equal(p, q)
     assert opt.local_epoch == 2 * H  # the inner steps it counted are kept (not set back)
+
+
+def test_a_cohort_ahead_is_asked_for_its_state_and_followed_only_if_it_has_one() -> None:
+    # us, others at our round, and two that agree on a later round and anchor (replicas
+    # whose rounds split): the cohort's members are the donors asked
+    def group(data: dict[str, Any], at_ours: int) -> dict[str, Any]:
+        later = data | {"round": 1, "anchor": "c" * 16}
+        members = {"me": data | {"transport_id": "t-me"},
+                   "c1": later | {"transport_id": "t-c1"}, "c2": later | {"transport_id": "t-c2"}}
+        return members | {f"s{i}": data | {"transport_id": f"t-s{i}"} for i in range(at_ours)}
+
+    # two of three others ahead: most of them; the quorum of the pair had nothing ahead of
+    # ours, and most were ahead: no step either
+    m, opt = _replica(Scripted(lambda data: group(data, 1)))
+    opt.catch_up_with(fetches := Fetches(opt))
+    _train(m, opt, seed=12)
+    assert fetches.asked == [{"t-c1", "t-c2"}]
+    assert opt.outer.round == 0 and not opt.last_round["ok"]
+
+    # two of four others: not most; asked, nothing ahead: the round goes on without them
+    m, opt = _replica(Scripted(lambda data: group(data, 2)))
+    opt.catch_up_with(fetches := Fetches(opt))
+    _train(m, opt, seed=13)
+    assert fetches.asked == [{"t-c1", "t-c2"}]
+    assert opt.last_round["ok"] and opt.outer.round == 1 and opt.last_round["participants"] == 3
+    assert opt.members_ahead_left_out == 2
+
+    # the same, and the cohort's state is ahead: installed, no step of ours on top of it
+    m, opt = _replica(Scripted(lambda data: group(data, 2)))
+    opt.catch_up_with(fetches := Fetches(opt, install=True))
+    _train(m, opt, seed=14)
+    assert fetches.asked == [{"t-c1", "t-c2"}]
+    assert opt.outer.round == 1 and opt.rounds_adopted == 1 and not opt.last_round["ok"]
+    assert opt.last_round["adopted_newer_state"]
 
 
 def test_behind_is_by_outer_round_not_by_epoch() -> None:
