@@ -53,19 +53,21 @@ Missed rounds. A round waits at most ``round_timeout_s``. A replica that got no 
 joining, or alone) keeps its parameters, restores its residual (nothing was sent), catches
 up if the stage is ahead of it, else tries again after one more inner step
 (inner_rounds.py); the others do not wait for it. A replica that knows no other replica of
-its stage takes its rounds alone, without matchmaking. A replica more than half of whose
-group's other members report a later round catches up instead of stepping. Fewer members
-ahead are left out of the mean (``members_ahead_left_out``), a round number being its
-member's word (one liar must not make its group skip rounds); but two or more of them that
-agree on round and anchor are a cohort that took rounds apart (a split), and are asked for
-their state first: if they hold one ahead of ours it is installed, else the round goes
-on. Catching up installs the outer state a quorum of the stage's replicas holds, through the stage
-server's state transfer (state.py's ``resync``; nothing is downloaded unless the quorum's
-round is ahead of ours), never the state of the one averager that claims the highest
-round (hivemind's ``load_state_from_peers``: without a stage server, in tests and tools,
-at most one round ahead; a newcomer that found no donor still falls back to it, as
-state.py says). A newly joined replica starts from the latest outer
-state through state transfer: :meth:`export_state` is the shared outer state (anchor as the
+its stage takes its rounds alone, without matchmaking. Where more than half of a round's
+group holds one outer state (round and anchor) other than ours, the stage's replicas split
+and we are the smaller part: we take that majority's state from its members (even an
+earlier round's) instead of stepping. Where more than half of the others report later
+rounds but no state is held by most, we catch up from the whole stage. Members at another
+state that are fewer are left out of the mean (``members_ahead_left_out``,
+``members_at_another_anchor``): a round number and an anchor digest are their member's
+word, and a minority of liars must neither make the group skip rounds nor hand it their
+state. Catching up installs the outer state a quorum of the donors asked holds, through
+the stage server's state transfer (state.py's ``resync``; nothing is downloaded unless the
+quorum's round is one we want: ``is_behind``), never the state of the one averager that
+claims the highest round (hivemind's ``load_state_from_peers``: without a stage server,
+in tests and tools, at most one round ahead; a newcomer that found no donor still falls
+back to it, as state.py says). A newly joined replica starts from the latest outer state
+through state transfer: :meth:`export_state` is the shared outer state (anchor as the
 stage's parameters, outer momentum, epoch ``round * H``), identical on every replica that
 took the same rounds, so that the donors' quorum by digest (state.py) agrees on it.
 :meth:`export_checkpoint` adds what is this replica's own (its current parameters, inner
@@ -300,6 +302,7 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self.members_at_another_anchor = 0  # group members seen at our round, other anchor
         self.members_ahead_left_out = 0  # members at a later round, fewer than half a group
         self._fetch: CatchUpFetch | None = None  # the stage server's catch-up
+        self._least: int | None = None  # a catch-up from a majority: its round or later
         self.payload_bytes_sent = 0
         self._shapes = {n: tuple(self.outer.anchor[n].shape) for n in self._names}
         self._fragment_nbytes = [
@@ -336,7 +339,10 @@ class DilocoOptimizer(InnerStepsOptimizer):
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
         round_ = meta.get("outer_round")
-        return type(round_) is int and round_ > self.outer.round
+        if type(round_) is not int:
+            return False
+        least = self._least
+        return round_ > self.outer.round if least is None else round_ >= least
 
     def load_state_from_peers(self) -> bool:
         """A newcomer's fallback (state.py: no donor known, or none delivered): one of the
@@ -344,14 +350,20 @@ class DilocoOptimizer(InnerStepsOptimizer):
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
         return found is not None and self._adopt(*found, any_round=True)
 
-    def _catch_up(self, only: Collection[str] | None = None) -> bool:
-        """After a missed round, or one whose group was ahead of us (:meth:`_ahead`): install
-        the stage's newer outer state if there is one. A stage server's catch-up (``fetch``)
-        takes the state a quorum of the stage's replicas (or of ``only`` those, by transport
-        id) holds; without a server (tests, tools), one averager's, at most
-        ``MAX_ROUNDS_BEHIND`` rounds ahead."""
+    def _catch_up(self, only: Collection[str] | None = None, least: int | None = None) -> bool:
+        """After a missed round, or one in which we stood behind (:meth:`_standing`):
+        install the stage's newer outer state if there is one. A stage server's catch-up
+        (``fetch``) takes the state a quorum of the stage's replicas (or of ``only`` those,
+        by transport id: a majority of our group) holds, of a later round than ours, or of
+        round ``least`` or later when given (a majority's state may be an earlier round's:
+        our smaller part of a split went on without it); without a server (tests, tools),
+        one averager's, at most ``MAX_ROUNDS_BEHIND`` rounds ahead."""
         if self._fetch is not None:
-            adopted = bool(self._fetch(only))
+            self._least = least  # is_behind, asked while fetch runs on this thread's behalf
+            try:
+                adopted = bool(self._fetch(only))
+            finally:
+                self._least = None
             self.rounds_adopted += adopted
             return adopted
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
@@ -460,18 +472,20 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._group = group
         sent = current.payload_len * (group - 1)  # what an all-gather sends of ours
         self.payload_bytes_sent += sent
-        ahead, most, cohort, ids = self._ahead(gathered)
-        if most or cohort:
-            # most of the others took rounds without us: take the stage's state, not a
-            # step. A cohort of two or more that agree on a later round and anchor, fewer
-            # than that, is asked for its state (replicas whose rounds split); if it has
-            # none ahead of ours, the round goes on without it (claims are their makers'
-            # word: a liar must not make the group skip its rounds)
-            adopted = self._catch_up(ids)
-            if most or adopted:
-                self.feedback.residuals = current.saved
-                self._record(current.started, group, sent, ok=False, adopted=adopted)
-                return
+        ahead, most, majority = self._standing(gathered, current.digest)
+        if majority is not None or most:
+            # a strict majority of the group holds another outer state (round and anchor):
+            # the stage's replicas split and we are in the smaller part; take the
+            # majority's state from its members (even an earlier round's), not a step. Or
+            # most of the others took rounds without us (no state held by most): take
+            # the state a quorum of the stage's replicas holds. Fewer members ahead are
+            # left out below (a round number is its member's word: a minority of liars
+            # must not make the group skip its rounds, nor hand it their state)
+            self.feedback.residuals = current.saved
+            only, least = majority if majority is not None else (None, None)
+            adopted = self._catch_up(only, least)
+            self._record(current.started, group, sent, ok=False, adopted=adopted)
+            return
         self.members_ahead_left_out += ahead
         names = self._fragments[current.fragment]
         contributions = []
@@ -504,26 +518,27 @@ class DilocoOptimizer(InnerStepsOptimizer):
         self._group = len(contributions)
         self._record(current.started, len(contributions), sent, ok=True, adopted=False)
 
-    def _ahead(self, gathered: dict[str, Any]) -> tuple[int, bool, bool, set[str] | None]:
-        """The group members at a later round than ours: how many; whether they are more
-        than half of the others; whether two or more of them agree on round and anchor (a
-        cohort); and the transport ids of the largest such cohort (the latest round among
-        equals), None where the descriptors carry none (payloads in the gather). Decided
-        from the gathered data: every member at our round decides alike."""
-        others = len(gathered) - 1
-        ahead = [g for g in gathered.values() if isinstance(g, dict)
-                 and type(g.get("round")) is int and g["round"] > self.outer.round]
-        cohorts: Counter[tuple[int, str]] = Counter(
-            (g["round"], g["anchor"]) for g in ahead if isinstance(g.get("anchor"), str)
-        )
-        agreeing = [key for key, n in cohorts.items() if n >= 2]
-        ids: set[str] | None = None
-        if agreeing:
-            best = max(agreeing, key=lambda key: (cohorts[key], key))
-            ids = {g["transport_id"] for g in ahead
-                   if (g["round"], g.get("anchor")) == best
-                   and isinstance(g.get("transport_id"), str)} or None
-        return len(ahead), 2 * len(ahead) > others, bool(agreeing), ids
+    def _standing(self, gathered: dict[str, Any], digest: str
+                  ) -> tuple[int, bool, tuple[set[str] | None, int] | None]:
+        """Where we stand in the group, from the gathered data alone (every member at our
+        outer state decides alike): how many members are at a later round; whether they
+        are more than half of the others; and, when more than half of the whole group holds
+        one outer state (round and anchor digest) other than ours (``digest``), its
+        members' transport ids (None where the descriptors carry none: payloads in the
+        gather) and its round."""
+        members = [g for g in gathered.values() if isinstance(g, dict)]
+        states = [(g["round"], g["anchor"]) for g in members
+                  if type(g.get("round")) is int and isinstance(g.get("anchor"), str)]
+        ahead = sum(1 for r, _ in states if r > self.outer.round)
+        majority = None
+        held = Counter(states).most_common(1)
+        if held and 2 * held[0][1] > len(gathered) and held[0][0] != (self.outer.round, digest):
+            key = held[0][0]
+            ids = {g["transport_id"] for g in members
+                   if (g.get("round"), g.get("anchor")) == key
+                   and isinstance(g.get("transport_id"), str)}
+            majority = (ids or None, key[0])
+        return ahead, 2 * ahead > len(gathered) - 1, majority
 
     def _contribution(
         self, peer: str, data: Any, digest: str, names: list[str], nbytes: int

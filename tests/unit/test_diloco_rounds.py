@@ -170,14 +170,18 @@ class CountingScripted(Scripted):
 
 
 class Fetches:
-    """A stage server's catch-up, recorded: the donors each call asked for (``only``);
-    ``install`` moves the replica to the next round, as an installed state would."""
+    """A stage server's catch-up, recorded: the donors each call asked for (``only``) and
+    whether a state of round 0 would be taken meanwhile; ``install`` moves the replica to
+    the next round, as an installed state would."""
 
     def __init__(self, opt: DilocoOptimizer, install: bool = False) -> None:
-        self.opt, self.install, self.asked = opt, install, []  # type: ignore[var-annotated]
+        self.opt, self.install = opt, install
+        self.asked: list[Any] = []
+        self.takes_round_0: list[bool] = []
 
     def __call__(self, only: Any = None) -> bool:
         self.asked.append(only)
+        self.takes_round_0.append(self.opt.is_behind(0, {"outer_round": 0}))
         if self.install:
             opt = self.opt
             opt._install_outer(opt.outer.round + 1, dict(opt.outer.anchor),
@@ -238,38 +242,67 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     assert opt.local_epoch == 2 * H  # the inner steps it counted are kept (not set back)
 
 
-def test_a_cohort_ahead_is_asked_for_its_state_and_followed_only_if_it_has_one() -> None:
-    # us, others at our round, and two that agree on a later round and anchor (replicas
-    # whose rounds split): the cohort's members are the donors asked
-    def group(data: dict[str, Any], at_ours: int) -> dict[str, Any]:
-        later = data | {"round": 1, "anchor": "c" * 16}
-        members = {"me": data | {"transport_id": "t-me"},
-                   "c1": later | {"transport_id": "t-c1"}, "c2": later | {"transport_id": "t-c2"}}
-        return members | {f"s{i}": data | {"transport_id": f"t-s{i}"} for i in range(at_ours)}
+def _group(data: dict[str, Any], ours: int, later: int, other_anchor: int = 0,
+           ) -> dict[str, Any]:
+    """Our data, ``ours`` more members at our outer state, ``later`` members at round + 1
+    agreeing on its anchor, ``other_anchor`` at our round from another anchor."""
+    def at(name: str, **what: Any) -> tuple[str, dict[str, Any]]:
+        return name, data | what | {"transport_id": "t-" + name}
 
-    # two of three others ahead: most of them; the quorum of the pair had nothing ahead of
-    # ours, and most were ahead: no step either
-    m, opt = _replica(Scripted(lambda data: group(data, 1)))
+    return dict([at("me")] + [at(f"s{i}") for i in range(ours)]
+                + [at(f"c{i}", round=data["round"] + 1, anchor="c" * 16) for i in range(later)]
+                + [at(f"a{i}", anchor="a" * 16) for i in range(other_anchor)])
+
+
+def test_a_state_most_of_the_group_holds_is_followed_a_minority_is_left_out() -> None:
+    # three of five hold a later state: a strict majority; its members are the donors
+    # asked; nothing installed (fetch found none), and no step of ours either
+    m, opt = _replica(Scripted(lambda data: _group(data, 1, 3)))
     opt.catch_up_with(fetches := Fetches(opt))
     _train(m, opt, seed=12)
-    assert fetches.asked == [{"t-c1", "t-c2"}]
+    assert fetches.asked == [{"t-c0", "t-c1", "t-c2"}] and fetches.takes_round_0 == [False]
     assert opt.outer.round == 0 and not opt.last_round["ok"]
+    assert opt.is_behind(0, {"outer_round": 1}) and not opt.is_behind(0, {"outer_round": 0})
 
-    # two of four others: not most; asked, nothing ahead: the round goes on without them
-    m, opt = _replica(Scripted(lambda data: group(data, 2)))
+    # two of four hold it: no majority, but most of the others are ahead: the quorum of
+    # all the stage's replicas is asked
+    m, opt = _replica(Scripted(lambda data: _group(data, 1, 2)))
     opt.catch_up_with(fetches := Fetches(opt))
     _train(m, opt, seed=13)
-    assert fetches.asked == [{"t-c1", "t-c2"}]
+    assert fetches.asked == [None] and not opt.last_round["ok"]
+
+    # two of five: a minority (two liars, say): nothing asked, the round goes on without
+    m, opt = _replica(Scripted(lambda data: _group(data, 2, 2)))
+    opt.catch_up_with(fetches := Fetches(opt))
+    _train(m, opt, seed=14)
+    assert fetches.asked == []
     assert opt.last_round["ok"] and opt.outer.round == 1 and opt.last_round["participants"] == 3
     assert opt.members_ahead_left_out == 2
 
-    # the same, and the cohort's state is ahead: installed, no step of ours on top of it
-    m, opt = _replica(Scripted(lambda data: group(data, 2)))
+    # the majority's state is installed: no step of ours on top of it
+    m, opt = _replica(Scripted(lambda data: _group(data, 0, 2)))
     opt.catch_up_with(fetches := Fetches(opt, install=True))
-    _train(m, opt, seed=14)
-    assert fetches.asked == [{"t-c1", "t-c2"}]
+    _train(m, opt, seed=15)
+    assert fetches.asked == [{"t-c0", "t-c1"}]
     assert opt.outer.round == 1 and opt.rounds_adopted == 1 and not opt.last_round["ok"]
     assert opt.last_round["adopted_newer_state"]
+
+
+def test_the_smaller_part_of_a_split_at_our_round_takes_the_majoritys_state() -> None:
+    # two groups took the same round apart (anchors differ): at the next round the part
+    # holding fewer members follows the other, a state of its own round (or later)
+    m, opt = _replica(Scripted(lambda data: _group(data, 0, 0, other_anchor=2)))
+    opt.catch_up_with(fetches := Fetches(opt))
+    _train(m, opt, seed=16)
+    assert fetches.asked == [{"t-a0", "t-a1"}] and fetches.takes_round_0 == [True]
+    assert not opt.last_round["ok"] and opt.outer.round == 0
+    assert opt.averaging_status()["members_at_another_anchor"] == 0  # never averaged with
+    # the larger part: its members leave the other anchor out and go on
+    m, opt = _replica(Scripted(lambda data: _group(data, 1, 0, other_anchor=1)))
+    opt.catch_up_with(fetches := Fetches(opt))
+    _train(m, opt, seed=17)
+    assert fetches.asked == [] and opt.last_round["ok"] and opt.outer.round == 1
+    assert opt.members_at_another_anchor == 1
 
 
 def test_behind_is_by_outer_round_not_by_epoch() -> None:
