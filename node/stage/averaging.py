@@ -156,6 +156,8 @@ _BYTES_PER_VALUE: dict[str, float] = {
 IDLE_ROUND_WEIGHT = 1e-3
 STEP_SAMPLES_KEPT = 16  # epochs whose samples the status shows
 ROUND_POLL_S = 0.25  # while waiting for a round: how often to look whether it is hopeless
+# how long a quorum's epoch bounds the progress records believed (a catch-up's spacing)
+QUORUM_CAP_S = 30.0
 SLOW_STEP_MARGIN_S = 5.0  # a step longer than matchmaking_time plus this is logged
 # Longest wait between two reads of the stage's progress (hivemind: 10 s, shorter as its
 # estimate of the epoch's end nears). A replica learns that another ended the epoch only at a
@@ -516,6 +518,7 @@ class CollaborativeOptimizer:
             p.grad = None
         self._shut = False
         self.catch_up: CatchUp | None = None  # catch_up_with() installs it
+        self._quorum_not_ahead = False  # the last catch-up found the stage's quorum not ahead
         self._last_call: float | None = None
         self.call_interval_s = 0.0  # EMA of the time between step / step_if_due calls
         self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
@@ -835,10 +838,27 @@ class CollaborativeOptimizer:
     def catch_up_with(self, fetch: Callable[[], bool]) -> None:
         # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
         # is behind: our transport instead, hivemind's download once, attempts spaced
-        self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
+        def ours() -> bool:
+            self._quorum_not_ahead = False  # set by is_behind while fetch runs
+            return fetch()
+
+        self.catch_up = catch_up_through(
+            self._opt, ours, installed=self._ledger.installed,
+            not_behind=lambda: self._quorum_not_ahead,
+        )
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
-        return epoch > self.local_epoch
+        """Asked of the state a quorum of the stage's replicas holds (a catch-up). When it is
+        not ahead of ours, a progress record claiming more than one epoch beyond it is not
+        believed for ``QUORUM_CAP_S`` (progress_guard.py): hivemind took such a record (a
+        lie within the screen's lead, or a stale one) for the stage's epoch."""
+        if epoch > self.local_epoch:
+            return True
+        from hivemind.utils.timed_storage import get_dht_time
+
+        self.progress_screen.believe_at_most(epoch + 1, get_dht_time() + QUORUM_CAP_S)
+        self._quorum_not_ahead = True
+        return False
 
     def load_state_from_peers(self) -> bool:
         epoch = self.local_epoch
@@ -1049,6 +1069,8 @@ class CollaborativeOptimizer:
             "progress_records_refused": self.progress_screen.refused,
             # kept with a count above the screen's bound, counted as the bound
             "progress_records_clamped": self.progress_screen.clamped,
+            # catch-ups whose quorum was not ahead of us bounded the records believed
+            "progress_records_capped": self.progress_screen.capped,
             # the replicas' counts pushed over libp2p (progress_push.py): sent, failed,
             # received, refused by reason
             "progress_pushes": self._push_status(),

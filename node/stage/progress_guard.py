@@ -73,6 +73,16 @@ class ProgressScreen:
     reasons: dict[str, int] = field(default_factory=dict)
     clamped: int = 0  # records kept with their sample count clamped to the bound
     logged: set[tuple[bytes, str]] = field(default_factory=set)
+    # the stage's state transfer found a quorum of its replicas at an epoch not ahead of
+    # ours: a record beyond that epoch + 1 is not believed until ``cap_until`` (DHT time)
+    cap_epoch: float = math.inf
+    cap_until: float = -math.inf
+    capped: int = 0  # times a quorum set the cap
+
+    def believe_at_most(self, epoch: int, until: float) -> None:
+        """Records claiming more than ``epoch`` are refused until ``until`` (DHT time)."""
+        self.cap_epoch, self.cap_until = float(epoch), until
+        self.capped += 1
 
     def refuse(self, publisher: bytes, reason: str, detail: str) -> None:
         self.refused += 1
@@ -134,6 +144,8 @@ def screen(
     # state is still loading) would otherwise out-vote the stage and never learn its epoch
     majority = statistics.median_low(others) if others else float(local_epoch)
     limit = min(float(MAX_EPOCH), majority + bounds.max_lead)
+    if now < tally.cap_until:  # what a quorum of the stage's replicas holds bounds it too
+        limit = min(limit, tally.cap_epoch)
     kept = {}
     for subkey, item, epoch in parsed:
         value = getattr(item, "value", None)
@@ -174,7 +186,8 @@ def _problem(
     if epoch is None or samples is None or rate is None or stamp is None:
         return "malformed", f"not a progress record: {str(value)[:120]}"
     if epoch > limit:
-        return "epoch", f"epoch {epoch:.0f} is beyond the stage's majority + lead ({limit:.0f})"
+        return "epoch", (f"epoch {epoch:.0f} is beyond the stage's majority + lead, or what "
+                         f"a quorum of its replicas holds + 1 ({limit:.0f})")
     if not (0 <= samples < math.inf):  # NaN too; above the bound: clamped by screen()
         return "samples", f"{samples} samples accumulated (target {bounds.target_batch_size})"
     if not math.isfinite(rate) or rate > bounds.max_samples_per_second:
@@ -187,7 +200,7 @@ def _problem(
 def guard_tracker(tracker: Any, bounds: ProgressBounds) -> ProgressScreen:
     """Screen every progress record ``tracker`` (a live hivemind ``ProgressTracker``) parses
     from now on, and re-parse the current records screened. Returns the tally."""
-    from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+    from hivemind.utils.timed_storage import get_dht_time
 
     tally = ProgressScreen()
     original = tracker._parse_swarm_progress_data
@@ -211,8 +224,17 @@ def guard_tracker(tracker: Any, bounds: ProgressBounds) -> ProgressScreen:
 
     tracker._parse_swarm_progress_data = parse
     # the constructor already parsed what the DHT held, unscreened: parse it again
+    reparse(tracker)
+    return tally
+
+
+def reparse(tracker: Any) -> None:
+    """Parse the records the DHT holds now into ``tracker``'s global progress (through the
+    screen, once :func:`guard_tracker` installed it): the stage's epoch as the screen sees
+    it now, not at the tracker's next refresh. A blocking DHT read."""
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
     found = tracker.dht.get(tracker.training_progress_key, latest=True)
     metadata = found.value if isinstance(found, ValueWithExpiration) else None
     with tracker.lock_global_progress:
-        tracker.global_progress = parse(metadata)
-    return tally
+        tracker.global_progress = tracker._parse_swarm_progress_data(metadata)

@@ -15,8 +15,12 @@ stage's layout and takes only a state that a quorum of donors agrees on.
 the same sequence hivemind runs (tag along with a pre-scheduled round at zero weight,
 finish delayed updates, pause the progress tracker, install a state, catch the epoch up,
 report progress) as one bounded call to ``fetch`` (``StageStateSharing.resync``): our
-download, then its install on this thread (``import_state`` runs that sequence). Where that
-fails, hivemind's own download is tried once, never in its loop (which retries forever on
+download, then its install on this thread (``import_state`` runs that sequence). Where a
+quorum of the stage's replicas answered with a state that is not ahead of ours, a progress
+record beyond it made hivemind believe we are behind (the screen lets a record lead the
+others' median by two epochs): nothing is downloaded, and the screen refuses records
+beyond that state's epoch + 1 for a while (progress_guard.py). Where ours fails otherwise,
+hivemind's own download is tried once, never in its loop (which retries forever on
 a timeout); attempts are spaced by ``retry_after`` seconds, and a call in
 between returns at once: the replica serves on at its epoch (its gradients then count in no
 round) and the next ``step`` tries again.
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..logs import get_logger
+from .progress_guard import reparse
 
 log = get_logger(__name__)
 
@@ -61,15 +66,18 @@ class CatchUp:
         retry_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
+        not_behind: Callable[[], bool] = lambda: False,
     ) -> None:
         self._opt = opt
         self._fetch = fetch
         self._installed = installed  # told when hivemind's download replaced the state
+        # whether the last fetch found a quorum of the stage's replicas not ahead of us
+        self._not_behind = not_behind
         self._hivemind_load = opt.load_state_from_peers  # the bound original
         self.retry_after = retry_after
         self._clock = clock
         self._last_try: float | None = None
-        self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0}
+        self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0}
 
     def __call__(self, **kwargs: Any) -> None:
         now = self._clock()
@@ -86,6 +94,19 @@ class CatchUp:
                 return
         except Exception:  # a bug in our path must not stop the stage: hivemind's remains
             log.exception("catching up through our transport failed")
+        else:
+            if self._not_behind():
+                # a quorum of the stage's replicas holds no state ahead of ours: hivemind
+                # believed a progress record beyond it (within the screen's lead), and its
+                # download would take the state of the one averager claiming the most.
+                # The screen now refuses such records for a while (progress_guard.py):
+                # read the stage's epoch again through it
+                self.counts["not_behind"] += 1
+                try:
+                    reparse(self._opt.tracker)
+                except Exception as exc:  # a DHT read: hivemind's own errors
+                    log.warning("re-reading the stage's progress failed: %r", exc)
+                return
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
@@ -135,6 +156,7 @@ def catch_up_through(
     *,
     retry_after: float = 30.0,
     installed: Callable[[], None] = lambda: None,
+    not_behind: Callable[[], bool] = lambda: False,
 ) -> CatchUp:
     """Replace ``opt.load_state_from_peers`` (a hivemind.Optimizer) with a :class:`CatchUp`
     around ``fetch``; returns it (its ``counts`` go into the stage's status). ``installed``
@@ -143,7 +165,8 @@ def catch_up_through(
     missing = [a for a in HIVEMIND_OPTIMIZER_ATTRIBUTES if not hasattr(opt, a)]
     if missing:
         raise TypeError(f"not a hivemind 1.1.12 Optimizer: it lacks {', '.join(missing)}")
-    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed)
+    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed,
+                       not_behind=not_behind)
     opt.load_state_from_peers = catch_up
     return catch_up
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -35,10 +37,11 @@ from tests.waiting import wait_for
 FORGED_EPOCH = 10**15
 
 
-@HIVEMIND_PATH_WARNING
-@HIVEMIND_UNRAISABLE_WARNING
-@pytest.mark.timeout(90)
-def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
+@contextmanager
+def _victim_beside_a_forger(epoch: int) -> Iterator[tuple[Any, Any, torch.nn.Module]]:
+    """A real CollaborativeOptimizer on a real DHT, and a forger's record claiming ``epoch``
+    (signed by hivemind's own tracker on a second DHT) once the victim's DHT holds it:
+    yields (the optimizer, the record as the victim's DHT holds it, the stage module)."""
     pytest.importorskip("hivemind")
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils.crypto import RSAPrivateKey
@@ -63,7 +66,7 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
             private_key=RSAPrivateKey(), min_refresh_period=0.1,
         )
         dhts.own(attacker, partial(attacker.shutdown, timeout=5))
-        attacker.report_local_progress(FORGED_EPOCH, 2)
+        attacker.report_local_progress(epoch, 2)
         key = f"{opt.run_id}_progress"
 
         def forged_visible() -> Any:
@@ -71,11 +74,32 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
             if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
                 return None
             epochs = [getattr(v, "value", None) for v in found.value.values()]
-            if any(isinstance(e, dict) and e.get("epoch") == FORGED_EPOCH for e in epochs):
+            if any(isinstance(e, dict) and e.get("epoch") == epoch for e in epochs):
                 return found.value
             return None
 
         metadata = wait_for(forged_visible, 30.0, "the forged record in the victim's DHT")
+        yield opt, metadata, module
+
+
+def _steps_one_epoch(opt: Any, module: torch.nn.Module) -> None:
+    """One epoch of the replica's own micro-batches steps it (alone), to finite values."""
+    gen = torch.Generator().manual_seed(0)
+    before = [p.detach().clone() for p in module.parameters()]
+    deadline = time.monotonic() + 40.0
+    while opt.local_epoch < 1 and time.monotonic() < deadline:
+        _accumulate(module, gen)
+        opt.step(B)
+    assert opt.local_epoch == 1, "the replica could not step beside the forged record"
+    assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
+    with _victim_beside_a_forger(FORGED_EPOCH) as (opt, metadata, module):
         tracker = opt._opt.tracker
         # what hivemind alone would make of it: the forged epoch (the record is live and valid)
         from hivemind.optim.progress_tracker import ProgressTracker as Unscreened
@@ -86,15 +110,31 @@ def test_a_forged_epoch_in_the_dht_leaves_the_stage_epoch_alone() -> None:
         wait_for(lambda: tally.reasons.get("epoch"), 30.0,
                  "the tracker to fetch and refuse the forged record")
         assert opt.global_epoch == 0 and opt.is_synchronized()
-
-        # the replica keeps training: one epoch of its own micro-batches steps it (alone)
-        gen = torch.Generator().manual_seed(0)
-        before = [p.detach().clone() for p in module.parameters()]
-        deadline = time.monotonic() + 40.0
-        while opt.local_epoch < 1 and time.monotonic() < deadline:
-            _accumulate(module, gen)
-            opt.step(B)
-        assert opt.local_epoch == 1, "the replica could not step beside the forged record"
+        _steps_one_epoch(opt, module)
         assert opt.global_epoch == 1 and opt.is_synchronized()
-        assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
-        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(90)
+def test_a_believable_forged_epoch_is_not_followed_when_the_quorum_is_not_ahead() -> None:
+    """A forged epoch of 2 is believable (the screen lets a record lead the others by two,
+    and beside one other record takes it as it is): hivemind sees the replica two epochs
+    behind and asks for the stage's state. Our catch-up (here: a quorum of the stage's
+    replicas that answered at our epoch, as state.py's resync asks ``is_behind``) finds
+    nothing ahead: hivemind's one-donor download is not tried (it would take the state of
+    whichever averager claims the most), the screen refuses records beyond the quorum's
+    epoch + 1 for a while, and the replica steps on."""
+    with _victim_beside_a_forger(2) as (opt, _, module):
+        wait_for(lambda: opt.global_epoch == 2, 30.0, "the tracker to take the forged epoch")
+        assert not opt.is_synchronized()
+
+        def quorum_at_our_epoch() -> bool:
+            assert not opt.is_behind(opt.local_epoch, {})  # the quorum's manifest
+            return False
+
+        opt.catch_up_with(quorum_at_our_epoch)
+        _steps_one_epoch(opt, module)
+        counts = opt.catch_up.counts
+        assert counts["not_behind"] == 1 and counts["hivemind"] == counts["failed"] == 0
+        assert opt.progress_screen.capped == 1 and opt.progress_screen.reasons.get("epoch")

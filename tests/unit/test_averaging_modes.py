@@ -256,6 +256,18 @@ def test_screen_ignores_an_absurd_epoch_and_keeps_honest_leads() -> None:
     assert set(kept) == {b"me"}  # beyond any run's epochs: refused even alone
 
 
+def test_a_quorums_epoch_bounds_the_records_believed_for_a_while() -> None:
+    records = {b"me": _record(b"me", 7), b"a": _record(b"a", 7), b"b": _record(b"b", 8),
+               b"evil": _record(b"evil", 9)}  # within the lead of two: believed
+    for now, kept_evil in ((100.0, False), (129.9, False), (130.0, True)):
+        tally = ProgressScreen()
+        tally.believe_at_most(8, until=130.0)  # a quorum held epoch 7: 8 may have stepped
+        kept = screen(records, local_epoch=7, own_peer_id=b"me", now=now,
+                      bounds=ProgressBounds(target_batch_size=64), tally=tally)
+        assert (b"evil" in kept) is kept_evil and {b"me", b"a", b"b"} <= set(kept)
+        assert tally.capped == 1 and tally.refused == (0 if kept_evil else 1)
+
+
 @pytest.mark.parametrize(
     ("record", "reason"),
     [

@@ -18,6 +18,20 @@ class _Tracker:
         self.global_epoch = global_epoch
         self.lock = threading.Lock()  # hivemind's is not reentrant either
         self.reports: list[tuple[int, int]] = []
+        # what progress_guard.reparse reads: the DHT's records, parsed (through the screen)
+        self.training_progress_key = "run_progress"
+        self.lock_global_progress = threading.Lock()
+        self.dht = self
+        self.parsed: list[Any] = []
+        self.global_progress: Any = None
+
+    def get(self, key: str, latest: bool) -> None:
+        assert key == self.training_progress_key and latest
+        return None  # nothing stored: hivemind parses None as no peers
+
+    def _parse_swarm_progress_data(self, metadata: Any) -> str:
+        self.parsed.append(metadata)
+        return "parsed"
 
     @contextlib.contextmanager
     def pause_updates(self) -> Iterator[None]:
@@ -99,7 +113,8 @@ def test_hivemind_once_when_ours_fails_and_then_attempts_are_spaced() -> None:
     catch_up._clock = lambda: now[0]
     opt.load_state_from_peers()  # returns: no endless retry on the timeout
     assert opt.state_averager.loads == 1
-    assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0}
+    assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0,
+                               "not_behind": 0}
     assert opt.tracker.reports[-1] == (3, 0)  # behind by more than one: epoch kept
     now[0] += 10
     opt.load_state_from_peers()  # within retry_after: back at once, nothing tried
@@ -109,6 +124,18 @@ def test_hivemind_once_when_ours_fails_and_then_attempts_are_spaced() -> None:
     opt.load_state_from_peers()  # spaced enough: hivemind's download now works
     assert opt.state_averager.loads == 2
     assert catch_up.counts["hivemind"] == 1 and opt.local_epoch == 9
+
+
+def test_a_quorum_not_ahead_of_us_is_believed_over_the_records_no_download() -> None:
+    # hivemind's tracker believes a record two epochs ahead; the stage's replicas answered
+    # with a state at our epoch: hivemind's one-donor download is not tried, and the
+    # records are parsed again (through the screen, which the quorum now bounds)
+    opt = _Opt(epoch=3, global_epoch=5, donor_epoch=5)
+    catch_up = catch_up_through(opt, lambda: False, not_behind=lambda: True)
+    opt.load_state_from_peers()
+    assert opt.state_averager.loads == 0 and opt.local_epoch == 3
+    assert catch_up.counts["not_behind"] == 1 and catch_up.counts["hivemind"] == 0
+    assert opt.tracker.parsed == [None] and opt.tracker.global_progress == "parsed"
 
 
 def test_a_bug_in_our_path_falls_back_and_one_epoch_behind_catches_up_as_hivemind() -> None:
