@@ -54,8 +54,9 @@ def shared_state_averager_class() -> type:
             # whether its group is full (a join, and refusing one). Its GroupKeyManager
             # keeps the constructor's size: it samples buckets for a group as large as any
             # other leader's target.
-            if self._group_target.value >= 2:
-                self._matchmaking.target_group_size = self._group_target.value
+            target = self.group_target  # read once: the device thread may set it meanwhile
+            if target >= 2:
+                self._matchmaking.target_group_size = target
             return await super()._step(**kwargs)
 
         async def add_p2p_handlers(self, *args: Any, **kwargs: Any) -> Any:

@@ -184,7 +184,7 @@ class StageStateSharing:
         when there is no donor, nothing newer or nothing trustworthy, or it takes longer
         than ``timeout`` seconds (the download is then cancelled). ``only``: the donors to
         ask, by peer id, among the stage's online replicas (DiLoCo: the members of a round
-        cohort that is ahead of us); None asks all of them."""
+        group's majority that holds another state than ours); None asks all of them."""
         if self._donors is None:
             return False
         if self._layout is None:  # this thread is the device thread: export directly

@@ -484,8 +484,21 @@ async def download_state(
     must match. Raises StateTransferError when no donor can deliver (UntrustedStateError
     when donors answered but none can be trusted).
     """
-    snapshot = await _download(endpoint, donors, kind_prefix, config, timeout_s, chunk_bytes,
-                               max_parallel_per_donor, progress, expected, None)
+    overrides = {
+        k: v for k, v in (("timeout_s", timeout_s), ("chunk_bytes", chunk_bytes),
+                          ("max_parallel_per_donor", max_parallel_per_donor)) if v is not None
+    }
+    base = config or StateTransferConfig()
+    cfg = (
+        StateTransferConfig.model_validate({**base.model_dump(), **overrides})
+        if overrides
+        else base
+    )
+    download = StateDownload(
+        endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress,
+        expected=expected,
+    )
+    snapshot = await download.run()
     assert snapshot is not None  # only a ``wanted`` declines
     return snapshot
 
@@ -503,28 +516,6 @@ async def download_wanted_state(
     """:func:`download_state`, asking ``wanted(epoch, meta)`` of the quorum's state once
     the donors' manifests decided it, before any chunk: None when it answers False (a
     replica that catches up takes only a state ahead of its own)."""
-    return await _download(endpoint, donors, kind_prefix, config, None, None, None,
-                           progress, expected, wanted)
-
-
-async def _download(
-    endpoint: Endpoint, donors: Sequence[PeerAddress], kind_prefix: str,
-    config: StateTransferConfig | None, timeout_s: float | None, chunk_bytes: int | None,
-    max_parallel_per_donor: int | None, progress: Progress | None,
-    expected: StateLayout | None, wanted: Wanted | None,
-) -> Snapshot | None:
-    overrides = {
-        k: v for k, v in (("timeout_s", timeout_s), ("chunk_bytes", chunk_bytes),
-                          ("max_parallel_per_donor", max_parallel_per_donor)) if v is not None
-    }
-    base = config or StateTransferConfig()
-    cfg = (
-        StateTransferConfig.model_validate({**base.model_dump(), **overrides})
-        if overrides
-        else base
-    )
-    download = StateDownload(
-        endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress,
-        expected=expected, wanted=wanted,
-    )
+    download = StateDownload(endpoint, donors, kind_prefix=kind_prefix, config=config,
+                             progress=progress, expected=expected, wanted=wanted)
     return await download.run()
