@@ -126,7 +126,7 @@ from ..errors import NodeError
 from ..training.model import param_groups
 from .constraint import SubspaceConstraint
 from .exact_allreduce import ExactGradientAverager
-from .optimizer import make_adamw, make_schedule, set_schedule_epoch
+from .optimizer import CatchUpFetch, make_adamw, make_schedule, set_schedule_epoch
 from .params_version import EpochStep, ParamsLedger
 from .progress_guard import ProgressBounds, guard_tracker
 from .progress_push import PushBook
@@ -518,7 +518,6 @@ class CollaborativeOptimizer:
             p.grad = None
         self._shut = False
         self.catch_up: CatchUp | None = None  # catch_up_with() installs it
-        self._quorum_not_ahead = False  # the last catch-up found the stage's quorum not ahead
         self._last_call: float | None = None
         self.call_interval_s = 0.0  # EMA of the time between step / step_if_due calls
         self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
@@ -835,21 +834,16 @@ class CollaborativeOptimizer:
             return
         self.rounds_formed_early += 1
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
-        # is behind: our transport instead, hivemind's download once, attempts spaced
-        def ours() -> bool:
-            self._quorum_not_ahead = False  # set by is_behind while fetch runs
-            return fetch()
-
-        self.catch_up = catch_up_through(
-            self._opt, ours, installed=self._ledger.installed,
-            not_behind=lambda: self._quorum_not_ahead,
-        )
+        # is behind: our transport instead, hivemind's download once where no donor
+        # answered ours, attempts spaced
+        self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
-        """Asked of the state a quorum of the stage's replicas holds (a catch-up). When it is
-        not ahead of ours, a progress record claiming more than one epoch beyond it is not
+        """Asked of the state a quorum of the stage's replicas holds (a catch-up), or of the
+        lower median of the donors' epochs where they agree on none. When it is not ahead
+        of ours, a progress record claiming more than one epoch beyond it is not
         believed for ``QUORUM_CAP_S`` (progress_guard.py): hivemind took such a record (a
         lie within the screen's lead, or a stale one) for the stage's epoch."""
         if epoch > self.local_epoch:
@@ -857,7 +851,6 @@ class CollaborativeOptimizer:
         from hivemind.utils.timed_storage import get_dht_time
 
         self.progress_screen.believe_at_most(epoch + 1, get_dht_time() + QUORUM_CAP_S)
-        self._quorum_not_ahead = True
         return False
 
     def load_state_from_peers(self) -> bool:

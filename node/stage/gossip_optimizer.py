@@ -62,6 +62,7 @@ from .averager_carrier import AveragerCarrier
 from .averaging import AveragingConfig, AveragingError, averaging_run_id
 from .checkpoint import CheckpointError
 from .inner_rounds import InnerStepsOptimizer
+from .optimizer import CatchUpFetch
 from .state_tensors import check_fits, checked_epoch, tensors_digest
 
 log = get_logger(__name__)
@@ -200,7 +201,7 @@ class GossipOptimizer(InnerStepsOptimizer):
 
     # ---- the StageOptimizer contract -----------------------------------------------------
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         pass  # nobody is "behind" in gossip: every round mixes toward the stage's mean
 
     def load_state_from_peers(self) -> bool:

@@ -28,7 +28,8 @@ checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -48,12 +49,28 @@ from .state_tensors import (
 )
 
 
+class Caught(Enum):
+    """How a catch-up (:class:`CatchUpFetch`) ended; true only when a state was installed.
+
+    The difference between the false ones decides whether the averaging library's own
+    download may be tried after ours (resync.py): it trusts the one donor announcing the
+    most, so it is tried only where our transport heard from no donor at all."""
+
+    INSTALLED = "installed"  # the state a quorum of the donors holds, ahead of ours
+    NOT_BEHIND = "not_behind"  # what most of the donors that answered hold is not ahead
+    REFUSED = "refused"  # donors answered, but no state ahead could be trusted or fetched
+    UNREACHED = "unreached"  # no donor to ask, or none answered
+
+    def __bool__(self) -> bool:
+        return self is Caught.INSTALLED
+
+
 class CatchUpFetch(Protocol):
     """The stage server's catch-up (state.py's ``resync``): download the state a quorum of
     the stage's replicas holds, from all of them or ``only`` those (by peer id), and install
-    it if it is ahead of ours; True if installed."""
+    it if it is ahead of ours (:class:`Caught`, true if installed)."""
 
-    def __call__(self, only: Collection[str] | None = None) -> bool: ...
+    def __call__(self, only: Collection[str] | None = None) -> Caught: ...
 
 
 class StageOptimizer(Protocol):
@@ -396,7 +413,7 @@ class LocalOptimizer:
     def load_state_from_peers(self) -> bool:
         return False
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         pass  # alone: never behind
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:

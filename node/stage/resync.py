@@ -15,15 +15,18 @@ stage's layout and takes only a state that a quorum of donors agrees on.
 the same sequence hivemind runs (tag along with a pre-scheduled round at zero weight,
 finish delayed updates, pause the progress tracker, install a state, catch the epoch up,
 report progress) as one bounded call to ``fetch`` (``StageStateSharing.resync``): our
-download, then its install on this thread (``import_state`` runs that sequence). Where a
-quorum of the stage's replicas answered with a state that is not ahead of ours, a progress
-record beyond it made hivemind believe we are behind (the screen lets a record lead the
-others' median by two epochs): nothing is downloaded, and the screen refuses records
-beyond that state's epoch + 1 for a while (progress_guard.py). Where ours fails otherwise,
-hivemind's own download is tried once, never in its loop (which retries forever on
-a timeout); attempts are spaced by ``retry_after`` seconds, and a call in
-between returns at once: the replica serves on at its epoch (its gradients then count in no
-round) and the next ``step`` tries again.
+download, then its install on this thread (``import_state`` runs that sequence). Where
+most of the stage's replicas that answered hold a state that is not ahead of ours (a
+quorum's, or the lower median of donors that agree on none), a progress record beyond it
+made hivemind believe we are behind (the screen lets a record lead the others' median by
+two epochs): nothing is downloaded, and the screen refuses records beyond that epoch + 1
+for a while (progress_guard.py). Where donors answered but nothing ahead of ours could be
+trusted or fetched, nothing else is tried: hivemind's download would take the state of
+the one averager announcing the most. Only where our transport heard from no donor at all
+is hivemind's own download tried, once, never in its loop (which retries forever on a
+timeout). Attempts are spaced by ``retry_after`` seconds, and a call in between returns at
+once: the replica serves on at its epoch (its gradients then count in no round) and the
+next ``step`` tries again.
 
 It relies on hivemind 1.1.12's Optimizer attributes ``scheduled_grads``,
 ``_tag_along_with_zero_weight``, ``state_averager``, ``grad_averager``, ``tracker``,
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..logs import get_logger
+from .optimizer import Caught
 from .progress_guard import reparse
 
 log = get_logger(__name__)
@@ -61,23 +65,21 @@ class CatchUp:
     def __init__(
         self,
         opt: Any,  # hivemind.Optimizer
-        fetch: Callable[[], bool],
+        fetch: Callable[[], Caught],
         *,
         retry_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
-        not_behind: Callable[[], bool] = lambda: False,
     ) -> None:
         self._opt = opt
         self._fetch = fetch
         self._installed = installed  # told when hivemind's download replaced the state
-        # whether the last fetch found a quorum of the stage's replicas not ahead of us
-        self._not_behind = not_behind
         self._hivemind_load = opt.load_state_from_peers  # the bound original
         self.retry_after = retry_after
         self._clock = clock
         self._last_try: float | None = None
-        self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0}
+        self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0,
+                       "refused": 0}
 
     def __call__(self, **kwargs: Any) -> None:
         now = self._clock()
@@ -88,25 +90,31 @@ class CatchUp:
         try:
             # our download; its install (import_state) runs hivemind's own sequence: tag
             # along, finish delayed updates, pause the tracker, set and report the epoch
-            if self._fetch():
-                self.counts["ours"] += 1
-                self._last_try = None  # caught up: a later fall-behind may try at once
-                return
+            caught = self._fetch()
         except Exception:  # a bug in our path must not stop the stage: hivemind's remains
             log.exception("catching up through our transport failed")
-        else:
-            if self._not_behind():
-                # a quorum of the stage's replicas holds no state ahead of ours: hivemind
-                # believed a progress record beyond it (within the screen's lead), and its
-                # download would take the state of the one averager claiming the most.
-                # The screen now refuses such records for a while (progress_guard.py):
-                # read the stage's epoch again through it
-                self.counts["not_behind"] += 1
-                try:
-                    reparse(self._opt.tracker)
-                except Exception as exc:  # a DHT read: hivemind's own errors
-                    log.warning("re-reading the stage's progress failed: %r", exc)
-                return
+            caught = Caught.UNREACHED
+        if caught is Caught.INSTALLED:
+            self.counts["ours"] += 1
+            self._last_try = None  # caught up: a later fall-behind may try at once
+            return
+        if caught is Caught.NOT_BEHIND:
+            # most of the stage's replicas that answered hold no state ahead of ours:
+            # hivemind believed a progress record beyond them (within the screen's lead),
+            # and its download would take the state of the one averager claiming the most.
+            # The screen now refuses such records for a while (progress_guard.py): read
+            # the stage's epoch again through it
+            self.counts["not_behind"] += 1
+            try:
+                reparse(self._opt.tracker)
+            except Exception as exc:  # a DHT read: hivemind's own errors
+                log.warning("re-reading the stage's progress failed: %r", exc)
+            return
+        if caught is Caught.REFUSED:
+            # donors answered, but what they offer ahead of us holds no quorum (or could
+            # not be fetched): one of them is no better. Serve on; ask again later
+            self.counts["refused"] += 1
+            return
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
@@ -152,11 +160,10 @@ class CatchUp:
 
 def catch_up_through(
     opt: Any,
-    fetch: Callable[[], bool],
+    fetch: Callable[[], Caught],
     *,
     retry_after: float = 30.0,
     installed: Callable[[], None] = lambda: None,
-    not_behind: Callable[[], bool] = lambda: False,
 ) -> CatchUp:
     """Replace ``opt.load_state_from_peers`` (a hivemind.Optimizer) with a :class:`CatchUp`
     around ``fetch``; returns it (its ``counts`` go into the stage's status). ``installed``
@@ -165,8 +172,7 @@ def catch_up_through(
     missing = [a for a in HIVEMIND_OPTIMIZER_ATTRIBUTES if not hasattr(opt, a)]
     if missing:
         raise TypeError(f"not a hivemind 1.1.12 Optimizer: it lacks {', '.join(missing)}")
-    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed,
-                       not_behind=not_behind)
+    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed)
     opt.load_state_from_peers = catch_up
     return catch_up
 

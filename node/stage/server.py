@@ -69,7 +69,7 @@ from .checkpointer import Checkpointer, ResumeSource
 from .device_queue import DeviceQueue, Lane
 from .jobs import StageJobs, StageServerCounters
 from .memory import StageFootprint, check_fits, limit_device_memory
-from .optimizer import StageOptimizer
+from .optimizer import Caught, StageOptimizer
 from .precision import ComputePrecision
 from .server_config import StageServerConfig
 from .state import DonorSource, StageStateSharing
@@ -189,7 +189,7 @@ class StageServer:
         loop = asyncio.get_running_loop()
         # a replica that falls behind later catches up through our transport (resync.py)
         timeout = self.config.state_transfer.timeout_s
-        def catch_up(only: Collection[str] | None = None) -> bool:
+        def catch_up(only: Collection[str] | None = None) -> Caught:
             return self._sharing.resync(loop, timeout, only)
 
         self.optimizer.catch_up_with(catch_up)

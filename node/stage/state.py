@@ -43,11 +43,12 @@ from ...transport.endpoint import PeerAddress
 from ..logs import get_logger
 from .averaging import AveragingError
 from .checkpoint import CheckpointError, check_finite
-from .optimizer import StageOptimizer
+from .optimizer import Caught, StageOptimizer
 from .state_donor import (
     StateDonor,
 )
 from .state_plan import (
+    QuorumDecision,
     Snapshot,
     StateTransferConfig,
     StateTransferError,
@@ -66,6 +67,7 @@ log = get_logger(__name__)
 DonorSource = Callable[[], Sequence[PeerAddress]]
 
 BUSY_POLL_S = 0.25  # how often a snapshot waiting for a background round asks again
+RESYNC_GRACE_S = 5.0  # a catch-up's wait beyond its download's own deadline
 
 
 class StageStateSharing:
@@ -176,43 +178,70 @@ class StageStateSharing:
         )
 
     def resync(self, loop: asyncio.AbstractEventLoop, timeout: float,
-               only: Collection[str] | None = None) -> bool:
+               only: Collection[str] | None = None) -> Caught:
         """Device thread, inside the optimizer's step (resync.py, and DiLoCo's rounds):
         download the stage's state from its online replicas through ``loop`` and install it
         here, if the optimizer finds it ahead of its own (``is_behind``: asked of the
-        quorum's manifest, so a state that is not ahead costs no chunk). False, logged,
-        when there is no donor, nothing newer or nothing trustworthy, or it takes longer
-        than ``timeout`` seconds (the download is then cancelled). ``only``: the donors to
-        ask, by peer id, among the stage's online replicas (DiLoCo: the members of a round
-        group's majority that holds another state than ours); None asks all of them."""
+        quorum's manifest, so a state that is not ahead costs no chunk). ``only``: the
+        donors to ask, by peer id, among the stage's online replicas (DiLoCo: the members of
+        a round group's majority that holds another state than ours); None asks all of them.
+
+        How it ended (:class:`Caught`, logged unless installed): ``NOT_BEHIND`` when the
+        quorum's state is not ahead of ours, and also when no quorum agrees but the lower
+        median of the answering donors' epochs is not (``is_behind`` is asked of it: one
+        donor claiming more is one vote, as in a quorum); ``REFUSED`` when donors answered
+        but no state ahead of ours could be trusted, fetched within ``timeout`` seconds or
+        installed; ``UNREACHED`` when there is no donor, or none answered."""
         if self._donors is None:
-            return False
+            return Caught.UNREACHED
         if self._layout is None:  # this thread is the device thread: export directly
             _, own, _ = self._optimizer.export_state()
             self._layout = state_layout(own)
             del own
         started = time.monotonic()
-        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout, only), loop)
+        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout, only, timeout), loop)
         try:
-            snap, donors = future.result(timeout)
+            # the download ends itself at ``timeout`` (saying whether donors answered); the
+            # grace only covers a loop too busy to run it
+            snap, donors = future.result(timeout + RESYNC_GRACE_S)
         except TimeoutError:
             future.cancel()
             log.warning("stage %d: catching up: no state within %.0fs", self.stage, timeout)
-            return False
-        except (StateTransferError, UntrustedStateError) as exc:
+            return Caught.UNREACHED
+        except StateTransferError as exc:  # UntrustedStateError too
             log.warning("stage %d: catching up: %s", self.stage, exc)
-            return False
-        if snap is None or not self._optimizer.is_behind(snap.epoch, dict(snap.meta)):
-            return False
+            return self._without_state(exc.quorum, isinstance(exc, UntrustedStateError))
+        if snap is None:
+            return Caught.UNREACHED if donors == 0 else Caught.NOT_BEHIND  # declined: not ahead
+        if not self._optimizer.is_behind(snap.epoch, dict(snap.meta)):
+            return Caught.NOT_BEHIND
         try:
             self._install(snap)
         except (CheckpointError, AveragingError) as exc:
             log.warning("stage %d: catching up: not installing epoch %d: %s",
                         self.stage, snap.epoch, exc)
-            return False
+            return Caught.REFUSED
         self.catch_ups += 1
         self._downloaded(snap, donors, started, "caught up: ")
-        return True
+        return Caught.INSTALLED
+
+    def _without_state(self, quorum: QuorumDecision | None, untrusted: bool) -> Caught:
+        """Device thread: how a catch-up that installed nothing ended, from what the donors'
+        manifests decided (``quorum``; None: none answered) and whether what they offered
+        was refused (``untrusted``: no quorum, or no manifest that fits the stage)."""
+        if not untrusted and (quorum is None or quorum.reachable == 0):
+            return Caught.UNREACHED
+        if quorum is None:
+            return Caught.REFUSED
+        if quorum.group is None and quorum.median_epoch is not None:
+            # no quorum agrees: the donor at the lower median stands for most of them
+            median = next(g for g in quorum.outvoted if g.manifest.epoch == quorum.median_epoch)
+            if not self._optimizer.is_behind(median.manifest.epoch, dict(median.manifest.meta)):
+                log.info("stage %d: catching up: most donors that answered hold nothing ahead "
+                         "of ours (their lower median: epoch %d)", self.stage,
+                         quorum.median_epoch)
+                return Caught.NOT_BEHIND
+        return Caught.REFUSED
 
     def _progress(self, donors: int, started: float) -> Callable[[int, int], None]:
         """The download's progress callback: ``download_progress`` for status while it runs
@@ -232,17 +261,19 @@ class StageStateSharing:
 
         return report
 
-    async def _fetch(self, expected: Any, only: Collection[str] | None
+    async def _fetch(self, expected: Any, only: Collection[str] | None, timeout: float
                      ) -> tuple[Snapshot | None, int]:
         assert self._donors is not None
         donors = [d for d in self._donors() if only is None or d.peer_id in only]
         if not donors:
             return None, 0
+        config = self._config.model_copy(
+            update={"timeout_s": min(self._config.timeout_s, timeout)})
         try:
             # read while the device thread waits for this download (the optimizer is idle)
             snap = await download_wanted_state(
                 self._endpoint, donors, self._optimizer.is_behind, kind_prefix=self.prefix,
-                config=self._config, expected=expected,
+                config=config, expected=expected,
                 progress=self._progress(len(donors), time.monotonic()),
             )
         finally:

@@ -46,7 +46,14 @@ PREFIX_PATTERN: Final[str] = r"^[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,47}$"
 
 
 class StateTransferError(NodeError):
-    """No donor could deliver the stage's state; the message names what was tried."""
+    """No donor could deliver the stage's state; the message names what was tried.
+
+    ``quorum``: what the donors' manifests decided, when any were gathered before the
+    download failed (None: no donor answered, or none could be asked)."""
+
+    def __init__(self, message: str, *, quorum: QuorumDecision | None = None) -> None:
+        super().__init__(message)
+        self.quorum = quorum
 
 
 class UntrustedStateError(StateTransferError):

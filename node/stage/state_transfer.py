@@ -180,13 +180,15 @@ class StateDownload:
         except TimeoutError:
             raise StateTransferError(
                 f"{self.kind_prefix}: no complete state within {cfg.timeout_s:.3g} s "
-                f"({len(self._have)} chunks held); tried {self.report.summary()}"
+                f"({len(self._have)} chunks held); tried {self.report.summary()}",
+                quorum=decision,
             ) from None
         untrusted = decision is not None and decision.group is None and (
             decision.reachable > 0 or bool(self.report.refused)
         )
         error = UntrustedStateError if untrusted else StateTransferError
-        raise error(f"{self.kind_prefix}: no state installed; tried {self.report.summary()}")
+        raise error(f"{self.kind_prefix}: no state installed; tried {self.report.summary()}",
+                    quorum=decision)
 
     def _decide(self, usable: list[tuple[PeerAddress, Manifest]]) -> QuorumDecision:
         """The group to download from (choose_quorum); disagreement is logged with digests."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from wanswarm.node.stage.averaging import AveragingConfig, CollaborativeOptimizer
+from wanswarm.node.stage.optimizer import Caught
 
 from tests.loopback.hivemind_dhts import hivemind_dhts
 from tests.loopback.test_averaging import (
@@ -129,12 +130,98 @@ def test_a_believable_forged_epoch_is_not_followed_when_the_quorum_is_not_ahead(
         wait_for(lambda: opt.global_epoch == 2, 30.0, "the tracker to take the forged epoch")
         assert not opt.is_synchronized()
 
-        def quorum_at_our_epoch() -> bool:
+        def quorum_at_our_epoch() -> Caught:
             assert not opt.is_behind(opt.local_epoch, {})  # the quorum's manifest
-            return False
+            return Caught.NOT_BEHIND
 
         opt.catch_up_with(quorum_at_our_epoch)
         _steps_one_epoch(opt, module)
         counts = opt.catch_up.counts
         assert counts["not_behind"] == 1 and counts["hivemind"] == counts["failed"] == 0
         assert opt.progress_screen.capped == 1 and opt.progress_screen.reasons.get("epoch")
+
+
+@contextmanager
+def _stage_sharing(victim: Any, donor_opts: list[Any]) -> Iterator[tuple[Any, list[Any]]]:
+    """The stage servers' state sharing over real QUIC endpoints on a loop of its own: each
+    donor optimizer serving, and the victim's catch-up (``StageStateSharing.resync``, to be
+    called on the victim's device thread). Yields (the catch-up, the donors' sharings)."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wanswarm.node.stage.state import StageStateSharing
+    from wanswarm.node.stage.state_plan import StateTransferConfig
+
+    from tests.loopback.quic_helpers import address, config, endpoint
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="sharing-loop", daemon=True)
+    thread.start()
+    pools = [ThreadPoolExecutor(1) for _ in range(len(donor_opts) + 1)]
+    transfer = StateTransferConfig(timeout_s=20.0, manifest_timeout_s=5.0, chunk_timeout_s=5.0)
+    stack = AsyncExitStack()
+
+    async def start() -> tuple[Any, list[Any]]:
+        cfg = config(connect_timeout_s=10.0, handshake_timeout_s=10.0)
+        eps = [await stack.enter_async_context(endpoint(cfg)) for _ in range(len(donor_opts) + 1)]
+        donors = [StageStateSharing(e, STAGE, o, p, transfer, donors=None, serving=lambda: True)
+                  for e, o, p in zip(eps, donor_opts, pools, strict=False)]
+        ours = StageStateSharing(eps[-1], STAGE, victim, pools[-1], transfer,
+                                 donors=lambda: [address(e) for e in eps[:-1]],
+                                 serving=lambda: True)
+        for sharing in (*donors, ours):
+            stack.callback(sharing.close)
+        return ours, donors
+
+    try:
+        ours, donors = asyncio.run_coroutine_threadsafe(start(), loop).result(30.0)
+        yield (lambda only=None: ours.resync(loop, 20.0, only)), donors
+    finally:
+        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(30.0)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10.0)
+        loop.close()
+        for pool in pools:
+            pool.shutdown()
+
+
+def _replica_at(module: torch.nn.Module, epoch: int, shift: float) -> Any:
+    """A LocalOptimizer holding ``module``'s layout at ``epoch``, its parameters moved by
+    ``shift`` (0: the victim's own; a forger's otherwise)."""
+    from wanswarm.node.stage.optimizer import LocalOptimizer
+    from wanswarm.node.training.model import build_stage
+
+    copy = build_stage(SPEC, STAGE)
+    copy.load_state_dict(module.state_dict())
+    opt = LocalOptimizer(copy, SPEC)
+    _, tensors, meta = opt.export_state()
+    opt.import_state(epoch, {k: v + shift if k.startswith("model.") else v
+                             for k, v in tensors.items()}, meta)
+    return opt
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_one_honest_replica_beside_a_forger_leaves_no_state_to_take_from_either() -> None:
+    """The case no quorum decides: the stage's two other replicas answer the catch-up, one
+    honest at our epoch and the forger, whose record (epoch 2) made hivemind believe us
+    behind, sharing a state of epoch 2 with other parameters. The two agree on nothing;
+    the lower median of their epochs is ours, so the replica is not behind: no chunk is
+    fetched from either, hivemind's one-donor download (the forger can announce the most)
+    is not tried, and the replica steps on with its own parameters. Before, the missing
+    quorum sent it to hivemind's download."""
+    with _victim_beside_a_forger(2) as (opt, _, module):
+        wait_for(lambda: opt.global_epoch == 2, 30.0, "the tracker to take the forged epoch")
+        honest, forged = _replica_at(module, 0, 0.0), _replica_at(module, 2, 50.0)
+        with _stage_sharing(opt, [honest, forged]) as (catch_up, donors):
+            opt.catch_up_with(catch_up)
+            _steps_one_epoch(opt, module)
+            assert [d.donor.counts["chunks"] for d in donors] == [0, 0]
+            assert all(d.donor.counts["manifests"] >= 1 for d in donors)
+        counts = opt.catch_up.counts
+        assert counts["not_behind"] >= 1
+        assert counts["hivemind"] == counts["failed"] == counts["refused"] == 0
+        assert opt.progress_screen.capped >= 1
+        assert all(p.abs().max() < 40 for p in module.parameters())  # never the forger's

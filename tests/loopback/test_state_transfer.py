@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from wanswarm.node.stage.optimizer import Caught
 from wanswarm.node.stage.state_donor import (
     StateDonor,
 )
@@ -301,42 +302,41 @@ def test_a_stalled_donor_holds_up_the_tail_for_a_straggler_time_not_its_deadline
     run(main(), timeout=30)
 
 
-def _catch_up_twice(donor_opt: Any, our_opt: Any, others_only: bool = False
-                    ) -> tuple[bool, bool]:
-    """StageStateSharing.resync twice on our device thread, the donor's sharing serving over
-    real endpoints: (the first call installed, the second did). Between them the donor
-    must serve no chunk: the second finds from the manifest that nothing is ahead of us
-    (the first one must have fetched some). ``others_only``: first a call that asks only
-    other donors (``only``), which must ask the donor nothing."""
+Resync = Callable[..., Awaitable[Caught]]
+
+
+def _with_sharing(donor_opts: list[Any], our_opt: Any,
+                  body: Callable[[Resync, list[Any]], Awaitable[Any]]) -> Any:
+    """Each optimizer's StageStateSharing over its own real endpoint and device thread, the
+    donors' serving; runs ``body(resync, donor_sharings)``, where ``await resync(only)`` is
+    our StageStateSharing.resync on our device thread (as hivemind's step calls it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from wanswarm.node.stage.state import StageStateSharing
 
-    device_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"d{i}-device") for i in (0, 1)]
+    n = len(donor_opts)
+    device_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"d{i}-device")
+                      for i in range(n + 1)]
 
-    async def main() -> tuple[bool, bool]:
-        async with _swarm(1) as (donors, client):
-            donor = StageStateSharing(donors[0], 1, donor_opt, device_threads[0], _config(),
-                                      donors=None, serving=lambda: True)
-            ours = StageStateSharing(client, 1, our_opt, device_threads[1], _config(),
-                                     donors=lambda: [address(donors[0])], serving=lambda: True)
+    async def main() -> Any:
+        async with _swarm(n) as (donors, client):
+            sharings = [
+                StageStateSharing(e, 1, o, t, _config(), donors=None, serving=lambda: True)
+                for e, o, t in zip(donors, donor_opts, device_threads, strict=False)
+            ]
+            ours = StageStateSharing(client, 1, our_opt, device_threads[n], _config(),
+                                     donors=lambda: [address(d) for d in donors],
+                                     serving=lambda: True)
             loop = asyncio.get_running_loop()
+
+            async def resync(only: Any = None) -> Caught:
+                return await loop.run_in_executor(device_threads[n], ours.resync, loop, 25.0,
+                                                  only)
             try:
-                if others_only:
-                    assert not await loop.run_in_executor(
-                        device_threads[1], ours.resync, loop, 25.0, {"someone-else"})
-                    assert donor.donor.counts["manifests"] == 0
-                caught_up = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
-                chunks = donor.donor.counts["chunks"]
-                assert chunks > 0
-                again = await loop.run_in_executor(device_threads[1], ours.resync, loop, 25.0)
-                # decided from the donor's manifest: not one chunk of a state not ahead
-                assert donor.donor.counts["chunks"] == chunks
-                assert donor.donor.counts["manifests"] == 2
+                return await body(resync, sharings)
             finally:
-                donor.close()
-                ours.close()
-            return caught_up, again
+                for sharing in (*sharings, ours):
+                    sharing.close()
 
     try:
         return run(main())
@@ -345,29 +345,97 @@ def _catch_up_twice(donor_opt: Any, our_opt: Any, others_only: bool = False
             pool.shutdown()
 
 
-def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread() -> None:
-    """resync.py's fetch: StageStateSharing.resync, called on the stage's device thread (as
-    hivemind's step does when this replica is behind), downloads the replicas' newer state
-    over QUIC and installs it there; a state not ahead of ours is left alone."""
-    from wanswarm.node.config.runspec import RunSpec
-    from wanswarm.node.stage.optimizer import LocalOptimizer
-    from wanswarm.node.training.model import build_stage
+def _catch_up_twice(donor_opt: Any, our_opt: Any, others_only: bool = False
+                    ) -> tuple[Caught, Caught]:
+    """StageStateSharing.resync twice, one donor: (how the first call ended, the second).
+    Between them the donor must serve no chunk: the second finds from the manifest that
+    nothing is ahead of us (the first one must have fetched some). ``others_only``: first
+    a call that asks only other donors (``only``), which must ask the donor nothing."""
 
-    spec = RunSpec.model_validate({
+    async def twice(resync: Resync, sharings: list[Any]) -> tuple[Caught, Caught]:
+        donor = sharings[0].donor
+        if others_only:
+            assert await resync({"someone-else"}) is Caught.UNREACHED
+            assert donor.counts["manifests"] == 0
+        caught_up = await resync()
+        chunks = donor.counts["chunks"]
+        assert chunks > 0
+        again = await resync()
+        # decided from the donor's manifest: not one chunk of a state not ahead
+        assert donor.counts["chunks"] == chunks
+        assert donor.counts["manifests"] == 2
+        return caught_up, again
+
+    return _with_sharing([donor_opt], our_opt, twice)
+
+
+def _catch_up_spec() -> Any:
+    from wanswarm.node.config.runspec import RunSpec
+
+    return RunSpec.model_validate({
         "name": "catch-up", "model": {"d_model": 64, "n_heads": 2, "n_layers": 2, "seq_len": 16},
         "stages": {"blocks_per_stage": [1, 1]},
         "batch": {"micro_batch_size": 2, "target_batch_size": 4},
     })
-    ahead, behind = build_stage(spec, 1), build_stage(spec, 1)
-    donor_opt, our_opt = LocalOptimizer(ahead, spec), LocalOptimizer(behind, spec)
-    _, tensors, meta = donor_opt.export_state()
-    moved = {k: v + 0.5 if k.startswith("model.") else v for k, v in tensors.items()}
-    donor_opt.import_state(3, moved, meta)  # the stage stepped on without us: epoch 3
+
+
+def _local_at(spec: Any, epoch: int, shift: float) -> Any:
+    """A LocalOptimizer over a fresh stage 1 whose parameters moved by ``shift``, at
+    ``epoch`` (a replica the stage stepped, or a peer claiming to be one)."""
+    from wanswarm.node.stage.optimizer import LocalOptimizer
+    from wanswarm.node.training.model import build_stage
+
+    torch.manual_seed(0)  # every replica's fresh stage alike
+    module = build_stage(spec, 1)
+    opt = LocalOptimizer(module, spec)
+    opt.module = module  # for the assertions
+    _, tensors, meta = opt.export_state()
+    opt.import_state(epoch, {k: v + shift if k.startswith("model.") else v
+                             for k, v in tensors.items()}, meta)
+    return opt
+
+
+def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread() -> None:
+    """resync.py's fetch: StageStateSharing.resync, called on the stage's device thread (as
+    hivemind's step does when this replica is behind), downloads the replicas' newer state
+    over QUIC and installs it there; a state not ahead of ours is left alone."""
+    spec = _catch_up_spec()
+    donor_opt = _local_at(spec, 3, 0.5)  # the stage stepped on without us: epoch 3
+    our_opt = _local_at(spec, 0, 0.0)
     caught_up, again = _catch_up_twice(donor_opt, our_opt)
-    assert caught_up and our_opt.local_epoch == 3
-    assert all(torch.equal(a, b) for a, b in zip(ahead.parameters(), behind.parameters(),
-                                                 strict=True))
-    assert not again  # the donor is not ahead of us any more: nothing installed
+    assert caught_up is Caught.INSTALLED and our_opt.local_epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(donor_opt.module.parameters(),
+                                                 our_opt.module.parameters(), strict=True))
+    assert again is Caught.NOT_BEHIND  # the donor is not ahead of us any more
+
+
+def test_donors_agreeing_on_no_state_are_judged_by_their_median_and_none_serves() -> None:
+    """Two replicas answer a catch-up with different states, so no quorum agrees on one.
+    One at our epoch beside one claiming two epochs more (a forger, or a replica that
+    stepped while the other did not): the lower median of their epochs is ours, so we
+    are not behind (``NOT_BEHIND``: the per-step mode then believes it over the progress
+    records) and no chunk is fetched. Both ahead of us but apart: ``REFUSED``, nothing
+    fetched nor installed; neither case may go on to a one-donor download (resync.py)."""
+    spec = _catch_up_spec()
+    ours = _local_at(spec, 4, 0.0)
+    before = [p.detach().clone() for p in ours.module.parameters()]
+    asked: list[int] = []
+    is_behind = ours.is_behind
+    ours.is_behind = lambda epoch, meta: asked.append(epoch) or is_behind(epoch, meta)
+
+    async def once(resync: Resync, sharings: list[Any]) -> tuple[Caught, list[int]]:
+        caught = await resync()
+        return caught, [s.donor.counts["chunks"] for s in sharings]
+
+    beside_forger = [_local_at(spec, 4, 0.0), _local_at(spec, 6, 9.0)]
+    assert _with_sharing(beside_forger, ours, once) == (Caught.NOT_BEHIND, [0, 0])
+    assert asked == [4]  # the lower median, not the claim of the most
+    asked.clear()
+    apart_ahead = [_local_at(spec, 5, 0.5), _local_at(spec, 7, 9.0)]
+    assert _with_sharing(apart_ahead, ours, once) == (Caught.REFUSED, [0, 0])
+    assert asked == [5]
+    assert ours.local_epoch == 4
+    assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), before, strict=True))
 
 
 class _Alone:
@@ -420,7 +488,7 @@ def test_a_diloco_replica_behind_by_rounds_catches_up_though_it_counts_more_step
     assert donor_opt.outer.round == 2 and our_opt.outer.round == 0
     assert our_opt.local_epoch == 3 * h > donor_opt.export_state()[0] == 2 * h
     caught_up, again = _catch_up_twice(donor_opt, our_opt, others_only=True)
-    assert caught_up and not again
+    assert caught_up is Caught.INSTALLED and again is Caught.NOT_BEHIND
     assert our_opt.outer.round == 2 and our_opt.local_epoch == 3 * h
     for name in our_opt._names:
         assert torch.equal(our_opt.outer.anchor[name], donor_opt.outer.anchor[name])

@@ -28,6 +28,7 @@ from wanswarm.node.stage.diloco import (
     DilocoOptimizer,
     quic_group_size,
 )
+from wanswarm.node.stage.optimizer import Caught
 from wanswarm.node.stage.outer import MOMENTUM_PREFIX
 from wanswarm.node.training.model import build_stage
 
@@ -179,14 +180,14 @@ class Fetches:
         self.asked: list[Any] = []
         self.takes_round_0: list[bool] = []
 
-    def __call__(self, only: Any = None) -> bool:
+    def __call__(self, only: Any = None) -> Caught:
         self.asked.append(only)
         self.takes_round_0.append(self.opt.is_behind(0, {"outer_round": 0}))
         if self.install:
             opt = self.opt
             opt._install_outer(opt.outer.round + 1, dict(opt.outer.anchor),
                                dict(opt.outer.momentum))
-        return self.install
+        return Caught.INSTALLED if self.install else Caught.NOT_BEHIND
 
 
 def test_a_member_claiming_a_later_round_is_left_out_not_followed() -> None:
@@ -214,9 +215,9 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     m, opt = _replica(carrier)
     fetched: list[int] = []
 
-    def nothing_newer(only: Any = None) -> bool:
+    def nothing_newer(only: Any = None) -> Caught:
         fetched.append(opt.outer.round)
-        return False
+        return Caught.NOT_BEHIND
 
     opt.catch_up_with(nothing_newer)
     _train(m, opt, seed=8)
@@ -230,9 +231,9 @@ def test_a_replica_behind_catches_up_through_the_servers_quorum_not_one_averager
     epoch, shared, meta = src.export_state()
     assert opt.is_behind(epoch, meta)
 
-    def fetch(only: Any = None) -> bool:
+    def fetch(only: Any = None) -> Caught:
         opt.import_state(epoch, shared, meta)
-        return True
+        return Caught.INSTALLED
 
     opt.catch_up_with(fetch)
     _train(m, opt, seed=10)

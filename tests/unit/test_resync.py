@@ -1,5 +1,6 @@
 """A replica behind its stage catches up through our transport first, tries hivemind's own
-download once (never its retry loop), and spaces its attempts (node/stage/resync.py)."""
+download once (never its retry loop) and only where no donor answered ours, and spaces its
+attempts (node/stage/resync.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import hivemind
 import pytest
+from wanswarm.node.stage.optimizer import Caught
 from wanswarm.node.stage.resync import HIVEMIND_OPTIMIZER_ATTRIBUTES, catch_up_through
 
 
@@ -94,10 +96,10 @@ def test_ours_first_and_hivemind_never_called_when_ours_succeeds() -> None:
     opt = _Opt(epoch=3, global_epoch=9, donor_epoch=9)
     fetched: list[bool] = []
 
-    def fetch() -> bool:
+    def fetch() -> Caught:
         fetched.append(True)
         opt.state_averager.local_epoch = 9  # import_state sets the epoch
-        return True
+        return Caught.INSTALLED
 
     catch_up = catch_up_through(opt, fetch)
     opt.load_state_from_peers()
@@ -106,15 +108,15 @@ def test_ours_first_and_hivemind_never_called_when_ours_succeeds() -> None:
     assert catch_up.counts["ours"] == 1
 
 
-def test_hivemind_once_when_ours_fails_and_then_attempts_are_spaced() -> None:
+def test_hivemind_once_when_no_donor_answered_ours_and_then_attempts_are_spaced() -> None:
     now = [100.0]
     opt = _Opt(epoch=3, global_epoch=9, donor_epoch=None)  # hivemind's download times out
-    catch_up = catch_up_through(opt, lambda: False, retry_after=30.0)
+    catch_up = catch_up_through(opt, lambda: Caught.UNREACHED, retry_after=30.0)
     catch_up._clock = lambda: now[0]
     opt.load_state_from_peers()  # returns: no endless retry on the timeout
     assert opt.state_averager.loads == 1
     assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0,
-                               "not_behind": 0}
+                               "not_behind": 0, "refused": 0}
     assert opt.tracker.reports[-1] == (3, 0)  # behind by more than one: epoch kept
     now[0] += 10
     opt.load_state_from_peers()  # within retry_after: back at once, nothing tried
@@ -131,17 +133,51 @@ def test_a_quorum_not_ahead_of_us_is_believed_over_the_records_no_download() -> 
     # with a state at our epoch: hivemind's one-donor download is not tried, and the
     # records are parsed again (through the screen, which the quorum now bounds)
     opt = _Opt(epoch=3, global_epoch=5, donor_epoch=5)
-    catch_up = catch_up_through(opt, lambda: False, not_behind=lambda: True)
+    catch_up = catch_up_through(opt, lambda: Caught.NOT_BEHIND)
     opt.load_state_from_peers()
     assert opt.state_averager.loads == 0 and opt.local_epoch == 3
     assert catch_up.counts["not_behind"] == 1 and catch_up.counts["hivemind"] == 0
     assert opt.tracker.parsed == [None] and opt.tracker.global_progress == "parsed"
 
 
+def test_donors_that_answered_without_a_trusted_state_leave_hivemind_untried() -> None:
+    # the stage's donors answered, but no state ahead of ours holds a quorum (or it could
+    # not be fetched): hivemind's download would take the one averager claiming the most.
+    # Nothing else is tried; the replica serves on and asks again after the spacing
+    now = [0.0]
+    opt = _Opt(epoch=3, global_epoch=5, donor_epoch=5)
+    answers = [Caught.REFUSED, Caught.INSTALLED]
+
+    def fetch() -> Caught:
+        caught = answers.pop(0)
+        if caught:
+            opt.state_averager.local_epoch = 5
+        return caught
+
+    catch_up = catch_up_through(opt, fetch, retry_after=30.0)
+    catch_up._clock = lambda: now[0]
+    opt.load_state_from_peers()
+    assert opt.state_averager.loads == 0 and opt.local_epoch == 3
+    assert catch_up.counts["refused"] == 1 and catch_up.counts["hivemind"] == 0
+    assert opt.tracker.parsed == []  # the records are not re-read: they may be right
+    now[0] += 10
+    opt.load_state_from_peers()
+    assert catch_up.counts["deferred"] == 1 and answers == [Caught.INSTALLED]
+    now[0] += 25
+    opt.load_state_from_peers()  # the replicas agree by now: ours installs it
+    assert catch_up.counts["ours"] == 1 and opt.local_epoch == 5
+    assert opt.state_averager.loads == 0
+
+
+def test_only_an_installed_catch_up_is_true() -> None:
+    assert [bool(c) for c in Caught] == [c is Caught.INSTALLED for c in Caught]
+    assert sum(map(bool, Caught)) == 1
+
+
 def test_a_bug_in_our_path_falls_back_and_one_epoch_behind_catches_up_as_hivemind() -> None:
     opt = _Opt(epoch=8, global_epoch=9, donor_epoch=8)  # the only donor is not ahead
 
-    def broken() -> bool:
+    def broken() -> Caught:
         raise RuntimeError("a bug")
 
     catch_up = catch_up_through(opt, broken)
@@ -154,4 +190,4 @@ def test_a_bug_in_our_path_falls_back_and_one_epoch_behind_catches_up_as_hivemin
 
 def test_refuses_an_object_that_is_not_a_hivemind_optimizer() -> None:
     with pytest.raises(TypeError, match="lacks"):
-        catch_up_through(object(), lambda: True)
+        catch_up_through(object(), lambda: Caught.INSTALLED)

@@ -31,7 +31,7 @@ from wanswarm.node.protocol import (
 )
 from wanswarm.node.stage.checkpoint import list_checkpoints
 from wanswarm.node.stage.memory import AppliedLog, InputCache
-from wanswarm.node.stage.optimizer import LocalOptimizer
+from wanswarm.node.stage.optimizer import CatchUpFetch, LocalOptimizer
 from wanswarm.node.stage.server import StageServer
 from wanswarm.node.stage.server_config import StageServerConfig
 from wanswarm.node.stage.throughput import THROUGHPUT_CACHE
@@ -104,7 +104,7 @@ class RecordingOptimizer:
         due, self.due = self.due, False
         return due
 
-    def catch_up_with(self, fetch: Callable[[], bool]) -> None:
+    def catch_up_with(self, fetch: CatchUpFetch) -> None:
         self.catch_up = fetch
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
