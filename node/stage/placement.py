@@ -65,7 +65,8 @@ STAGE_CLAIM_FILE = "stage.json"
 # Throughput announced between claiming a stage and measuring it, so that servers choosing
 # meanwhile count this one (selection ignores servers announcing 0).
 PLACEHOLDER_THROUGHPUT = 1.0
-# the servers a new server of a stage downloads the stage's state from
+# the servers a new server of a stage downloads the stage's state from, and those that
+# take the stage's DiLoCo and gossip rounds (ReplicasOnline)
 _DONOR_STATES: frozenset[ServerState] = frozenset({"online"})
 
 
@@ -185,9 +186,7 @@ class ServerComponent:
             # the [averaging] mode's optimizer: hivemind's collaborative one, or DiLoCo's
             make_optimizer=lambda module: make_stage_optimizer(
                 module, self.spec, stage, dht, averaging,
-                others=lambda: len(ctx.peers.servers(
-                    COUNTED_STATES, stage=stage, run_id=self.spec.run_id
-                )),
+                others=ReplicasOnline(ctx.peers, stage, self.spec.run_id),
                 departed=DepartedReplicas(ctx.peers, stage),
                 # DiLoCo's outer payloads: fetched from the stage's servers over QUIC
                 payloads=PayloadLink(
@@ -460,6 +459,21 @@ __all__ = [
     "read_stage_claim",
     "write_stage_claim",
 ]
+
+
+class ReplicasOnline:
+    """How many other servers of ``stage`` (in the run ``run_id``) are ``online``: the
+    replicas that may join the stage's next averaging round (DiLoCo, gossip: its group's
+    target, and whether a round alone may skip matchmaking). One still ``joining`` loads
+    its state and takes no round before it is online; one ``draining`` is leaving."""
+
+    def __init__(self, table: PeerTable, stage: int, run_id: str) -> None:
+        self.table = table
+        self.stage = stage
+        self.run_id = run_id
+
+    def __call__(self) -> int:
+        return len(self.table.servers(_DONOR_STATES, stage=self.stage, run_id=self.run_id))
 
 
 class DepartedReplicas:

@@ -280,6 +280,31 @@ def test_a_server_that_stops_serving_its_stage_is_gone_from_it_until_it_serves_a
     assert table.gone_from(1) == {c, d} and table.gone_from(2) == frozenset()
 
 
+def test_a_stage_averages_with_its_online_replicas_not_loading_nor_leaving_ones() -> None:
+    """The count that sizes a DiLoCo or gossip round's group (and lets a replica alone skip
+    matchmaking): servers of our stage and run that are online. A replica still joining
+    loads its state and takes no round: counting it made every round wait out the
+    matchmaking time for a member that could not come."""
+    from wanswarm.node.stage.placement import ReplicasOnline
+
+    table = PeerTable(IDS[0])
+    quic = QuicAddress(host="10.0.0.2", port=4000)
+    run, other_run = "a" * 16, "b" * 16
+
+    def read(*records: ServerRecord) -> None:
+        table.apply({r.peer_id: (r, 2e9) for r in records}, {}, now=0.0, wall_now=1e9)
+
+    def server(i: int, state: str, stage: int = 1, run_id: str = run) -> ServerRecord:
+        return ServerRecord(peer_id=IDS[i], state=state, stage=stage, quic=quic, run_id=run_id)
+
+    others = ReplicasOnline(table, 1, run)
+    read(server(0, "online"), server(1, "online"), server(2, "joining"),
+         server(3, "draining"), server(4, "online", stage=2), server(5, "online", run_id=other_run))
+    assert others() == 1  # ourselves (IDS[0]) never counted
+    read(server(0, "online"), server(1, "online"), server(2, "online"), server(3, "draining"))
+    assert others() == 2
+
+
 def test_choose_targets_prefers_neighbouring_stages() -> None:
     table = PeerTable(IDS[0])
     stages = {IDS[1]: 0, IDS[2]: 1, IDS[3]: 2, IDS[4]: 5, IDS[5]: None}
