@@ -24,9 +24,9 @@ for a while (progress_guard.py). Where donors answered but nothing ahead of ours
 trusted or fetched, nothing else is tried: hivemind's download would take the state of
 the one averager announcing the most. Only where our transport heard from no donor at all
 is hivemind's own download tried, once, never in its loop (which retries forever on a
-timeout). Attempts are spaced by ``retry_after`` seconds, and a call in between returns at
-once: the replica serves on at its epoch (its gradients then count in no round) and the
-next ``step`` tries again.
+timeout). Attempts are spaced by ``retry_after`` seconds (``refused_retry_after`` after a
+refusal), and a call in between returns at once: the replica serves on at its epoch (its
+gradients then count in no round) and the next ``step`` tries again.
 
 It relies on hivemind 1.1.12's Optimizer attributes ``scheduled_grads``,
 ``_tag_along_with_zero_weight``, ``state_averager``, ``grad_averager``, ``tracker``,
@@ -45,6 +45,11 @@ from .optimizer import Caught
 from .progress_guard import reparse
 
 log = get_logger(__name__)
+
+# a catch-up whose donors answered without a state to trust asks again this much sooner
+# than the usual spacing: just past a donor's snapshot reuse (state transfer's
+# snapshot_reuse_s, 10 s by default), so that it sees their states after their next step
+REFUSED_RETRY_S = 12.0
 
 HIVEMIND_OPTIMIZER_ATTRIBUTES = (
     "scheduled_grads",
@@ -68,6 +73,7 @@ class CatchUp:
         fetch: Callable[[], Caught],
         *,
         retry_after: float = 30.0,
+        refused_retry_after: float = REFUSED_RETRY_S,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
     ) -> None:
@@ -76,17 +82,18 @@ class CatchUp:
         self._installed = installed  # told when hivemind's download replaced the state
         self._hivemind_load = opt.load_state_from_peers  # the bound original
         self.retry_after = retry_after
+        self.refused_retry_after = refused_retry_after
         self._clock = clock
-        self._last_try: float | None = None
+        self._next_try: float | None = None  # no attempt before then
         self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0,
                        "refused": 0}
 
     def __call__(self, **kwargs: Any) -> None:
         now = self._clock()
-        if self._last_try is not None and now - self._last_try < self.retry_after:
+        if self._next_try is not None and now < self._next_try:
             self.counts["deferred"] += 1
             return
-        self._last_try = now
+        self._next_try = now + self.retry_after
         try:
             # our download; its install (import_state) runs hivemind's own sequence: tag
             # along, finish delayed updates, pause the tracker, set and report the epoch
@@ -96,7 +103,7 @@ class CatchUp:
             caught = Caught.UNREACHED
         if caught is Caught.INSTALLED:
             self.counts["ours"] += 1
-            self._last_try = None  # caught up: a later fall-behind may try at once
+            self._next_try = None  # caught up: a later fall-behind may try at once
             return
         if caught is Caught.NOT_BEHIND:
             # most of the stage's replicas that answered hold no state ahead of ours:
@@ -112,13 +119,16 @@ class CatchUp:
             return
         if caught is Caught.REFUSED:
             # donors answered, but what they offer ahead of us holds no quorum (or could
-            # not be fetched): one of them is no better. Serve on; ask again later
+            # not be fetched): one of them is no better. Serve on; ask again once the
+            # donors' snapshots are renewed (honest replicas caught on either side of a
+            # step agree by then)
             self.counts["refused"] += 1
+            self._next_try = now + self.refused_retry_after
             return
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
-            self._last_try = None
+            self._next_try = None
         else:
             self.counts["failed"] += 1
 

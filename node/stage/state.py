@@ -19,9 +19,11 @@ against the layout of this server's own freshly built stage (names, dtypes, shap
 the run spec) before anything is allocated; only a state held by a quorum of the
 reachable replicas is used; its epoch is bounded; its values must be finite and its step
 counters whole numbers no larger than its epoch; hyperparameters always come from the run
-spec. When no donor is known, or every donor failed to deliver, it falls back to hivemind's
-own ``load_state_from_peers`` (one donor at a time), which also covers peers that are in
-the averaging group but not yet in our peer table. When donors answered but none could be
+spec. Donors that answered with states no quorum holds are asked once more after their
+snapshots are renewed (replicas caught on either side of a step). When no donor is known,
+or every donor failed to deliver, it falls back to hivemind's own
+``load_state_from_peers`` (one donor at a time), which also covers peers that are in the
+averaging group but not yet in our peer table. When donors answered but none could be
 trusted it does not: hivemind would pick the donor claiming the highest epoch, the very
 thing refused. The exception is a gossip optimizer (``replicas_differ``): its replicas hold
 different parameters between rounds, so donors that disagree are expected, and it asks one
@@ -68,6 +70,7 @@ DonorSource = Callable[[], Sequence[PeerAddress]]
 
 BUSY_POLL_S = 0.25  # how often a snapshot waiting for a background round asks again
 RESYNC_GRACE_S = 5.0  # a catch-up's wait beyond its download's own deadline
+OPEN_ATTEMPTS = 2  # downloads an opening server tries while the donors disagree
 
 
 class StageStateSharing:
@@ -150,10 +153,7 @@ class StageStateSharing:
                 )
                 expected = self._layout = state_layout(own)
                 del own
-                snap = await download_state(
-                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
-                    expected=expected, progress=self._progress(len(donors), started),
-                )
+                snap = await self._download_agreed(donors, expected, started)
                 await loop.run_in_executor(self._executor, self._install, snap)
             except (UntrustedStateError, CheckpointError) as exc:
                 # gossip: replicas hold different parameters between rounds, no quorum can
@@ -176,6 +176,36 @@ class StageStateSharing:
         return bool(
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
+
+    async def _download_agreed(self, donors: list[PeerAddress], expected: Any,
+                               started: float) -> Snapshot:
+        """``download_state``, asked again once (from the stage's donors then) when the
+        donors answered with states that no quorum holds: replicas caught on either side
+        of a step disagree until their snapshots are renewed (``snapshot_reuse_s``), and a
+        newcomer that gives up opens without the stage's state. Gossip replicas always
+        differ: not asked again."""
+        attempt = 1
+        while True:
+            try:
+                return await download_state(
+                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
+                    expected=expected, progress=self._progress(len(donors), started),
+                )
+            except UntrustedStateError as exc:
+                split = exc.quorum is not None and exc.quorum.group is None and (
+                    len(exc.quorum.outvoted) > 1)
+                if (attempt >= OPEN_ATTEMPTS or not split
+                        or getattr(self._optimizer, "replicas_differ", False)):
+                    raise
+                wait = self._config.snapshot_reuse_s + self._config.preparing_retry_s
+                log.info("stage %d: the %d donors hold different states, none by a quorum; "
+                         "asking again in %.0f s, once their snapshots are renewed",
+                         self.stage, len(donors), wait)
+                await asyncio.sleep(wait)
+                donors = list(self._donors()) if self._donors is not None else donors
+                if not donors:
+                    raise
+                attempt += 1
 
     def resync(self, loop: asyncio.AbstractEventLoop, timeout: float,
                only: Collection[str] | None = None) -> Caught:

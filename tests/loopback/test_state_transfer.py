@@ -306,10 +306,12 @@ Resync = Callable[..., Awaitable[Caught]]
 
 
 def _with_sharing(donor_opts: list[Any], our_opt: Any,
-                  body: Callable[[Resync, list[Any]], Awaitable[Any]]) -> Any:
+                  body: Callable[[Resync, list[Any]], Awaitable[Any]],
+                  transfer: StateTransferConfig | None = None) -> Any:
     """Each optimizer's StageStateSharing over its own real endpoint and device thread, the
-    donors' serving; runs ``body(resync, donor_sharings)``, where ``await resync(only)`` is
-    our StageStateSharing.resync on our device thread (as hivemind's step calls it)."""
+    donors' serving; runs ``body(resync, sharings)``, where ``await resync(only)`` is our
+    StageStateSharing.resync on our device thread (as hivemind's step calls it) and
+    ``sharings`` the donors' then ours."""
     from concurrent.futures import ThreadPoolExecutor
 
     from wanswarm.node.stage.state import StageStateSharing
@@ -320,11 +322,12 @@ def _with_sharing(donor_opts: list[Any], our_opt: Any,
 
     async def main() -> Any:
         async with _swarm(n) as (donors, client):
+            cfg = transfer or _config()
             sharings = [
-                StageStateSharing(e, 1, o, t, _config(), donors=None, serving=lambda: True)
+                StageStateSharing(e, 1, o, t, cfg, donors=None, serving=lambda: True)
                 for e, o, t in zip(donors, donor_opts, device_threads, strict=False)
             ]
-            ours = StageStateSharing(client, 1, our_opt, device_threads[n], _config(),
+            ours = StageStateSharing(client, 1, our_opt, device_threads[n], cfg,
                                      donors=lambda: [address(d) for d in donors],
                                      serving=lambda: True)
             loop = asyncio.get_running_loop()
@@ -333,7 +336,7 @@ def _with_sharing(donor_opts: list[Any], our_opt: Any,
                 return await loop.run_in_executor(device_threads[n], ours.resync, loop, 25.0,
                                                   only)
             try:
-                return await body(resync, sharings)
+                return await body(resync, [*sharings, ours])
             finally:
                 for sharing in (*sharings, ours):
                     sharing.close()
@@ -409,6 +412,44 @@ def test_a_replica_behind_catches_up_through_the_transport_on_its_device_thread(
     assert again is Caught.NOT_BEHIND  # the donor is not ahead of us any more
 
 
+def test_an_opening_server_asks_again_when_replicas_on_either_side_of_a_step_disagree(
+) -> None:
+    """A newcomer's first download finds the two replicas at different epochs (one has
+    stepped, the other not yet): no quorum. Opening without the stage's state would have
+    it serve fresh parameters until its first catch-up, so it asks again once the donors'
+    snapshots are renewed, and by then the second replica stepped too: the state both
+    hold is installed."""
+    spec = _catch_up_spec()
+    stepped, behind = _local_at(spec, 3, 0.5), _local_at(spec, 2, 0.25)
+    ours = _local_at(spec, 0, 0.0)
+    _, tensors, meta = stepped.export_state()
+
+    async def open_(resync: Resync, sharings: list[Any]) -> tuple[bool, int, float]:
+        donor, newcomer = sharings[1], sharings[-1]
+        began = time.monotonic()
+        load = asyncio.ensure_future(newcomer.load())
+        await _until(lambda: donor.donor.counts["manifests"] >= 1 or load.done())
+        assert not load.done(), "the newcomer did not wait out the split"
+        # the replica behind takes its step (the state the other one already holds)
+        await asyncio.get_running_loop().run_in_executor(
+            donor._executor, behind.import_state, 3, tensors, meta)
+        loaded = await asyncio.wait_for(load, 30.0)
+        return loaded, donor.donor.counts["manifests"], time.monotonic() - began
+
+    transfer = _config(snapshot_reuse_s=1.0, preparing_retry_s=0.5)
+    loaded, asked, took = _with_sharing([stepped, behind], ours, open_, transfer)
+    assert loaded and asked == 2 and took >= 1.5
+    assert ours.local_epoch == 3
+    assert all(torch.equal(a, b) for a, b in zip(ours.module.parameters(),
+                                                 stepped.module.parameters(), strict=True))
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
 def test_donors_agreeing_on_no_state_are_judged_by_their_median_and_none_serves() -> None:
     """Two replicas answer a catch-up with different states, so no quorum agrees on one.
     One at our epoch beside one claiming two epochs more (a forger, or a replica that
@@ -425,7 +466,7 @@ def test_donors_agreeing_on_no_state_are_judged_by_their_median_and_none_serves(
 
     async def once(resync: Resync, sharings: list[Any]) -> tuple[Caught, list[int]]:
         caught = await resync()
-        return caught, [s.donor.counts["chunks"] for s in sharings]
+        return caught, [s.donor.counts["chunks"] for s in sharings[:-1]]
 
     beside_forger = [_local_at(spec, 4, 0.0), _local_at(spec, 6, 9.0)]
     assert _with_sharing(beside_forger, ours, once) == (Caught.NOT_BEHIND, [0, 0])

@@ -163,7 +163,8 @@ def test_donors_that_answered_without_a_trusted_state_leave_hivemind_untried() -
     now[0] += 10
     opt.load_state_from_peers()
     assert catch_up.counts["deferred"] == 1 and answers == [Caught.INSTALLED]
-    now[0] += 25
+    now[0] += 3  # past a refusal's spacing (the donors' snapshots renewed), not the usual
+    assert catch_up.refused_retry_after < 13 < catch_up.retry_after
     opt.load_state_from_peers()  # the replicas agree by now: ours installs it
     assert catch_up.counts["ours"] == 1 and opt.local_epoch == 5
     assert opt.state_averager.loads == 0
