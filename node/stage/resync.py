@@ -21,12 +21,16 @@ quorum's, or the lower median of donors that agree on none), a progress record b
 made hivemind believe we are behind (the screen lets a record lead the others' median by
 two epochs): nothing is downloaded, and the screen refuses records beyond that epoch + 1
 for a while (progress_guard.py). Where donors answered but nothing ahead of ours could be
-trusted or fetched, nothing else is tried: hivemind's download would take the state of
-the one averager announcing the most. Only where our transport heard from no donor at all
-is hivemind's own download tried, once, never in its loop (which retries forever on a
-timeout). Attempts are spaced by ``retry_after`` seconds (``refused_retry_after`` after a
-refusal), and a call in between returns at once: the replica serves on at its epoch (its
-gradients then count in no round) and the next ``step`` tries again.
+trusted or fetched, nothing else is tried at first: hivemind's download would take the
+state of the one averager announcing the most. hivemind's own download is tried, once, never in
+its loop (which retries forever on a timeout), only where our transport heard from no
+donor at all, or where the replicas ahead of us still agreed on no state after
+``refusals_before_hivemind`` refusals in a row (about 36 s): honest replicas whose bits
+drifted apart (a round one of them missed) form no quorum again, and a replica left
+behind them for good would serve a stale state forever. Attempts are spaced by
+``retry_after`` seconds (``refused_retry_after`` after a refusal), and a call in between
+returns at once: the replica serves on at its epoch (its gradients then count in no round)
+and the next ``step`` tries again.
 
 It relies on hivemind 1.1.12's Optimizer attributes ``scheduled_grads``,
 ``_tag_along_with_zero_weight``, ``state_averager``, ``grad_averager``, ``tracker``,
@@ -50,6 +54,9 @@ log = get_logger(__name__)
 # than the usual spacing: just past a donor's snapshot reuse (state transfer's
 # snapshot_reuse_s, 10 s by default), so that it sees their states after their next step
 REFUSED_RETRY_S = 12.0
+# refusals in a row after which the next one falls back to hivemind's download: replicas
+# ahead of us that still agree on nothing after that long have drifted apart for good
+REFUSALS_BEFORE_HIVEMIND = 3
 
 HIVEMIND_OPTIMIZER_ATTRIBUTES = (
     "scheduled_grads",
@@ -74,6 +81,7 @@ class CatchUp:
         *,
         retry_after: float = 30.0,
         refused_retry_after: float = REFUSED_RETRY_S,
+        refusals_before_hivemind: int = REFUSALS_BEFORE_HIVEMIND,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
     ) -> None:
@@ -85,8 +93,10 @@ class CatchUp:
         self.refused_retry_after = refused_retry_after
         self._clock = clock
         self._next_try: float | None = None  # no attempt before then
+        self.refusals_before_hivemind = refusals_before_hivemind
+        self._refusals = 0  # refusals in a row
         self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0,
-                       "refused": 0}
+                       "refused": 0, "refused_then_hivemind": 0}
 
     def __call__(self, **kwargs: Any) -> None:
         now = self._clock()
@@ -101,6 +111,8 @@ class CatchUp:
         except Exception:  # a bug in our path must not stop the stage: hivemind's remains
             log.exception("catching up through our transport failed")
             caught = Caught.UNREACHED
+        if caught is not Caught.REFUSED:
+            self._refusals = 0
         if caught is Caught.INSTALLED:
             self.counts["ours"] += 1
             self._next_try = None  # caught up: a later fall-behind may try at once
@@ -118,13 +130,24 @@ class CatchUp:
                 log.warning("re-reading the stage's progress failed: %r", exc)
             return
         if caught is Caught.REFUSED:
-            # donors answered, but what they offer ahead of us holds no quorum (or could
-            # not be fetched): one of them is no better. Serve on; ask again once the
-            # donors' snapshots are renewed (honest replicas caught on either side of a
-            # step agree by then)
-            self.counts["refused"] += 1
-            self._next_try = now + self.refused_retry_after
-            return
+            self._refusals += 1
+            if self._refusals <= self.refusals_before_hivemind:
+                # donors answered, but what they offer ahead of us holds no quorum (or
+                # could not be fetched): one of them is no better. Serve on; ask again
+                # once the donors' snapshots are renewed (honest replicas caught on
+                # either side of a step agree by then)
+                self.counts["refused"] += 1
+                self._next_try = now + self.refused_retry_after
+                return
+            # most of the stage is ahead of us and its replicas still hold no state in
+            # common: honest ones whose bits drifted apart (a round one of them missed),
+            # which no quorum will vouch for again. Serving on behind them forever would
+            # help nobody: hivemind's download, once, trusting one averager
+            log.warning("the stage's replicas ahead of this one agreed on no state %d times "
+                        "in a row: downloading one replica's state (hivemind's)",
+                        self._refusals)
+            self.counts["refused_then_hivemind"] += 1
+        self._refusals = 0
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()

@@ -116,7 +116,7 @@ def test_hivemind_once_when_no_donor_answered_ours_and_then_attempts_are_spaced(
     opt.load_state_from_peers()  # returns: no endless retry on the timeout
     assert opt.state_averager.loads == 1
     assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0,
-                               "not_behind": 0, "refused": 0}
+                               "not_behind": 0, "refused": 0, "refused_then_hivemind": 0}
     assert opt.tracker.reports[-1] == (3, 0)  # behind by more than one: epoch kept
     now[0] += 10
     opt.load_state_from_peers()  # within retry_after: back at once, nothing tried
@@ -168,6 +168,27 @@ def test_donors_that_answered_without_a_trusted_state_leave_hivemind_untried() -
     opt.load_state_from_peers()  # the replicas agree by now: ours installs it
     assert catch_up.counts["ours"] == 1 and opt.local_epoch == 5
     assert opt.state_averager.loads == 0
+
+
+def test_replicas_ahead_that_never_agree_get_hivemind_after_refusals_in_a_row() -> None:
+    # honest replicas whose bits drifted apart (a round one of them missed) form no quorum
+    # again: after refusals_before_hivemind refusals in a row, the next one falls back to
+    # hivemind's download (once), rather than leave this replica behind for good. An
+    # answer of another kind in between starts the count again
+    now = [0.0]
+    opt = _Opt(epoch=3, global_epoch=9, donor_epoch=9)
+    answers = [Caught.REFUSED, Caught.REFUSED, Caught.NOT_BEHIND,
+               Caught.REFUSED, Caught.REFUSED, Caught.REFUSED, Caught.REFUSED]
+    catch_up = catch_up_through(opt, lambda: answers.pop(0))
+    catch_up._clock = lambda: now[0]
+    assert catch_up.refusals_before_hivemind == 3
+    for _ in range(6):
+        opt.load_state_from_peers()
+        now[0] += catch_up.retry_after  # past either spacing
+    assert opt.state_averager.loads == 0 and catch_up.counts["refused"] == 5
+    opt.load_state_from_peers()  # the fourth refusal in a row
+    assert answers == [] and opt.state_averager.loads == 1 and opt.local_epoch == 9
+    assert catch_up.counts["refused_then_hivemind"] == 1 and catch_up.counts["hivemind"] == 1
 
 
 def test_only_an_installed_catch_up_is_true() -> None:
