@@ -836,8 +836,8 @@ class CollaborativeOptimizer:
 
     def catch_up_with(self, fetch: CatchUpFetch) -> None:
         # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
-        # is behind: our transport instead, hivemind's download once where no donor
-        # answered ours, attempts spaced
+        # is behind: our transport instead; hivemind's download once where no donor
+        # answered ours or the donors ahead kept disagreeing (resync.py), attempts spaced
         self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:

@@ -22,9 +22,9 @@ made hivemind believe we are behind (the screen lets a record lead the others' m
 two epochs): nothing is downloaded, and the screen refuses records beyond that epoch + 1
 for a while (progress_guard.py). Where donors answered but nothing ahead of ours could be
 trusted or fetched, nothing else is tried at first: hivemind's download would take the
-state of the one averager announcing the most. hivemind's own download is tried, once, never in
-its loop (which retries forever on a timeout), only where our transport heard from no
-donor at all, or where the replicas ahead of us still agreed on no state after
+state of the one averager announcing the most. hivemind's own download is tried, once,
+never in its loop (which retries forever on a timeout), only where our transport heard
+from no donor at all, or where the replicas ahead of us still agreed on no state after
 ``refusals_before_hivemind`` refusals in a row (about 36 s): honest replicas whose bits
 drifted apart (a round one of them missed) form no quorum again, and a replica left
 behind them for good would serve a stale state forever. Attempts are spaced by
@@ -88,7 +88,6 @@ class CatchUp:
         self._opt = opt
         self._fetch = fetch
         self._installed = installed  # told when hivemind's download replaced the state
-        self._hivemind_load = opt.load_state_from_peers  # the bound original
         self.retry_after = retry_after
         self.refused_retry_after = refused_retry_after
         self._clock = clock
@@ -147,7 +146,7 @@ class CatchUp:
                         "in a row: downloading one replica's state (hivemind's)",
                         self._refusals)
             self.counts["refused_then_hivemind"] += 1
-        self._refusals = 0
+            self._refusals = 0
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
