@@ -147,17 +147,26 @@ def waiting_for(report: StatusReport) -> str | None:
         progress = server.get("state_download_progress")
         if progress:
             return "downloading the stage's state"
-        return "joining the swarm"
+        return _refused_text(server) or "joining the swarm"
     if report.state != "online":
         return None
     server = report.components.get("stage_server") or {}
     if report.server and server.get("state") == "joining":
-        return f"loading the state of stage {server.get('stage')}"
+        return _refused_text(server) or f"loading the state of stage {server.get('stage')}"
     if report.trainer and report.n_stages is not None:
         empty = [s.stage for s in stage_summary(report) if s.online == 0]
         if empty:
             return f"servers of stage(s) {empty}: training waits until every stage has one"
     return None
+
+
+def _refused_text(server: dict[str, Any]) -> str | None:
+    """An opening server's wait for donors that offered no state to trust, in words."""
+    wait = server.get("state_wait")
+    if not wait:
+        return None
+    return (f"the replicas of stage {server.get('stage')} offered no state to trust "
+            f"({wait.get('refusals')} of {wait.get('of')} refusals); asking again")
 
 
 def format_duration(seconds: float) -> str:
@@ -343,6 +352,10 @@ def _training_lines(report: StatusReport) -> list[str]:
         progress = server.get("state_download_progress")
         if progress:
             lines.append("download  " + download_text(progress))
+        wait = server.get("state_wait")
+        if wait:
+            lines.append(f"download  refused {wait.get('refusals')} of {wait.get('of')} times: "
+                         f"{wait.get('reason')}")
         memory = _memory_text(server)
         if memory:
             lines.append(f"memory    {memory}")

@@ -863,6 +863,15 @@ class CollaborativeOptimizer:
             self._ledger.installed()  # a peer's state, exactly
         return self.local_epoch != epoch or self._opt.tracker.global_progress.num_peers > 1
 
+    def load_state_from_one(self) -> bool:
+        """hivemind's download once, trusting the averager that announces the most: what
+        the catch-up (resync.py) falls back to after as many refusals in a row."""
+        if self.catch_up is None:
+            epoch = self.local_epoch
+            self.load_state_from_peers()
+            return self.local_epoch != epoch
+        return self.catch_up.from_one()
+
     @property
     def local_epoch(self) -> int:
         return int(self._opt.local_epoch)

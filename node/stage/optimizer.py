@@ -88,6 +88,13 @@ class StageOptimizer(Protocol):
     def load_state_from_peers(self) -> bool:
         """Download the stage's state from its peers; False if there was nobody to ask."""
 
+    def load_state_from_one(self) -> bool:
+        """An opening server's last resort (state.py): the stage's replicas answered, again
+        and again, without a state to trust (no quorum held one). Install one replica's
+        state where that is this mode's way (the per-step mode: its catch-up would do the
+        same after as many refusals); True only if a state was installed. False: the server
+        opens without the stage's state, and its catch-ups or rounds settle it."""
+
     def catch_up_with(self, fetch: CatchUpFetch) -> None:
         """When this replica falls behind its stage's epoch, call ``fetch`` (on the device
         thread: our download and install, resync.py) instead of the averaging library's own
@@ -412,6 +419,9 @@ class LocalOptimizer:
         return False  # no peers: its own micro-batches complete each epoch
 
     def load_state_from_peers(self) -> bool:
+        return False
+
+    def load_state_from_one(self) -> bool:
         return False
 
     def catch_up_with(self, fetch: CatchUpFetch) -> None:

@@ -145,14 +145,26 @@ class CatchUp:
             log.warning("the stage's replicas ahead of this one agreed on no state %d times "
                         "in a row: downloading one replica's state (hivemind's)",
                         self._refusals)
-            self.counts["refused_then_hivemind"] += 1
             self._refusals = 0
+            self.from_one(**kwargs)
+            return
+        self._hivemind(**kwargs)
+
+    def from_one(self, **kwargs: Any) -> bool:
+        """The backstop after refusals in a row, here or at an opening server whose donors
+        kept refusing (state.py's last resort): hivemind's download once, trusting one
+        averager. True if the epoch moved."""
+        self.counts["refused_then_hivemind"] += 1
+        return self._hivemind(**kwargs)
+
+    def _hivemind(self, **kwargs: Any) -> bool:
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
             self._next_try = None
-        else:
-            self.counts["failed"] += 1
+            return True
+        self.counts["failed"] += 1
+        return False
 
     def _hivemind_once(self, **kwargs: Any) -> bool:
         """hivemind's ``load_state_from_peers`` with one download attempt instead of a loop

@@ -322,6 +322,8 @@ class StageServer:
             "graphs_kept": self._jobs.kept_graphs,
             "state_download": self._sharing.last_download,
             "state_download_progress": self._sharing.download_progress,
+            "state_wait": self._sharing.waiting,
+            "state_by_last_resort": self._sharing.opened_by_last_resort,
             "state_donated": {
                 "manifests": self._sharing.donor.counts["manifests"],
                 "chunks": self._sharing.donor.counts["chunks"],

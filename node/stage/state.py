@@ -19,16 +19,22 @@ against the layout of this server's own freshly built stage (names, dtypes, shap
 the run spec) before anything is allocated; only a state held by a quorum of the
 reachable replicas is used; its epoch is bounded; its values must be finite and its step
 counters whole numbers no larger than its epoch; hyperparameters always come from the run
-spec. Donors that answered with states no quorum holds are asked once more after their
-snapshots are renewed (replicas caught on either side of a step). When no donor is known,
-or every donor failed to deliver, it falls back to hivemind's own
-``load_state_from_peers`` (one donor at a time), which also covers peers that are in the
-averaging group but not yet in our peer table. When donors answered but none could be
-trusted it does not: hivemind would pick the donor claiming the highest epoch, the very
-thing refused. The exception is a gossip optimizer (``replicas_differ``): its replicas hold
-different parameters between rounds, so donors that disagree are expected, and it asks one
-of the stage's gossip averagers, trusting one partner as each gossip round does
-(gossip_optimizer.py). The checkpoint decision (checkpointer.py) comes after either.
+spec. Donors that answered with states no quorum holds are asked again, ``open_refusals``
+times, after their snapshots are renewed (replicas caught on either side of a step agree
+by then); the server stays ``joining`` meanwhile, so it serves no fresh, untrained state
+that a catch-up would replace at its first step. When no donor is known, or every donor
+failed to deliver, it falls back to hivemind's own ``load_state_from_peers`` (one donor at
+a time), which also covers peers that are in the averaging group but not yet in our peer
+table. When donors answered but none could be trusted it does not go there at once:
+hivemind would pick the donor claiming the highest epoch, the very thing refused. After
+the refusals, the optimizer's last resort (``load_state_from_one``) decides: the per-step
+mode takes hivemind's download once, as its catch-up does after as many refusals in a row
+(resync.py); DiLoCo opens with the run's initial state, which its first round replaces by
+its group majority's. A gossip optimizer (``replicas_differ``) skips the wait: its
+replicas hold different parameters between rounds, so donors that disagree are expected,
+and it asks one of the stage's gossip averagers, trusting one partner as each gossip
+round does (gossip_optimizer.py). The checkpoint decision (checkpointer.py) comes after
+all of these.
 """
 
 from __future__ import annotations
@@ -70,7 +76,6 @@ DonorSource = Callable[[], Sequence[PeerAddress]]
 
 BUSY_POLL_S = 0.25  # how often a snapshot waiting for a background round asks again
 RESYNC_GRACE_S = 5.0  # a catch-up's wait beyond its download's own deadline
-OPEN_ATTEMPTS = 2  # downloads an opening server tries while the donors disagree
 
 
 class StageStateSharing:
@@ -99,6 +104,9 @@ class StageStateSharing:
         self.last_download: dict[str, Any] | None = None
         self.catch_ups = 0  # states installed by resync() after the open
         self.download_progress: dict[str, Any] | None = None  # while a download runs
+        # while an opening server waits for donors that offered no state to trust
+        self.waiting: dict[str, Any] | None = None
+        self.opened_by_last_resort = False
         self._layout: Any = None  # the stage's own state layout, once known
 
     async def _snapshot(self) -> Snapshot:
@@ -140,34 +148,72 @@ class StageStateSharing:
         return self._optimizer.export_state()
 
     async def load(self) -> bool:
-        """Install the stage's state from its replicas; True if some peer supplied it."""
+        """Install the stage's state from its replicas; True if some peer supplied it.
+
+        Donors that answered without a state we can trust (no quorum holds one, or their
+        manifests do not fit the stage) are asked again, ``open_refusals`` times, once their
+        snapshots are renewed (``snapshot_reuse_s + preparing_retry_s`` apart): replicas
+        caught on either side of a step agree by then. The server stays ``joining``
+        meanwhile (``waiting`` says so in its status). If they still agree on nothing, or a
+        quorum's state failed the checks (not asked again: it would be fetched again), the
+        optimizer's last resort decides (``load_state_from_one``: the per-step mode's
+        averaging library downloads one replica's state, as its catch-up would after as many
+        refusals; the others open without the stage's state). Gossip replicas differ by
+        design: one of the stage's gossip averagers is asked at once. No donor known, or none
+        delivered: the averaging library's own download (``load_state_from_peers``)."""
+        try:
+            return await self._load()
+        finally:
+            self.waiting = None
+
+    async def _load(self) -> bool:
         loop = asyncio.get_running_loop()
-        donors = list(self._donors()) if self._donors is not None else []
-        if donors:
+        refusals = 0
+        while donors := list(self._donors()) if self._donors is not None else []:
             started = time.monotonic()
             try:
-                # the layout of our own stage, as built from the run spec (a copy of the fresh
-                # state, taken once, on the device thread): every manifest must match it
-                _, own, _ = await loop.run_in_executor(
-                    self._executor, self._optimizer.export_state
+                if self._layout is None:
+                    # the layout of our own stage, as built from the run spec (a copy of the
+                    # fresh state, taken once, on the device thread): every manifest must
+                    # match it
+                    _, own, _ = await loop.run_in_executor(
+                        self._executor, self._optimizer.export_state
+                    )
+                    self._layout = state_layout(own)
+                    del own
+                snap = await download_state(
+                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
+                    expected=self._layout, progress=self._progress(len(donors), started),
                 )
-                expected = self._layout = state_layout(own)
-                del own
-                snap = await self._download_agreed(donors, expected, started)
                 await loop.run_in_executor(self._executor, self._install, snap)
-            except (UntrustedStateError, CheckpointError) as exc:
+            except CheckpointError as exc:
+                # a quorum agreed on values that fail the checks: no honest replicas do, and
+                # asking again would fetch the same state again
+                return await self._last_resort(loop, len(donors), refusals + 1, exc)
+            except UntrustedStateError as exc:
                 # gossip: replicas hold different parameters between rounds, no quorum can
                 # agree; one partner's parameters are what a gossip round trusts anyway
-                if not (isinstance(exc, UntrustedStateError)
-                        and getattr(self._optimizer, "replicas_differ", False)):
-                    log.warning("stage %d: not installing the state offered by %d donor(s): %s",
-                                self.stage, len(donors), exc)
-                    return False
-                log.info("stage %d: the %d donors' gossip states differ (%s); asking one of "
-                         "the stage's gossip averagers", self.stage, len(donors), exc)
+                if getattr(self._optimizer, "replicas_differ", False):
+                    log.info("stage %d: the %d donors' gossip states differ (%s); asking one "
+                             "of the stage's gossip averagers", self.stage, len(donors), exc)
+                    break
+                refusals += 1
+                if refusals > self._config.open_refusals:
+                    return await self._last_resort(loop, len(donors), refusals, exc)
+                wait = self._config.snapshot_reuse_s + self._config.preparing_retry_s
+                log.warning("stage %d: not installing the state offered by %d donor(s): %s; "
+                            "asking again in %.0f s (%d of %d), once their snapshots are "
+                            "renewed", self.stage, len(donors), exc, wait, refusals,
+                            self._config.open_refusals)
+                self.waiting = {"refusals": refusals, "of": self._config.open_refusals,
+                                "reason": str(exc)[:200],
+                                "next_try_unix": round(time.time() + wait, 1)}
+                await asyncio.sleep(wait)
+                continue
             except (StateTransferError, AveragingError) as exc:
                 log.warning("stage %d: downloading the state from %d donor(s) failed (%s); "
                             "asking hivemind's averagers instead", self.stage, len(donors), exc)
+                break
             else:
                 self._downloaded(snap, len(donors), started)
                 return True
@@ -177,35 +223,21 @@ class StageStateSharing:
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
 
-    async def _download_agreed(self, donors: list[PeerAddress], expected: Any,
-                               started: float) -> Snapshot:
-        """``download_state``, asked again once (from the stage's donors then) when the
-        donors answered with states that no quorum holds: replicas caught on either side
-        of a step disagree until their snapshots are renewed (``snapshot_reuse_s``), and a
-        newcomer that gives up opens without the stage's state. Gossip replicas always
-        differ: not asked again."""
-        attempt = 1
-        while True:
-            try:
-                return await download_state(
-                    self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
-                    expected=expected, progress=self._progress(len(donors), started),
-                )
-            except UntrustedStateError as exc:
-                split = exc.quorum is not None and exc.quorum.group is None and (
-                    len(exc.quorum.outvoted) > 1)
-                if (attempt >= OPEN_ATTEMPTS or not split
-                        or getattr(self._optimizer, "replicas_differ", False)):
-                    raise
-                wait = self._config.snapshot_reuse_s + self._config.preparing_retry_s
-                log.info("stage %d: the %d donors hold different states, none by a quorum; "
-                         "asking again in %.0f s, once their snapshots are renewed",
-                         self.stage, len(donors), wait)
-                await asyncio.sleep(wait)
-                donors = list(self._donors()) if self._donors is not None else donors
-                if not donors:
-                    raise
-                attempt += 1
+    async def _last_resort(self, loop: asyncio.AbstractEventLoop, donors: int, refusals: int,
+                           exc: Exception) -> bool:
+        """The donors refused ``refusals`` times in a row: the optimizer's last resort."""
+        log.warning("stage %d: the %d donors offered no state to trust %d times in a row "
+                    "(last: %s); the optimizer's last resort decides", self.stage, donors,
+                    refusals, exc)
+        self.waiting = None
+        self.opened_by_last_resort = True
+        loaded = bool(
+            await loop.run_in_executor(self._executor, self._optimizer.load_state_from_one)
+        )
+        if not loaded:
+            log.warning("stage %d: opening without the stage's state: a catch-up will take "
+                        "the state its replicas agree on once they do", self.stage)
+        return loaded
 
     def resync(self, loop: asyncio.AbstractEventLoop, timeout: float,
                only: Collection[str] | None = None) -> Caught:

@@ -161,6 +161,14 @@ class StateTransferConfig(BaseModel):
         le=10000,
         description="'busy' answers in a row after which a donor is banned.",
     )
+    open_refusals: int = Field(
+        default=3, ge=0, le=100,
+        description="An opening server whose donors answered without a state it can trust "
+        "(no quorum holds one, or it fails the checks) asks again this many times, "
+        "snapshot_reuse_s + preparing_retry_s apart, staying 'joining'; then the optimizer's "
+        "last resort decides (per-step: one replica's state, hivemind's download; DiLoCo: "
+        "open with the initial state, the first round settles it).",
+    )
     snapshot_reuse_s: float = Field(
         default=10.0, ge=0.0, le=3600.0,
         description="A donor hands its newest snapshot to a new downloader while it is younger "

@@ -167,6 +167,10 @@ def test_a_joining_server_refuses_hostile_manifests_and_keeps_working(
             with caplog.at_level(logging.WARNING):
                 await server.open()  # refuses all of it: never raises
             try:
+                # the poisoned state, its own quorum, failed the checks: not fetched again,
+                # the optimizer's last resort (a LocalOptimizer has none) at once
+                assert server.status()["state_by_last_resort"] is True
+                assert server.status()["state_wait"] is None
                 assert server.state == "online" and server.resumed_from == "fresh"
                 assert server.optimizer.local_epoch == 0
                 params = server.optimizer.export_state()[1]

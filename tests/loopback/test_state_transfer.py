@@ -444,6 +444,41 @@ def test_an_opening_server_asks_again_when_replicas_on_either_side_of_a_step_dis
                                                  stepped.module.parameters(), strict=True))
 
 
+def test_an_opening_server_whose_donors_never_agree_waits_then_leaves_it_to_the_last_resort(
+) -> None:
+    """Two replicas ahead of the newcomer that hold different states for good (a forger
+    beside an honest one, or honest bits that drifted apart): it asks ``open_refusals`` + 1
+    times, the donors' snapshot reuse apart, saying so (``waiting``) and fetching no chunk
+    of either, then asks the optimizer's last resort once (a LocalOptimizer has none: it
+    opens with its own state, untouched)."""
+    spec = _catch_up_spec()
+    apart = [_local_at(spec, 5, 0.5), _local_at(spec, 7, 9.0)]
+    ours = _local_at(spec, 0, 0.0)
+    before = [p.detach().clone() for p in ours.module.parameters()]
+    resorts: list[int] = []
+    ours.load_state_from_one = lambda: resorts.append(ours.local_epoch) or False
+
+    async def open_(resync: Resync, sharings: list[Any]) -> tuple[Any, ...]:
+        newcomer = sharings[-1]
+        began = time.monotonic()
+        load = asyncio.ensure_future(newcomer.load())
+        waits: list[Any] = []
+        while not load.done():
+            waits.append(newcomer.waiting)
+            await asyncio.sleep(0.02)
+        return (await load, time.monotonic() - began, [w for w in waits if w],
+                [s.donor.counts.copy() for s in sharings[:-1]], newcomer)
+
+    transfer = _config(snapshot_reuse_s=0.3, preparing_retry_s=0.2, open_refusals=2)
+    loaded, took, waits, counts, newcomer = _with_sharing(apart, ours, open_, transfer)
+    assert not loaded and resorts == [0] and newcomer.opened_by_last_resort
+    assert took >= 2 * 0.5
+    assert [(c["manifests"], c["chunks"]) for c in counts] == [(3, 0), (3, 0)]
+    assert {(w["refusals"], w["of"]) for w in waits} == {(1, 2), (2, 2)}
+    assert ours.local_epoch == 0 and newcomer.waiting is None
+    assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), before, strict=True))
+
+
 async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():

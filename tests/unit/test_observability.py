@@ -72,6 +72,13 @@ def test_paused_download_memory_and_upload_lines() -> None:
     assert "download  1.0 MiB of 4.0 MiB (25%) from 2 donors, ETA 9.0s" in text
     assert "memory    stage needs about 3.0 GiB, limit 8.0 GiB" in text
     assert waiting_for(joining) == "downloading the stage's state"
+    refused = _report(state="joining", components={"stage_server": {
+        "stage": 1, "state": "joining", "state_wait": {
+            "refusals": 2, "of": 3, "reason": "no state is held by a quorum (2 of 2)",
+            "next_try_unix": 0.0}}})
+    assert waiting_for(refused) == (
+        "the replicas of stage 1 offered no state to trust (2 of 3 refusals); asking again")
+    assert "download  refused 2 of 3 times: no state is held by a quorum" in render_text(refused)
 
 
 def test_training_metrics_follow_status_reports() -> None:

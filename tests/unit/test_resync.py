@@ -191,6 +191,22 @@ def test_replicas_ahead_that_never_agree_get_hivemind_after_refusals_in_a_row() 
     assert catch_up.counts["refused_then_hivemind"] == 1 and catch_up.counts["hivemind"] == 1
 
 
+def test_an_opening_servers_last_resort_is_the_same_backstop_once_without_our_download(
+) -> None:
+    # state.py: the newcomer's donors refused open_refusals + 1 times already, so the last
+    # resort asks hivemind's download directly (our transport's would be one more refusal),
+    # counted as the catch-up's backstop; one that finds nothing says so
+    fetched: list[int] = []
+    opt = _Opt(epoch=0, global_epoch=7, donor_epoch=7)
+    catch_up = catch_up_through(opt, lambda: fetched.append(1) or Caught.REFUSED)
+    assert catch_up.from_one() and opt.local_epoch == 7 and fetched == []
+    assert catch_up.counts["refused_then_hivemind"] == 1 and catch_up.counts["hivemind"] == 1
+    nobody = _Opt(epoch=0, global_epoch=7, donor_epoch=None)
+    catch_up = catch_up_through(nobody, lambda: Caught.REFUSED)
+    assert not catch_up.from_one() and nobody.local_epoch == 0
+    assert catch_up.counts["failed"] == 1 and nobody.state_averager.loads == 1
+
+
 def test_only_an_installed_catch_up_is_true() -> None:
     assert [bool(c) for c in Caught] == [c is Caught.INSTALLED for c in Caught]
     assert sum(map(bool, Caught)) == 1

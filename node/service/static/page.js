@@ -93,6 +93,10 @@ function render(d) {
         "%) from " + prog.donors + " donor(s)" + (prog.eta_s === null || prog.eta_s === undefined ? "" : ", ETA " + duration(prog.eta_s)));
     $("download-bar").className = "bar";
     $("download-fill").style.width = pct.toFixed(1) + "%";
+  } else if (server && server.state_wait) {
+    const w = server.state_wait;
+    set("download", "refused " + w.refusals + " of " + w.of + " times: " + w.reason + "; asking again");
+    $("download-bar").className = "bar hidden";
   } else {
     const last = server && server.state_download;
     set("download", last ? "done: " + bytes(last.bytes) + " from " + last.donors + " donor(s) in " + last.seconds + "s" : "none");
