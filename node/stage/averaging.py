@@ -837,7 +837,8 @@ class CollaborativeOptimizer:
     def catch_up_with(self, fetch: CatchUpFetch) -> None:
         # hivemind calls its Optimizer's load_state_from_peers inside step when this replica
         # is behind: our transport instead; hivemind's download once where no donor
-        # answered ours or the donors ahead kept disagreeing (resync.py), attempts spaced
+        # answered ours (a stand-in of ours where the donors ahead kept disagreeing,
+        # resync.py), attempts spaced
         self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
@@ -862,15 +863,6 @@ class CollaborativeOptimizer:
         if self.local_epoch != epoch:
             self._ledger.installed()  # a peer's state, exactly
         return self.local_epoch != epoch or self._opt.tracker.global_progress.num_peers > 1
-
-    def load_state_from_one(self) -> bool:
-        """hivemind's download once, trusting the averager that announces the most: what
-        the catch-up (resync.py) falls back to after as many refusals in a row."""
-        if self.catch_up is None:
-            epoch = self.local_epoch
-            self.load_state_from_peers()
-            return self.local_epoch != epoch
-        return self.catch_up.from_one()
 
     @property
     def local_epoch(self) -> int:

@@ -350,12 +350,6 @@ class DilocoOptimizer(InnerStepsOptimizer):
         found = self._carrier.newer_state(self.spec.averaging.round_timeout_s)
         return found is not None and self._adopt(*found, any_round=True)
 
-    def load_state_from_one(self) -> bool:
-        """False: a newcomer whose donors never agreed opens with the run's initial state;
-        its first round finds it behind its group (``_standing``) and takes the state a
-        majority of that group holds, which one averager's word would not be."""
-        return False
-
     def _catch_up(self, only: Collection[str] | None = None, least: int | None = None) -> bool:
         """After a missed round, or one in which we stood behind (:meth:`_standing`):
         install the stage's newer outer state if there is one. A stage server's catch-up

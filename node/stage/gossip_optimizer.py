@@ -210,9 +210,6 @@ class GossipOptimizer(InnerStepsOptimizer):
         found = self._carrier.newer_state(self.averaging.round_timeout_s)
         return found is not None and self._adopt(*found)
 
-    def load_state_from_one(self) -> bool:
-        return self.load_state_from_peers()  # one partner is what every gossip round trusts
-
     @property
     def num_peers(self) -> int:
         return int(self.last_round.get("participants", 1) or 1)

@@ -69,9 +69,12 @@ class Caught(Enum):
 class CatchUpFetch(Protocol):
     """The stage server's catch-up (state.py's ``resync``): download the state a quorum of
     the stage's replicas holds, from all of them or ``only`` those (by peer id), and install
-    it if it is ahead of ours (:class:`Caught`, true if installed)."""
+    it if it is ahead of ours (:class:`Caught`, true if installed). ``stand_in``: where no
+    quorum agrees, the state of the donors at their lower median epoch held by most of them
+    (``choose_stand_in``), still only if ahead of ours and through the same checks."""
 
-    def __call__(self, only: Collection[str] | None = None) -> Caught: ...
+    def __call__(self, only: Collection[str] | None = None, stand_in: bool = False
+                 ) -> Caught: ...
 
 
 class StageOptimizer(Protocol):
@@ -87,13 +90,6 @@ class StageOptimizer(Protocol):
 
     def load_state_from_peers(self) -> bool:
         """Download the stage's state from its peers; False if there was nobody to ask."""
-
-    def load_state_from_one(self) -> bool:
-        """An opening server's last resort (state.py): the stage's replicas answered, again
-        and again, without a state to trust (no quorum held one). Install one replica's
-        state where that is this mode's way (the per-step mode: its catch-up would do the
-        same after as many refusals); True only if a state was installed. False: the server
-        opens without the stage's state, and its catch-ups or rounds settle it."""
 
     def catch_up_with(self, fetch: CatchUpFetch) -> None:
         """When this replica falls behind its stage's epoch, call ``fetch`` (on the device
@@ -419,9 +415,6 @@ class LocalOptimizer:
         return False  # no peers: its own micro-batches complete each epoch
 
     def load_state_from_peers(self) -> bool:
-        return False
-
-    def load_state_from_one(self) -> bool:
         return False
 
     def catch_up_with(self, fetch: CatchUpFetch) -> None:

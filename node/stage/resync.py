@@ -22,12 +22,16 @@ made hivemind believe we are behind (the screen lets a record lead the others' m
 two epochs): nothing is downloaded, and the screen refuses records beyond that epoch + 1
 for a while (progress_guard.py). Where donors answered but nothing ahead of ours could be
 trusted or fetched, nothing else is tried at first: hivemind's download would take the
-state of the one averager announcing the most. hivemind's own download is tried, once,
-never in its loop (which retries forever on a timeout), only where our transport heard
-from no donor at all, or where the replicas ahead of us still agreed on no state after
-``refusals_before_hivemind`` refusals in a row (about 36 s): honest replicas whose bits
-drifted apart (a round one of them missed) form no quorum again, and a replica left
-behind them for good would serve a stale state forever. Attempts are spaced by
+state of the one averager announcing the most, unchecked. Where the replicas ahead of us
+still agreed on no state after ``refusals_before_stand_in`` refusals in a row (about
+36 s), the next attempt takes a stand-in through our transport (``choose_stand_in``: the
+state most donors hold at the lower median of their epochs, still only if ahead of ours,
+its values checked like a quorum's): honest replicas whose bits drifted apart (a round
+one of them missed) form no quorum again, and a replica left behind them for good would
+serve a stale state forever; every replica behind them picks the same stand-in, so they
+agree again after it. hivemind's own download is tried, once, never in its loop (which
+retries forever on a timeout), only where our transport heard from no donor at all.
+Attempts are spaced by
 ``retry_after`` seconds (``refused_retry_after`` after a refusal), and a call in between
 returns at once: the replica serves on at its epoch (its gradients then count in no round)
 and the next ``step`` tries again.
@@ -54,9 +58,9 @@ log = get_logger(__name__)
 # than the usual spacing: just past a donor's snapshot reuse (state transfer's
 # snapshot_reuse_s, 10 s by default), so that it sees their states after their next step
 REFUSED_RETRY_S = 12.0
-# refusals in a row after which the next one falls back to hivemind's download: replicas
-# ahead of us that still agree on nothing after that long have drifted apart for good
-REFUSALS_BEFORE_HIVEMIND = 3
+# refusals in a row after which the next attempt takes a stand-in: replicas ahead of us
+# that still agree on nothing after that long have drifted apart for good
+REFUSALS_BEFORE_STAND_IN = 3
 
 HIVEMIND_OPTIMIZER_ATTRIBUTES = (
     "scheduled_grads",
@@ -77,11 +81,11 @@ class CatchUp:
     def __init__(
         self,
         opt: Any,  # hivemind.Optimizer
-        fetch: Callable[[], Caught],
+        fetch: Callable[..., Caught],  # CatchUpFetch: () or (stand_in=True)
         *,
         retry_after: float = 30.0,
         refused_retry_after: float = REFUSED_RETRY_S,
-        refusals_before_hivemind: int = REFUSALS_BEFORE_HIVEMIND,
+        refusals_before_stand_in: int = REFUSALS_BEFORE_STAND_IN,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
     ) -> None:
@@ -92,10 +96,10 @@ class CatchUp:
         self.refused_retry_after = refused_retry_after
         self._clock = clock
         self._next_try: float | None = None  # no attempt before then
-        self.refusals_before_hivemind = refusals_before_hivemind
+        self.refusals_before_stand_in = refusals_before_stand_in
         self._refusals = 0  # refusals in a row
         self.counts = {"ours": 0, "hivemind": 0, "failed": 0, "deferred": 0, "not_behind": 0,
-                       "refused": 0, "refused_then_hivemind": 0}
+                       "refused": 0, "stand_in": 0}
 
     def __call__(self, **kwargs: Any) -> None:
         now = self._clock()
@@ -103,17 +107,27 @@ class CatchUp:
             self.counts["deferred"] += 1
             return
         self._next_try = now + self.retry_after
+        # most of the stage is ahead of us and its replicas held no state in common for
+        # refusals_before_stand_in attempts in a row: honest ones whose bits drifted apart
+        # (a round one of them missed), which no quorum will vouch for again. Serving on
+        # behind them forever would help nobody: take the stand-in (the donors' lower median
+        # epoch, the state most of them hold there), through our transport and checks
+        stand_in = self._refusals >= self.refusals_before_stand_in
+        if stand_in:
+            log.warning("the stage's replicas ahead of this one agreed on no state %d times "
+                        "in a row: taking a stand-in state", self._refusals)
+            self._refusals = 0
         try:
             # our download; its install (import_state) runs hivemind's own sequence: tag
             # along, finish delayed updates, pause the tracker, set and report the epoch
-            caught = self._fetch()
+            caught = self._fetch(stand_in=True) if stand_in else self._fetch()
         except Exception:  # a bug in our path must not stop the stage: hivemind's remains
             log.exception("catching up through our transport failed")
             caught = Caught.UNREACHED
         if caught is not Caught.REFUSED:
             self._refusals = 0
         if caught is Caught.INSTALLED:
-            self.counts["ours"] += 1
+            self.counts["stand_in" if stand_in else "ours"] += 1
             self._next_try = None  # caught up: a later fall-behind may try at once
             return
         if caught is Caught.NOT_BEHIND:
@@ -129,42 +143,21 @@ class CatchUp:
                 log.warning("re-reading the stage's progress failed: %r", exc)
             return
         if caught is Caught.REFUSED:
-            self._refusals += 1
-            if self._refusals <= self.refusals_before_hivemind:
-                # donors answered, but what they offer ahead of us holds no quorum (or
-                # could not be fetched): one of them is no better. Serve on; ask again
-                # once the donors' snapshots are renewed (honest replicas caught on
-                # either side of a step agree by then)
-                self.counts["refused"] += 1
-                self._next_try = now + self.refused_retry_after
-                return
-            # most of the stage is ahead of us and its replicas still hold no state in
-            # common: honest ones whose bits drifted apart (a round one of them missed),
-            # which no quorum will vouch for again. Serving on behind them forever would
-            # help nobody: hivemind's download, once, trusting one averager
-            log.warning("the stage's replicas ahead of this one agreed on no state %d times "
-                        "in a row: downloading one replica's state (hivemind's)",
-                        self._refusals)
-            self._refusals = 0
-            self.from_one(**kwargs)
+            # donors answered, but what they offer ahead of us holds no quorum (or could
+            # not be fetched, or failed the checks): one of them is no better. Serve on;
+            # ask again once the donors' snapshots are renewed (honest replicas caught on
+            # either side of a step agree by then)
+            self._refusals = 0 if stand_in else self._refusals + 1
+            self.counts["refused"] += 1
+            self._next_try = now + self.refused_retry_after
             return
-        self._hivemind(**kwargs)
-
-    def from_one(self, **kwargs: Any) -> bool:
-        """The backstop after refusals in a row, here or at an opening server whose donors
-        kept refusing (state.py's last resort): hivemind's download once, trusting one
-        averager. True if the epoch moved."""
-        self.counts["refused_then_hivemind"] += 1
-        return self._hivemind(**kwargs)
-
-    def _hivemind(self, **kwargs: Any) -> bool:
+        # no donor answered ours: hivemind's download, once
         if self._hivemind_once(**kwargs):
             self.counts["hivemind"] += 1
             self._installed()
             self._next_try = None
-            return True
-        self.counts["failed"] += 1
-        return False
+        else:
+            self.counts["failed"] += 1
 
     def _hivemind_once(self, **kwargs: Any) -> bool:
         """hivemind's ``load_state_from_peers`` with one download attempt instead of a loop
@@ -204,7 +197,7 @@ class CatchUp:
 
 def catch_up_through(
     opt: Any,
-    fetch: Callable[[], Caught],
+    fetch: Callable[..., Caught],
     *,
     retry_after: float = 30.0,
     installed: Callable[[], None] = lambda: None,

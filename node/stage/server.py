@@ -189,8 +189,8 @@ class StageServer:
         loop = asyncio.get_running_loop()
         # a replica that falls behind later catches up through our transport (resync.py)
         timeout = self.config.state_transfer.timeout_s
-        def catch_up(only: Collection[str] | None = None) -> Caught:
-            return self._sharing.resync(loop, timeout, only)
+        def catch_up(only: Collection[str] | None = None, stand_in: bool = False) -> Caught:
+            return self._sharing.resync(loop, timeout, only, stand_in)
 
         self.optimizer.catch_up_with(catch_up)
         loaded = await self._sharing.load()
@@ -323,7 +323,7 @@ class StageServer:
             "state_download": self._sharing.last_download,
             "state_download_progress": self._sharing.download_progress,
             "state_wait": self._sharing.waiting,
-            "state_by_last_resort": self._sharing.opened_by_last_resort,
+            "state_stand_in": self._sharing.stand_in,
             "state_donated": {
                 "manifests": self._sharing.donor.counts["manifests"],
                 "chunks": self._sharing.donor.counts["chunks"],

@@ -25,12 +25,13 @@ by then); the server stays ``joining`` meanwhile, so it serves no fresh, untrain
 that a catch-up would replace at its first step. When no donor is known, or every donor
 failed to deliver, it falls back to hivemind's own ``load_state_from_peers`` (one donor at
 a time), which also covers peers that are in the averaging group but not yet in our peer
-table. When donors answered but none could be trusted it does not go there at once:
-hivemind would pick the donor claiming the highest epoch, the very thing refused. After
-the refusals, the optimizer's last resort (``load_state_from_one``) decides: the per-step
-mode takes hivemind's download once, as its catch-up does after as many refusals in a row
-(resync.py); DiLoCo opens with the run's initial state, which its first round replaces by
-its group majority's. A gossip optimizer (``replicas_differ``) skips the wait: its
+table. When donors answered but none could be trusted it does not: hivemind would pick
+the donor claiming the highest epoch, unchecked, the very thing refused. After the
+refusals it takes a stand-in through our transport (``choose_stand_in``: the state most
+donors hold at the lower median of their epochs, its values checked as a quorum's are),
+as the per-step catch-up does after as many refusals in a row (resync.py); if not even
+that can be taken, it opens without the stage's state (a catch-up, or DiLoCo's first
+round, settles it later). A gossip optimizer (``replicas_differ``) skips the wait: its
 replicas hold different parameters between rounds, so donors that disagree are expected,
 and it asks one of the stage's gossip averagers, trusting one partner as each gossip
 round does (gossip_optimizer.py). The checkpoint decision (checkpointer.py) comes after
@@ -66,7 +67,7 @@ from .state_plan import (
 )
 from .state_tensors import check_counters
 from .state_transfer import (
-    download_state,
+    StateDownload,
     download_wanted_state,
 )
 
@@ -106,7 +107,7 @@ class StageStateSharing:
         self.download_progress: dict[str, Any] | None = None  # while a download runs
         # while an opening server waits for donors that offered no state to trust
         self.waiting: dict[str, Any] | None = None
-        self.opened_by_last_resort = False
+        self.stand_in: str | None = None  # the group the open took without a quorum
         self._layout: Any = None  # the stage's own state layout, once known
 
     async def _snapshot(self) -> Snapshot:
@@ -154,13 +155,13 @@ class StageStateSharing:
         manifests do not fit the stage) are asked again, ``open_refusals`` times, once their
         snapshots are renewed (``snapshot_reuse_s + preparing_retry_s`` apart): replicas
         caught on either side of a step agree by then. The server stays ``joining``
-        meanwhile (``waiting`` says so in its status). If they still agree on nothing, or a
-        quorum's state failed the checks (not asked again: it would be fetched again), the
-        optimizer's last resort decides (``load_state_from_one``: the per-step mode's
-        averaging library downloads one replica's state, as its catch-up would after as many
-        refusals; the others open without the stage's state). Gossip replicas differ by
-        design: one of the stage's gossip averagers is asked at once. No donor known, or none
-        delivered: the averaging library's own download (``load_state_from_peers``)."""
+        meanwhile (``waiting`` says so in its status). If they still agree on nothing, the
+        next attempt takes a stand-in (``choose_stand_in``, ``stand_in`` in the status), as
+        the per-step catch-up does after as many refusals; where that fails too, or a
+        quorum's state failed the value checks (not asked again: it would be fetched again),
+        it opens without the stage's state. Gossip replicas differ by design: one of the
+        stage's gossip averagers is asked at once. No donor known, or none delivered: the
+        averaging library's own download (``load_state_from_peers``)."""
         try:
             return await self._load()
         finally:
@@ -169,6 +170,7 @@ class StageStateSharing:
     async def _load(self) -> bool:
         loop = asyncio.get_running_loop()
         refusals = 0
+        stand_in = False  # the last attempt: choose_stand_in's group where no quorum agrees
         while donors := list(self._donors()) if self._donors is not None else []:
             started = time.monotonic()
             try:
@@ -181,15 +183,20 @@ class StageStateSharing:
                     )
                     self._layout = state_layout(own)
                     del own
-                snap = await download_state(
+                download = StateDownload(
                     self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
                     expected=self._layout, progress=self._progress(len(donors), started),
+                    stand_in=stand_in,
                 )
+                snap = await download.run()
+                assert snap is not None  # only a ``wanted`` declines
                 await loop.run_in_executor(self._executor, self._install, snap)
             except CheckpointError as exc:
-                # a quorum agreed on values that fail the checks: no honest replicas do, and
-                # asking again would fetch the same state again
-                return await self._last_resort(loop, len(donors), refusals + 1, exc)
+                # values that fail the checks, held by a quorum (or the stand-in): no honest
+                # replicas agree on them, and asking again would fetch the same state again
+                log.warning("stage %d: not installing the state offered by %d donor(s): %s; "
+                            "opening without it", self.stage, len(donors), exc)
+                return False
             except UntrustedStateError as exc:
                 # gossip: replicas hold different parameters between rounds, no quorum can
                 # agree; one partner's parameters are what a gossip round trusts anyway
@@ -197,9 +204,21 @@ class StageStateSharing:
                     log.info("stage %d: the %d donors' gossip states differ (%s); asking one "
                              "of the stage's gossip averagers", self.stage, len(donors), exc)
                     break
+                if stand_in:
+                    log.warning("stage %d: no state of the %d donors could be taken, not even "
+                                "a stand-in (%s); opening without it: a catch-up takes the "
+                                "state its replicas agree on once they do", self.stage,
+                                len(donors), exc)
+                    return False
                 refusals += 1
                 if refusals > self._config.open_refusals:
-                    return await self._last_resort(loop, len(donors), refusals, exc)
+                    log.warning("stage %d: the %d donors offered no state to trust %d times "
+                                "(%s); taking a stand-in: the state most of them hold at "
+                                "the lower median of their epochs", self.stage, len(donors),
+                                refusals, exc)
+                    stand_in = True
+                    self.waiting = None  # the stand-in's download shows its own progress
+                    continue
                 wait = self._config.snapshot_reuse_s + self._config.preparing_retry_s
                 log.warning("stage %d: not installing the state offered by %d donor(s): %s; "
                             "asking again in %.0f s (%d of %d), once their snapshots are "
@@ -215,6 +234,7 @@ class StageStateSharing:
                             "asking hivemind's averagers instead", self.stage, len(donors), exc)
                 break
             else:
+                self.stand_in = download.report.stand_in
                 self._downloaded(snap, len(donors), started)
                 return True
             finally:
@@ -223,30 +243,16 @@ class StageStateSharing:
             await loop.run_in_executor(self._executor, self._optimizer.load_state_from_peers)
         )
 
-    async def _last_resort(self, loop: asyncio.AbstractEventLoop, donors: int, refusals: int,
-                           exc: Exception) -> bool:
-        """The donors refused ``refusals`` times in a row: the optimizer's last resort."""
-        log.warning("stage %d: the %d donors offered no state to trust %d times in a row "
-                    "(last: %s); the optimizer's last resort decides", self.stage, donors,
-                    refusals, exc)
-        self.waiting = None
-        self.opened_by_last_resort = True
-        loaded = bool(
-            await loop.run_in_executor(self._executor, self._optimizer.load_state_from_one)
-        )
-        if not loaded:
-            log.warning("stage %d: opening without the stage's state: a catch-up will take "
-                        "the state its replicas agree on once they do", self.stage)
-        return loaded
-
     def resync(self, loop: asyncio.AbstractEventLoop, timeout: float,
-               only: Collection[str] | None = None) -> Caught:
+               only: Collection[str] | None = None, stand_in: bool = False) -> Caught:
         """Device thread, inside the optimizer's step (resync.py, and DiLoCo's rounds):
         download the stage's state from its online replicas through ``loop`` and install it
         here, if the optimizer finds it ahead of its own (``is_behind``: asked of the
         quorum's manifest, so a state that is not ahead costs no chunk). ``only``: the
         donors to ask, by peer id, among the stage's online replicas (DiLoCo: the members of
         a round group's majority that holds another state than ours); None asks all of them.
+        ``stand_in``: where no quorum agrees, take choose_stand_in's group if it is ahead of
+        ours (the per-step catch-up's backstop after refusals in a row, resync.py).
 
         How it ended (:class:`Caught`, logged unless installed): ``NOT_BEHIND`` when the
         quorum's state is not ahead of ours, and also when no quorum agrees but the lower
@@ -261,7 +267,8 @@ class StageStateSharing:
             self._layout = state_layout(own)
             del own
         started = time.monotonic()
-        future = asyncio.run_coroutine_threadsafe(self._fetch(self._layout, only, timeout), loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._fetch(self._layout, only, timeout, stand_in), loop)
         try:
             # the download ends itself at ``timeout`` (saying whether donors answered); the
             # grace only covers a loop too busy to run it
@@ -323,8 +330,8 @@ class StageStateSharing:
 
         return report
 
-    async def _fetch(self, expected: Any, only: Collection[str] | None, timeout: float
-                     ) -> tuple[Snapshot | None, int]:
+    async def _fetch(self, expected: Any, only: Collection[str] | None, timeout: float,
+                     stand_in: bool = False) -> tuple[Snapshot | None, int]:
         assert self._donors is not None
         donors = [d for d in self._donors() if only is None or d.peer_id in only]
         if not donors:
@@ -336,7 +343,7 @@ class StageStateSharing:
             snap = await download_wanted_state(
                 self._endpoint, donors, self._optimizer.is_behind, kind_prefix=self.prefix,
                 config=config, expected=expected,
-                progress=self._progress(len(donors), time.monotonic()),
+                progress=self._progress(len(donors), time.monotonic()), stand_in=stand_in,
             )
         finally:
             self.download_progress = None

@@ -165,9 +165,9 @@ class StateTransferConfig(BaseModel):
         default=3, ge=0, le=100,
         description="An opening server whose donors answered without a state it can trust "
         "(no quorum holds one, or it fails the checks) asks again this many times, "
-        "snapshot_reuse_s + preparing_retry_s apart, staying 'joining'; then the optimizer's "
-        "last resort decides (per-step: one replica's state, hivemind's download; DiLoCo: "
-        "open with the initial state, the first round settles it).",
+        "snapshot_reuse_s + preparing_retry_s apart, staying 'joining'; then it takes a "
+        "stand-in: the state most donors hold at the lower median of their epochs, checked "
+        "as a quorum's is (the per-step catch-up does the same after as many refusals).",
     )
     snapshot_reuse_s: float = Field(
         default=10.0, ge=0.0, le=3600.0,
@@ -543,6 +543,25 @@ def choose_quorum(groups: Sequence[DonorGroup]) -> QuorumDecision:
         return QuorumDecision(None, reachable, needed, median, tuple(groups), reason)
     others = tuple(g for g in groups if g is not winner)
     return QuorumDecision(winner, reachable, needed, median, others, "")
+
+
+def choose_stand_in(decision: QuorumDecision) -> DonorGroup | None:
+    """Where no quorum agrees (``decision.group`` None), the group to take anyway when the
+    caller has waited long enough for one (a catch-up's backstop, an opening server's last
+    resort): the groups at the lower median of the reachable donors' epochs (one donor, one
+    vote, as the quorum counts them), of those the one held by most donors, ties to the
+    lowest content digest. Every replica behind that hears the same donors picks the same
+    one, so replicas whose bits drifted apart (honest ones, a round one of them missed)
+    agree again after it. A donor claiming an epoch away from the others' median is not
+    taken; among states at the median epoch, nothing tells an honest one from a forged one
+    that fits the stage and passes the value checks: that is the exposure a stand-in adds
+    (docs/hostile.md)."""
+    if decision.group is not None or decision.median_epoch is None:
+        return None
+    at_median = [g for g in decision.outvoted if g.manifest.epoch == decision.median_epoch]
+    if not at_median:
+        return None
+    return min(at_median, key=lambda g: (-len(g.members), g.manifest.content_key()))
 
 
 # ---- the download schedule (pure) --------------------------------------------------------

@@ -70,6 +70,7 @@ from .state_plan import (
     UntrustedStateError,
     byte_view,
     choose_quorum,
+    choose_stand_in,
     chunk_kind,
     describe_group,
     group_manifests,
@@ -105,6 +106,7 @@ class DownloadReport:
     manifest_failures: dict[str, str] = field(default_factory=dict)  # donor -> reason
     refused: dict[str, str] = field(default_factory=dict)  # donor -> why its state is not used
     quorum: QuorumDecision | None = None
+    stand_in: str | None = None  # the group taken without a quorum (``stand_in``), described
     groups_tried: list[tuple[int, list[str]]] = field(default_factory=list)  # (epoch, donors)
     bans: dict[str, str] = field(default_factory=dict)  # donor -> reason
     chunks_from: Counter[str] = field(default_factory=Counter)  # accepted chunks per donor
@@ -140,8 +142,11 @@ class StateDownload:
         progress: Progress | None = None,
         expected: StateLayout | None = None,
         wanted: Wanted | None = None,
+        stand_in: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        # with no quorum, take choose_stand_in's group instead of refusing (a backstop)
+        self.stand_in = stand_in
         self.expected = expected  # the stage's own layout; None accepts any (tests, tools)
         # asked of the quorum's (epoch, meta) before any chunk: False ends the download
         self.wanted = wanted
@@ -170,11 +175,12 @@ class StateDownload:
             async with asyncio.timeout_at(self._deadline):
                 usable = await self._manifests()
                 decision = self._decide(usable)
-                if decision.group is not None:
-                    quorum = decision.group.manifest
+                group = decision.group or (self._stand_in(decision) if self.stand_in else None)
+                if group is not None:
+                    quorum = group.manifest
                     if self.wanted is not None and not self.wanted(quorum.epoch, quorum.meta):
                         return None
-                    snapshot = await self._download(decision.group)
+                    snapshot = await self._download(group)
                     if snapshot is not None:
                         return snapshot
         except TimeoutError:
@@ -207,6 +213,17 @@ class StateDownload:
                 "; ".join(describe_group(g) for g in decision.outvoted),
             )
         return decision
+
+    def _stand_in(self, decision: QuorumDecision) -> DonorGroup | None:
+        """choose_stand_in's group, logged, its donors no longer marked refused."""
+        group = choose_stand_in(decision)
+        if group is not None:
+            logger.warning("%s: no quorum; taking a stand-in (the lower median epoch, most "
+                           "donors): %s", self.kind_prefix, describe_group(group))
+            self.report.stand_in = describe_group(group)
+            for donor, _ in group.members:
+                self.report.refused.pop(donor.peer_id, None)
+        return group
 
     def _timeout(self, limit: float) -> float:
         return max(0.001, min(limit, self._deadline - asyncio.get_running_loop().time()))
@@ -478,13 +495,16 @@ async def download_state(
     max_parallel_per_donor: int | None = None,
     progress: Progress | None = None,
     expected: StateLayout | None = None,
+    stand_in: bool = False,
 ) -> Snapshot:
     """Download a stage's state from ``donors`` (see the module docstring).
 
     The keyword settings override ``config``; ``progress(done_bytes, total_bytes)`` is
     called as chunks arrive; ``expected`` is the stage's own layout, which every manifest
     must match. Raises StateTransferError when no donor can deliver (UntrustedStateError
-    when donors answered but none can be trusted).
+    when donors answered but none can be trusted). ``stand_in``: where no quorum agrees,
+    take :func:`~.state_plan.choose_stand_in`'s group instead (a caller that waited long
+    enough for a quorum).
     """
     overrides = {
         k: v for k, v in (("timeout_s", timeout_s), ("chunk_bytes", chunk_bytes),
@@ -498,7 +518,7 @@ async def download_state(
     )
     download = StateDownload(
         endpoint, donors, kind_prefix=kind_prefix, config=cfg, progress=progress,
-        expected=expected,
+        expected=expected, stand_in=stand_in,
     )
     snapshot = await download.run()
     assert snapshot is not None  # only a ``wanted`` declines
@@ -514,10 +534,12 @@ async def download_wanted_state(
     config: StateTransferConfig | None = None,
     progress: Progress | None = None,
     expected: StateLayout | None = None,
+    stand_in: bool = False,
 ) -> Snapshot | None:
-    """:func:`download_state`, asking ``wanted(epoch, meta)`` of the quorum's state once
-    the donors' manifests decided it, before any chunk: None when it answers False (a
-    replica that catches up takes only a state ahead of its own)."""
+    """:func:`download_state`, asking ``wanted(epoch, meta)`` of the quorum's state (or the
+    stand-in's) once the donors' manifests decided it, before any chunk: None when it
+    answers False (a replica that catches up takes only a state ahead of its own)."""
     download = StateDownload(endpoint, donors, kind_prefix=kind_prefix, config=config,
-                             progress=progress, expected=expected, wanted=wanted)
+                             progress=progress, expected=expected, wanted=wanted,
+                             stand_in=stand_in)
     return await download.run()

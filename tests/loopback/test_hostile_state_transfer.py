@@ -161,15 +161,16 @@ def test_a_joining_server_refuses_hostile_manifests_and_keeps_working(
             poisoned = {k: t.clone() for k, t in own.items()}
             poisoned[first].view(-1)[0] = float("nan")
             meta = _hostile_meta(LocalOptimizer(build_stage(SPEC, STAGE), SPEC).export_state()[2])
-            StateDonor(forged, _fixed(Snapshot(5, poisoned, meta)), kind_prefix=PREFIX)
+            forger = StateDonor(forged, _fixed(Snapshot(5, poisoned, meta)), kind_prefix=PREFIX)
 
             server = _joiner(joining, [oversize, wrong, absurd, forged])
             with caplog.at_level(logging.WARNING):
                 await server.open()  # refuses all of it: never raises
             try:
-                # the poisoned state, its own quorum, failed the checks: not fetched again,
-                # the optimizer's last resort (a LocalOptimizer has none) at once
-                assert server.status()["state_by_last_resort"] is True
+                # the poisoned state, its own quorum, failed the checks: not fetched again
+                # (nor does a stand-in replace a quorum's state): it opens with its own
+                assert forger.counts["manifests"] == 1
+                assert server.status()["state_stand_in"] is None
                 assert server.status()["state_wait"] is None
                 assert server.state == "online" and server.resumed_from == "fresh"
                 assert server.optimizer.local_epoch == 0

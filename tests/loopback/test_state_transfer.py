@@ -332,9 +332,9 @@ def _with_sharing(donor_opts: list[Any], our_opt: Any,
                                      serving=lambda: True)
             loop = asyncio.get_running_loop()
 
-            async def resync(only: Any = None) -> Caught:
+            async def resync(only: Any = None, stand_in: bool = False) -> Caught:
                 return await loop.run_in_executor(device_threads[n], ours.resync, loop, 25.0,
-                                                  only)
+                                                  only, stand_in)
             try:
                 return await body(resync, [*sharings, ours])
             finally:
@@ -444,19 +444,15 @@ def test_an_opening_server_asks_again_when_replicas_on_either_side_of_a_step_dis
                                                  stepped.module.parameters(), strict=True))
 
 
-def test_an_opening_server_whose_donors_never_agree_waits_then_leaves_it_to_the_last_resort(
-) -> None:
+def test_an_opening_server_whose_donors_never_agree_waits_then_takes_a_stand_in() -> None:
     """Two replicas ahead of the newcomer that hold different states for good (a forger
     beside an honest one, or honest bits that drifted apart): it asks ``open_refusals`` + 1
     times, the donors' snapshot reuse apart, saying so (``waiting``) and fetching no chunk
-    of either, then asks the optimizer's last resort once (a LocalOptimizer has none: it
-    opens with its own state, untouched)."""
+    of either, then takes the stand-in, the lower median epoch's state (never the claim of
+    the most), from its holder alone, checked and installed."""
     spec = _catch_up_spec()
-    apart = [_local_at(spec, 5, 0.5), _local_at(spec, 7, 9.0)]
+    apart = [_local_at(spec, 7, 9.0), _local_at(spec, 5, 0.5)]
     ours = _local_at(spec, 0, 0.0)
-    before = [p.detach().clone() for p in ours.module.parameters()]
-    resorts: list[int] = []
-    ours.load_state_from_one = lambda: resorts.append(ours.local_epoch) or False
 
     async def open_(resync: Resync, sharings: list[Any]) -> tuple[Any, ...]:
         newcomer = sharings[-1]
@@ -471,11 +467,37 @@ def test_an_opening_server_whose_donors_never_agree_waits_then_leaves_it_to_the_
 
     transfer = _config(snapshot_reuse_s=0.3, preparing_retry_s=0.2, open_refusals=2)
     loaded, took, waits, counts, newcomer = _with_sharing(apart, ours, open_, transfer)
-    assert not loaded and resorts == [0] and newcomer.opened_by_last_resort
-    assert took >= 2 * 0.5
-    assert [(c["manifests"], c["chunks"]) for c in counts] == [(3, 0), (3, 0)]
+    assert loaded and took >= 2 * 0.5
+    assert [c["manifests"] for c in counts] == [4, 4]
+    assert counts[0]["chunks"] == 0 and counts[1]["chunks"] > 0  # the stand-in's holder
     assert {(w["refusals"], w["of"]) for w in waits} == {(1, 2), (2, 2)}
-    assert ours.local_epoch == 0 and newcomer.waiting is None
+    assert newcomer.waiting is None and "epoch 5" in newcomer.stand_in
+    assert ours.local_epoch == 5
+    assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(),
+                                                 apart[1].module.parameters(), strict=True))
+
+
+def test_a_catch_ups_stand_in_is_checked_like_a_quorums_state() -> None:
+    """resync(stand_in=True), the per-step backstop: donors ahead that agree on nothing give
+    the lower median epoch's state, installed if it passes the checks; the same pick
+    holding a non-finite value is refused, and nothing of it is installed."""
+    spec = _catch_up_spec()
+    ours = _local_at(spec, 4, 0.0)
+
+    async def twice(resync: Resync, sharings: list[Any]) -> tuple[Caught, Caught]:
+        return await resync(), await resync(stand_in=True)
+
+    apart = [_local_at(spec, 8, 9.0), _local_at(spec, 6, 0.5)]
+    assert _with_sharing(apart, ours, twice) == (Caught.REFUSED, Caught.INSTALLED)
+    assert ours.local_epoch == 6
+    assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(),
+                                                 apart[1].module.parameters(), strict=True))
+    poisoned = _local_at(spec, 7, 0.5)
+    next(poisoned.module.parameters()).data.view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in ours.module.parameters()]
+    assert _with_sharing([_local_at(spec, 9, 9.0), poisoned], ours, twice) == (
+        Caught.REFUSED, Caught.REFUSED)
+    assert ours.local_epoch == 6
     assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), before, strict=True))
 
 

@@ -56,6 +56,7 @@ from wanswarm.node.stage.state_plan import (
     TensorEntry,
     byte_view,
     choose_quorum,
+    choose_stand_in,
     chunk_digests,
     group_manifests,
     is_chunk_size,
@@ -225,6 +226,34 @@ def test_a_single_donor_wins_only_when_it_is_the_only_one() -> None:
         group_manifests([(d[0], forged), (d[3], forged), (d[1], honest), (d[2], honest)])
     )
     assert four.group is None and four.needed == 3
+
+
+def test_a_stand_in_is_the_lower_median_epochs_state_most_donors_hold() -> None:
+    """choose_stand_in, where no quorum agrees (a backstop after refusals in a row)."""
+    d = [PeerAddress(f"peer{i}", "127.0.0.1", 1000 + i) for i in range(5)]
+
+    def at(epoch: int, value: float) -> Manifest:
+        return _manifest({"w": torch.full((100, 10), value), "b": STATE["b"]}, epoch=epoch)
+
+    def stand_in(*pairs: tuple[PeerAddress, Manifest]) -> Manifest | None:
+        group = choose_stand_in(choose_quorum(group_manifests(pairs)))
+        return None if group is None else group.manifest
+
+    # two apart: the lower median is the lower epoch, whoever claims more
+    assert stand_in((d[0], at(9, 9.0)), (d[1], at(6, 1.0))) == at(6, 1.0)
+    # a liar far ahead among replicas that drifted apart at one epoch: never the liar; of
+    # the two at the median, the one more donors hold
+    drifted = stand_in((d[0], at(99, 9.0)), (d[1], at(6, 1.0)), (d[2], at(6, 2.0)),
+                       (d[3], at(6, 2.0)), (d[4], at(5, 3.0)))
+    assert drifted == at(6, 2.0)
+    # equal counts at the median: the lowest content digest, the same choice everywhere
+    a, b = at(6, 1.0), at(6, 2.0)
+    tie = stand_in((d[0], a), (d[1], b))
+    assert tie == min((a, b), key=Manifest.content_key)
+    assert stand_in((d[1], b), (d[0], a)) == tie
+    # a quorum holds one: no stand-in (the quorum's is used); nobody answered: none
+    assert choose_stand_in(choose_quorum(group_manifests([(d[0], a), (d[1], a)]))) is None
+    assert choose_stand_in(choose_quorum([])) is None
 
 
 # ---- 5. checkpoints: non-finite refused, absurd epochs not preferred -------------------------

@@ -1,5 +1,6 @@
 """A replica behind its stage catches up through our transport first, tries hivemind's own
-download once (never its retry loop) and only where no donor answered ours, and spaces its
+download once (never its retry loop) and only where no donor answered ours, takes a
+stand-in through ours after refusals in a row, and spaces its
 attempts (node/stage/resync.py)."""
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def test_hivemind_once_when_no_donor_answered_ours_and_then_attempts_are_spaced(
     opt.load_state_from_peers()  # returns: no endless retry on the timeout
     assert opt.state_averager.loads == 1
     assert catch_up.counts == {"ours": 0, "hivemind": 0, "failed": 1, "deferred": 0,
-                               "not_behind": 0, "refused": 0, "refused_then_hivemind": 0}
+                               "not_behind": 0, "refused": 0, "stand_in": 0}
     assert opt.tracker.reports[-1] == (3, 0)  # behind by more than one: epoch kept
     now[0] += 10
     opt.load_state_from_peers()  # within retry_after: back at once, nothing tried
@@ -170,41 +171,35 @@ def test_donors_that_answered_without_a_trusted_state_leave_hivemind_untried() -
     assert opt.state_averager.loads == 0
 
 
-def test_replicas_ahead_that_never_agree_get_hivemind_after_refusals_in_a_row() -> None:
+def test_replicas_ahead_that_never_agree_get_a_stand_in_after_refusals_in_a_row() -> None:
     # honest replicas whose bits drifted apart (a round one of them missed) form no quorum
-    # again: after refusals_before_hivemind refusals in a row, the next one falls back to
-    # hivemind's download (once), rather than leave this replica behind for good. An
-    # answer of another kind in between starts the count again
+    # again: after refusals_before_stand_in refusals in a row, the next attempt asks our
+    # transport for a stand-in (choose_stand_in), rather than leave this replica behind for
+    # good; hivemind's unchecked one-donor download is never tried. An answer of another
+    # kind in between starts the count again, and so does a stand-in that was refused
     now = [0.0]
     opt = _Opt(epoch=3, global_epoch=9, donor_epoch=9)
     answers = [Caught.REFUSED, Caught.REFUSED, Caught.NOT_BEHIND,
-               Caught.REFUSED, Caught.REFUSED, Caught.REFUSED, Caught.REFUSED]
-    catch_up = catch_up_through(opt, lambda: answers.pop(0))
+               Caught.REFUSED, Caught.REFUSED, Caught.REFUSED, Caught.REFUSED,  # stand-in
+               Caught.REFUSED, Caught.REFUSED, Caught.REFUSED, Caught.INSTALLED]  # stand-in
+    asked: list[bool] = []
+
+    def fetch(stand_in: bool = False) -> Caught:
+        asked.append(stand_in)
+        caught = answers.pop(0)
+        if caught:
+            opt.state_averager.local_epoch = 9
+        return caught
+
+    catch_up = catch_up_through(opt, fetch)
     catch_up._clock = lambda: now[0]
-    assert catch_up.refusals_before_hivemind == 3
-    for _ in range(6):
+    assert catch_up.refusals_before_stand_in == 3
+    while answers:
         opt.load_state_from_peers()
         now[0] += catch_up.retry_after  # past either spacing
-    assert opt.state_averager.loads == 0 and catch_up.counts["refused"] == 5
-    opt.load_state_from_peers()  # the fourth refusal in a row
-    assert answers == [] and opt.state_averager.loads == 1 and opt.local_epoch == 9
-    assert catch_up.counts["refused_then_hivemind"] == 1 and catch_up.counts["hivemind"] == 1
-
-
-def test_an_opening_servers_last_resort_is_the_same_backstop_once_without_our_download(
-) -> None:
-    # state.py: the newcomer's donors refused open_refusals + 1 times already, so the last
-    # resort asks hivemind's download directly (our transport's would be one more refusal),
-    # counted as the catch-up's backstop; one that finds nothing says so
-    fetched: list[int] = []
-    opt = _Opt(epoch=0, global_epoch=7, donor_epoch=7)
-    catch_up = catch_up_through(opt, lambda: fetched.append(1) or Caught.REFUSED)
-    assert catch_up.from_one() and opt.local_epoch == 7 and fetched == []
-    assert catch_up.counts["refused_then_hivemind"] == 1 and catch_up.counts["hivemind"] == 1
-    nobody = _Opt(epoch=0, global_epoch=7, donor_epoch=None)
-    catch_up = catch_up_through(nobody, lambda: Caught.REFUSED)
-    assert not catch_up.from_one() and nobody.local_epoch == 0
-    assert catch_up.counts["failed"] == 1 and nobody.state_averager.loads == 1
+    assert asked == [False] * 6 + [True] + [False] * 3 + [True]
+    assert catch_up.counts["refused"] == 9 and catch_up.counts["stand_in"] == 1
+    assert opt.state_averager.loads == 0 and opt.local_epoch == 9
 
 
 def test_only_an_installed_catch_up_is_true() -> None:
