@@ -124,6 +124,7 @@ from torch import nn
 from ..config.runspec import RunSpec
 from ..errors import NodeError
 from ..training.model import param_groups
+from .checkpoint import CheckpointError, check_finite
 from .constraint import SubspaceConstraint
 from .exact_allreduce import ExactGradientAverager
 from .optimizer import CatchUpFetch, make_adamw, make_schedule, set_schedule_epoch
@@ -133,6 +134,7 @@ from .progress_push import PushBook
 from .resync import CatchUp, catch_up_through
 from .state_tensors import (
     MODEL_PREFIX,
+    check_counters,
     check_fits,
     checked_epoch,
     checked_param_groups,
@@ -518,6 +520,7 @@ class CollaborativeOptimizer:
             p.grad = None
         self._shut = False
         self.catch_up: CatchUp | None = None  # catch_up_with() installs it
+        self.downloads_refused = 0  # hivemind's downloads whose values failed the checks
         self._last_call: float | None = None
         self.call_interval_s = 0.0  # EMA of the time between step / step_if_due calls
         self.idle_steps = 0  # epoch steps joined from step_if_due (no micro-batch at hand)
@@ -839,7 +842,28 @@ class CollaborativeOptimizer:
         # is behind: our transport instead; hivemind's download once where no donor
         # answered ours (a stand-in of ours where the donors ahead kept disagreeing,
         # resync.py), attempts spaced
-        self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed)
+        self.catch_up = catch_up_through(self._opt, fetch, installed=self._ledger.installed,
+                                         guard=self._checked_download)
+
+    def _checked_download(self, download: Callable[[], bool]) -> bool:
+        """Device thread: hivemind's download (``download``) copies one averager's state into
+        ours without a look at its values. Ours is kept (a CPU copy, only on this rare path:
+        our transport reached no donor) and put back if what arrived holds a NaN or an
+        infinity, or step counters that are not whole numbers within its epoch: the checks
+        a state from our own transport passes (state.py)."""
+        epoch, saved, meta = self.export_state()
+        moved = download()
+        _, got, _ = self.export_state()
+        try:
+            check_finite(got, f"the state hivemind's download installed (epoch {self.local_epoch})")
+            check_counters(self.local_epoch, got)
+        except CheckpointError as exc:
+            logger.warning("%s: %s; putting our state of epoch %d back", self.run_id, exc, epoch)
+            del got
+            self.import_state(epoch, saved, meta)
+            self.downloads_refused += 1
+            return False
+        return moved
 
     def is_behind(self, epoch: int, meta: dict[str, Any]) -> bool:
         """Asked of the state a quorum of the stage's replicas holds (a catch-up), or of the
@@ -1070,6 +1094,8 @@ class CollaborativeOptimizer:
             "progress_pushes": self._push_status(),
             # fell behind and caught up: through our transport, hivemind's, failed, deferred
             "catch_ups": dict(self.catch_up.counts) if self.catch_up is not None else None,
+            # hivemind's downloads whose values failed the checks (our state put back)
+            "downloads_refused": self.downloads_refused,
         }
 
     def _push_status(self) -> dict[str, Any] | None:

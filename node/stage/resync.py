@@ -62,6 +62,10 @@ REFUSED_RETRY_S = 12.0
 # that still agree on nothing after that long have drifted apart for good
 REFUSALS_BEFORE_STAND_IN = 3
 
+# runs a download (True if the epoch moved), checks what it installed, puts the previous
+# state back if that fails; True only for a download that moved the epoch and passed
+Guard = Callable[[Callable[[], bool]], bool]
+
 HIVEMIND_OPTIMIZER_ATTRIBUTES = (
     "scheduled_grads",
     "_tag_along_with_zero_weight",
@@ -88,9 +92,13 @@ class CatchUp:
         refusals_before_stand_in: int = REFUSALS_BEFORE_STAND_IN,
         clock: Callable[[], float] = time.monotonic,
         installed: Callable[[], None] = lambda: None,
+        guard: Guard = lambda download: download(),
     ) -> None:
         self._opt = opt
         self._fetch = fetch
+        # runs hivemind's download, which installs one averager's state unchecked; puts
+        # ours back if what arrived fails the checks (the per-step optimizer's)
+        self._guard = guard
         self._installed = installed  # told when hivemind's download replaced the state
         self.retry_after = retry_after
         self.refused_retry_after = refused_retry_after
@@ -151,8 +159,8 @@ class CatchUp:
             self.counts["refused"] += 1
             self._next_try = now + self.refused_retry_after
             return
-        # no donor answered ours: hivemind's download, once
-        if self._hivemind_once(**kwargs):
+        # no donor answered ours: hivemind's download, once, its values checked after it
+        if self._guard(lambda: self._hivemind_once(**kwargs)):
             self.counts["hivemind"] += 1
             self._installed()
             self._next_try = None
@@ -201,17 +209,19 @@ def catch_up_through(
     *,
     retry_after: float = 30.0,
     installed: Callable[[], None] = lambda: None,
+    guard: Guard = lambda download: download(),
 ) -> CatchUp:
     """Replace ``opt.load_state_from_peers`` (a hivemind.Optimizer) with a :class:`CatchUp`
     around ``fetch``; returns it (its ``counts`` go into the stage's status). ``installed``
     is called after hivemind's own download moved the state (``fetch`` installs through
-    the optimizer's ``import_state``, which knows it)."""
+    the optimizer's ``import_state``, which knows it); ``guard`` runs that download and
+    checks what it installed."""
     missing = [a for a in HIVEMIND_OPTIMIZER_ATTRIBUTES if not hasattr(opt, a)]
     if missing:
         raise TypeError(f"not a hivemind 1.1.12 Optimizer: it lacks {', '.join(missing)}")
-    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed)
+    catch_up = CatchUp(opt, fetch, retry_after=retry_after, installed=installed, guard=guard)
     opt.load_state_from_peers = catch_up
     return catch_up
 
 
-__all__ = ["HIVEMIND_OPTIMIZER_ATTRIBUTES", "CatchUp", "catch_up_through"]
+__all__ = ["HIVEMIND_OPTIMIZER_ATTRIBUTES", "CatchUp", "Guard", "catch_up_through"]

@@ -176,7 +176,7 @@ def _stage_sharing(victim: Any, donor_opts: list[Any]) -> Iterator[tuple[Any, li
 
     try:
         ours, donors = asyncio.run_coroutine_threadsafe(start(), loop).result(30.0)
-        yield (lambda only=None: ours.resync(loop, 20.0, only)), donors
+        yield (lambda only=None, stand_in=False: ours.resync(loop, 20.0, only, stand_in)), donors
     finally:
         asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(30.0)
         loop.call_soon_threadsafe(loop.stop)
@@ -225,3 +225,47 @@ def test_one_honest_replica_beside_a_forger_leaves_no_state_to_take_from_either(
         assert counts["hivemind"] == counts["failed"] == counts["refused"] == 0
         assert opt.progress_screen.capped >= 1
         assert all(p.abs().max() < 40 for p in module.parameters())  # never the forger's
+
+
+@HIVEMIND_PATH_WARNING
+@HIVEMIND_UNRAISABLE_WARNING
+@pytest.mark.timeout(120)
+def test_a_poisoned_state_from_hiveminds_download_is_put_back() -> None:
+    """hivemind's download, the catch-up's path where our transport reached no donor, copies
+    one averager's state in without a look at its values. A peer whose averager shares a
+    state of epoch 3 holding a NaN (through hivemind's real state sharing, on real DHTs):
+    the download installs it, the per-step optimizer's check finds the NaN and puts the
+    replica's own state (epoch 0, its parameters) back."""
+    pytest.importorskip("hivemind")
+    from wanswarm.node.training.model import build_stage
+
+    config = AveragingConfig(
+        matchmaking_time=1.0, averaging_timeout=5.0, load_state_timeout=15.0,
+        delayed_updates=False, grad_compression="none", state_compression="none",
+    )
+    with hivemind_dhts(2) as dhts:
+        modules = [build_stage(SPEC, STAGE) for _ in range(2)]
+        previous = signal.signal(signal.SIGINT, _daemon_sigint)
+        try:
+            forger, victim = (dhts.own(CollaborativeOptimizer(m, SPEC, STAGE, _Host(d), config))
+                              for m, d in zip(modules, dhts.dhts, strict=True))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        _, tensors, meta = forger.export_state()
+        forger.import_state(3, tensors, meta)  # announces priority 3 to hivemind's download
+        with torch.no_grad():
+            first = next(t for t in forger._live_tensors().values() if t.is_floating_point())
+            first.view(-1)[0] = float("nan")
+        _, ours, _ = victim.export_state()
+        reached: list[int] = []
+        victim.catch_up_with(lambda only=None, stand_in=False: reached.append(1)
+                             or Caught.UNREACHED)
+        deadline = time.monotonic() + 60.0
+        while victim.downloads_refused == 0 and time.monotonic() < deadline:
+            victim._opt.load_state_from_peers()  # as hivemind's step calls it when behind
+            victim.catch_up._next_try = None  # (no spacing between these attempts)
+        assert victim.downloads_refused == 1, "hivemind's download never brought the state"
+        assert victim.catch_up.counts["hivemind"] == 0 and victim.catch_up.counts["failed"] >= 1
+        epoch, after, _ = victim.export_state()
+        assert epoch == 0 and reached
+        assert all(torch.equal(after[name], t) for name, t in ours.items())
