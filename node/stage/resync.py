@@ -30,11 +30,12 @@ its values checked like a quorum's): honest replicas whose bits drifted apart (a
 one of them missed) form no quorum again, and a replica left behind them for good would
 serve a stale state forever; every replica behind them picks the same stand-in, so they
 agree again after it. hivemind's own download is tried, once, never in its loop (which
-retries forever on a timeout), only where our transport heard from no donor at all.
-Attempts are spaced by
-``retry_after`` seconds (``refused_retry_after`` after a refusal), and a call in between
-returns at once: the replica serves on at its epoch (its gradients then count in no round)
-and the next ``step`` tries again.
+retries forever on a timeout), only where our transport heard from no donor at all, and
+what it installed is checked after it (``guard``: the per-step optimizer puts its own
+state back where the values fail). Attempts are spaced by ``retry_after`` seconds
+(``refused_retry_after`` after a refusal), and a call in between returns at once: the
+replica serves on at its epoch (its gradients then count in no round) and the next
+``step`` tries again.
 
 It relies on hivemind 1.1.12's Optimizer attributes ``scheduled_grads``,
 ``_tag_along_with_zero_weight``, ``state_averager``, ``grad_averager``, ``tracker``,
