@@ -104,6 +104,8 @@ class _TotalsCollector(Collector):
 # server counters (StageServerCounters) exposed as refusals, by reason
 _REFUSAL_REASONS = ("busy", "refused", "expired", "failed", "out_of_range")
 _REQUEST_KINDS = ("forward", "forward_loss", "backward", "eval_loss", "info")
+# how a per-step catch-up ended (resync.py's CatchUp.counts, "deferred" aside)
+_CATCH_UP_ENDS = ("ours", "stand_in", "hivemind", "not_behind", "refused", "failed")
 # protocol.ErrorCode's values (that module imports torch), exposed at 0 until counted
 _HOP_ERROR_CODES = ("busy", "wrong_run", "wrong_stage", "cache_miss", "bad_request", "expired",
                     "not_ready", "draining", "internal", "out_of_range")
@@ -223,6 +225,34 @@ class _TrainingCollector(Collector):
         for part in ("manifests", "chunks", "preparing"):
             donations.add_metric([part], float(donated.get(part, 0) or 0))
         yield donations
+        averaging = server.get("averaging") or {}
+        catch_ups = averaging.get("catch_ups") or {}
+        caught = CounterMetricFamily(
+            "wanswarm_catch_ups",
+            "Catch-ups of a replica that fell behind its stage (the per-step mode), by how they "
+            "ended: ours (a quorum's state), stand_in (donors that kept disagreeing: the state "
+            "most hold at their lower median epoch), hivemind (no donor answered ours), "
+            "not_behind, refused, failed.",
+            labels=["how"],
+        )
+        for how in _CATCH_UP_ENDS:
+            caught.add_metric([how], float(catch_ups.get(how, 0) or 0))
+        yield caught
+        yield CounterMetricFamily(
+            "wanswarm_state_downloads_refused",
+            "hivemind downloads whose values failed the checks after they arrived (NaN, "
+            "impossible step counters): the replica's own state was put back.",
+            value=float(averaging.get("downloads_refused", 0) or 0),
+        )
+        wait = server.get("state_wait") or {}
+        waiting = GaugeMetricFamily(
+            "wanswarm_state_open_refusals",
+            "An opening server's refused downloads so far, while it waits for donors that "
+            "offered no state to trust (absent: not waiting).",
+        )
+        if isinstance(wait.get("refusals"), int):
+            waiting.add_metric([], float(wait["refusals"]))
+        yield waiting
         progress = server.get("state_download_progress") or {}
         for name, key, doc in (
             ("wanswarm_state_download_progress_bytes", "done_bytes",

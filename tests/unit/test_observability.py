@@ -85,6 +85,9 @@ def test_training_metrics_follow_status_reports() -> None:
     metrics = NodeMetrics("tiny", "p", "0.1.0")
     server = {"stage": 0, "state": "online", "queue": 3, "throughput": 4.0, "epoch": 2,
               "replicas_seen": 2, "applied": 7, "busy": 1, "forward": 9,
+              "averaging": {"catch_ups": {"ours": 2, "stand_in": 1, "deferred": 5},
+                            "downloads_refused": 1},
+              "state_wait": {"refusals": 2, "of": 3, "reason": "no quorum"},
               "state_download": {"epoch": 2, "donors": 1, "bytes": 1000, "seconds": 0.5},
               "state_donated": {"manifests": 1, "chunks": 4}}
     trainer = {"loss_ewma": 3.5, "tokens_per_s": 100.0, "tokens": 4096,
@@ -103,6 +106,9 @@ def test_training_metrics_follow_status_reports() -> None:
         "wanswarm_server_optimizer_step 4.0", "wanswarm_averaging_rounds_total 2.0",
         "wanswarm_state_downloads_total 1.0", "wanswarm_state_download_bytes_total 1000.0",
         'wanswarm_state_donations_total{part="chunks"} 4.0',
+        'wanswarm_catch_ups_total{how="stand_in"} 1.0', 'wanswarm_catch_ups_total{how="ours"} 2.0',
+        'wanswarm_catch_ups_total{how="hivemind"} 0.0',
+        "wanswarm_state_downloads_refused_total 1.0", "wanswarm_state_open_refusals 2.0",
     ]:
         assert line in body, line
     assert "process_cpu_seconds_total" in body and "python_info" in body
