@@ -186,21 +186,14 @@ class _TrainingCollector(Collector):
             "Micro-batches whose gradients this server accumulated.",
             value=float(server.get("applied", 0) or 0),
         )
-        requests = CounterMetricFamily(
-            "wanswarm_server_requests", "Requests answered, by kind.", labels=["kind"]
-        )
-        for kind in _REQUEST_KINDS:
-            requests.add_metric([kind], float(server.get(kind, 0) or 0))
-        yield requests
-        refusals = CounterMetricFamily(
+        yield _by_label("wanswarm_server_requests", "Requests answered, by kind.", "kind",
+                        _REQUEST_KINDS, server)
+        yield _by_label(
             "wanswarm_server_refusals",
             "Requests the server did not run, by reason: busy (queue full or paused), refused "
             "(wrong run/stage, malformed, not ready, draining), expired, failed, out_of_range.",
-            labels=["reason"],
+            "reason", _REFUSAL_REASONS, server,
         )
-        for reason in _REFUSAL_REASONS:
-            refusals.add_metric([reason], float(server.get(reason, 0) or 0))
-        yield refusals
         yield CounterMetricFamily(
             "wanswarm_averaging_rounds",
             "Optimizer steps this server took with other replicas of its stage (one all-reduce "
@@ -215,29 +208,21 @@ class _TrainingCollector(Collector):
             "wanswarm_state_download_bytes", "Bytes of the stage states downloaded from peers.",
             value=float(self.download_bytes),
         )
-        donated = server.get("state_donated") or {}
-        donations = CounterMetricFamily(
+        yield _by_label(
             "wanswarm_state_donations",
             "State requests this server answered, by part ('preparing': a manifest request "
             "answered while a snapshot waited for the stage's averaging round).",
-            labels=["part"],
+            "part", ("manifests", "chunks", "preparing"), server.get("state_donated"),
         )
-        for part in ("manifests", "chunks", "preparing"):
-            donations.add_metric([part], float(donated.get(part, 0) or 0))
-        yield donations
         averaging = server.get("averaging") or {}
-        catch_ups = averaging.get("catch_ups") or {}
-        caught = CounterMetricFamily(
+        yield _by_label(
             "wanswarm_catch_ups",
             "Catch-ups of a replica that fell behind its stage (the per-step mode), by how they "
             "ended: ours (a quorum's state), stand_in (donors that kept disagreeing: the state "
             "most hold at their lower median epoch), hivemind (no donor answered ours), "
             "not_behind, refused, failed.",
-            labels=["how"],
+            "how", _CATCH_UP_ENDS, averaging.get("catch_ups"),
         )
-        for how in _CATCH_UP_ENDS:
-            caught.add_metric([how], float(catch_ups.get(how, 0) or 0))
-        yield caught
         yield CounterMetricFamily(
             "wanswarm_state_downloads_refused",
             "hivemind downloads whose values failed the checks after they arrived (NaN, "
@@ -285,14 +270,10 @@ def _trainer_families(trainer: dict[str, Any]) -> Iterator[Metric]:
         "wanswarm_trainer_tokens", "Tokens of completed micro-batches.",
         value=float(trainer.get("tokens", 0) or 0),
     )
-    mb = trainer.get("micro_batches") or {}
-    batches = CounterMetricFamily(
+    yield _by_label(
         "wanswarm_trainer_micro_batches", "Micro-batches this trainer finished, by result.",
-        labels=["result"],
+        "result", ("completed", "failed"), trainer.get("micro_batches"),
     )
-    for result in ("completed", "failed"):
-        batches.add_metric([result], float(mb.get(result, 0) or 0))
-    yield batches
     errors = CounterMetricFamily(
         "wanswarm_trainer_hop_errors",
         "Failed hop attempts, by error code or exception; each but cache_miss bans the server "
@@ -303,6 +284,16 @@ def _trainer_families(trainer: dict[str, Any]) -> Iterator[Metric]:
     for reason in sorted(set(_HOP_ERROR_CODES) | set(counted)):
         errors.add_metric([str(reason)], float(counted.get(reason, 0)))
     yield errors
+
+
+def _by_label(name: str, doc: str, label: str, keys: Iterable[str],
+              counts: dict[str, Any] | None) -> CounterMetricFamily:
+    """A counter family with one sample per key, its value read from ``counts`` (0 where
+    missing or null): a status report's counts under one label."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key in keys:
+        family.add_metric([key], float((counts or {}).get(key, 0) or 0))
+    return family
 
 
 class NodeMetrics:

@@ -853,13 +853,14 @@ class CollaborativeOptimizer:
         a state from our own transport passes (state.py)."""
         epoch, saved, meta = self.export_state()
         moved = download()
-        _, got, _ = self.export_state()
         try:
-            check_finite(got, f"the state hivemind's download installed (epoch {self.local_epoch})")
-            check_counters(self.local_epoch, got)
+            with torch.no_grad(), self._opt.state_averager.lock_averaged_tensors:
+                live = self._live_tensors()  # read in place: no second copy of the state
+                check_finite(live, "the state hivemind's download installed "
+                             f"(epoch {self.local_epoch})")
+                check_counters(self.local_epoch, live)
         except CheckpointError as exc:
             logger.warning("%s: %s; putting our state of epoch %d back", self.run_id, exc, epoch)
-            del got
             self.import_state(epoch, saved, meta)
             self.downloads_refused += 1
             return False

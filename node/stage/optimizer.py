@@ -54,8 +54,8 @@ class Caught(Enum):
 
     The difference between the false ones decides whether the averaging library's own
     download may be tried after ours (resync.py): it trusts the one donor announcing the
-    most, so it is tried where our transport heard from no donor at all, and after
-    refusals in a row only."""
+    most, so it is tried only where our transport heard from no donor at all (donors that
+    keep refusing give a stand-in through ours instead)."""
 
     INSTALLED = "installed"  # the state a quorum of the donors holds, ahead of ours
     NOT_BEHIND = "not_behind"  # what most of the donors that answered hold is not ahead

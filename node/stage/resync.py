@@ -125,7 +125,6 @@ class CatchUp:
         if stand_in:
             log.warning("the stage's replicas ahead of this one agreed on no state %d times "
                         "in a row: taking a stand-in state", self._refusals)
-            self._refusals = 0
         try:
             # our download; its install (import_state) runs hivemind's own sequence: tag
             # along, finish delayed updates, pause the tracker, set and report the epoch

@@ -174,18 +174,10 @@ class StageStateSharing:
         while donors := list(self._donors()) if self._donors is not None else []:
             started = time.monotonic()
             try:
-                if self._layout is None:
-                    # the layout of our own stage, as built from the run spec (a copy of the
-                    # fresh state, taken once, on the device thread): every manifest must
-                    # match it
-                    _, own, _ = await loop.run_in_executor(
-                        self._executor, self._optimizer.export_state
-                    )
-                    self._layout = state_layout(own)
-                    del own
+                layout = await loop.run_in_executor(self._executor, self._own_layout)
                 download = StateDownload(
                     self._endpoint, donors, kind_prefix=self.prefix, config=self._config,
-                    expected=self._layout, progress=self._progress(len(donors), started),
+                    expected=layout, progress=self._progress(len(donors), started),
                     stand_in=stand_in,
                 )
                 snap = await download.run()
@@ -262,13 +254,10 @@ class StageStateSharing:
         installed; ``UNREACHED`` when there is no donor, or none answered."""
         if self._donors is None:
             return Caught.UNREACHED
-        if self._layout is None:  # this thread is the device thread: export directly
-            _, own, _ = self._optimizer.export_state()
-            self._layout = state_layout(own)
-            del own
+        layout = self._own_layout()  # this thread is the device thread
         started = time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
-            self._fetch(self._layout, only, timeout, stand_in), loop)
+            self._fetch(layout, only, timeout, stand_in), loop)
         try:
             # the download ends itself at ``timeout`` (saying whether donors answered); the
             # grace only covers a loop too busy to run it
@@ -311,6 +300,14 @@ class StageStateSharing:
                          quorum.median_epoch)
                 return Caught.NOT_BEHIND
         return Caught.REFUSED
+
+    def _own_layout(self) -> Any:
+        """Device thread: the layout of our own stage as built from the run spec (a copy of
+        the fresh state, exported once): every manifest must match it."""
+        if self._layout is None:
+            _, own, _ = self._optimizer.export_state()
+            self._layout = state_layout(own)
+        return self._layout
 
     def _progress(self, donors: int, started: float) -> Callable[[int, int], None]:
         """The download's progress callback: ``download_progress`` for status while it runs
